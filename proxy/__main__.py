@@ -1,0 +1,74 @@
+"""``python -m proxy serve|migrate``: run the proxy, or upgrade the store's schema."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from proxy.settings import load_settings
+
+cli = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+
+ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", exists=True, dir_okay=False,
+                                                 help="YAML config (see configs/); env FLYWHEEL_* overrides it")]
+
+
+def ensure_admin_key(path: Path) -> None:
+    """Use FLYWHEEL_ADMIN_KEY if set; else read (or create, mode 0600) ``path`` and export it."""
+    if os.environ.get("FLYWHEEL_ADMIN_KEY"):
+        return
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(secrets.token_urlsafe(32) + "\n")
+        path.chmod(0o600)
+        typer.echo(f"created an admin key in {path} (clients read it from there or FLYWHEEL_ADMIN_KEY)", err=True)
+    os.environ["FLYWHEEL_ADMIN_KEY"] = path.read_text().strip()
+
+
+@cli.command()
+def serve(config: ConfigOpt = None,
+          workers: Annotated[int, typer.Option(help="processes; SQLite and PostgreSQL both take several")] = 1,
+          migrate: Annotated[bool, typer.Option(help="upgrade the schema before serving")] = True,
+          admin_key_file: Annotated[Path, typer.Option(help="used when FLYWHEEL_ADMIN_KEY is unset")] = Path(
+              "data/admin.key")) -> None:
+    """Serve the proxy (uvicorn, uvloop, httptools)."""
+    import uvicorn
+
+    from proxy.logs import configure
+    from proxy.store.db import migrate as run_migrations
+
+    ensure_admin_key(admin_key_file)
+    settings = load_settings(config)
+    configure(settings.log_level, settings.log_format)
+    if migrate:
+        run_migrations(settings.store.url)
+    if config is not None:
+        os.environ["FLYWHEEL_CONFIG"] = str(config.resolve())
+    uvicorn.run("proxy.app:app_from_env", factory=True, host=settings.host, port=settings.port, workers=workers,
+                loop="uvloop", http="httptools", access_log=False, backlog=8192, log_config=None,
+                timeout_graceful_shutdown=60, timeout_keep_alive=30)
+
+
+@cli.command()
+def migrate(config: ConfigOpt = None,
+            revision: Annotated[str, typer.Option(help="target revision")] = "head") -> None:
+    """Create or upgrade the store's schema (Alembic); safe to run again."""
+    from proxy.store.db import migrate as run_migrations
+
+    settings_url = os.environ.get("FLYWHEEL_STORE_URL") or os.environ.get("FLYWHEEL_STORE__URL")
+    if settings_url is None:
+        import yaml
+
+        data = yaml.safe_load(config.read_text()) if config else {}
+        settings_url = ((data or {}).get("proxy", data or {}).get("store") or {}).get(
+            "url", "sqlite+aiosqlite:///data/flywheel.db")
+    run_migrations(settings_url)
+    typer.echo(f"schema at {revision}")
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,166 @@
+"""Build the proxy app: ``create_app(settings, repo=None, transport=None)``.
+
+The lifespan owns every long-lived piece: the store, the one upstream client, the recorder (group
+commit), and three loops (replica health with adapter sync, policy refresh, reaping idle episodes).
+On shutdown, requests in flight finish first (uvicorn), then background tasks and the recorder are
+drained, so SIGTERM loses nothing that was handed to the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from proxy.auth import KeyRing
+from proxy.deps import Services
+from proxy.errors import FlywheelError, InvalidRequest, NotFound, PayloadTooLarge
+from proxy.gate import EpisodeGate
+from proxy.metrics import Metrics
+from proxy.policy import PolicyRouter
+from proxy.recorder import Recorder
+from proxy.routes import chat, episodes, ops, policy, trainer
+from proxy.settings import Settings
+from proxy.store.repository import Repository
+from proxy.upstream import Upstreams
+
+log = logging.getLogger("flywheel.app")
+
+
+class BodyLimit:
+    """Refuse bodies over ``max_bytes`` with a 413 before reading them (pure ASGI: no overhead)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            for name, value in scope["headers"]:
+                if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                    error = PayloadTooLarge(f"request body is {int(value)} bytes; the limit is {self.max_bytes}")
+                    await JSONResponse(error.body(), status_code=413)(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+
+async def _every(interval_s: float, name: str, job: Any) -> None:
+    while True:
+        try:
+            await job()
+        except Exception as exc:  # a loop must survive a failing store or replica
+            log.warning("background job failed", extra={"job": name, "error": repr(exc)})
+        await asyncio.sleep(interval_s)
+
+
+def _error_response(error: FlywheelError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status_code)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
+    if first.get("type") == "json_invalid":
+        return "malformed JSON body", None
+    where = ".".join(loc)
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{where + ': ' if where else ''}{first.get('msg', 'invalid')}{more}", where or None
+
+
+def create_app(settings: Settings, *, repo: Repository | None = None,
+               transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+    """The proxy app. ``transport`` swaps the network to vLLM (tests isolating the proxy only)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        store = repo or Repository(settings.store.url, synchronous=settings.store.sqlite_synchronous,
+                                   pool_size=settings.store.pool_size,
+                                   min_rewarded=settings.episodes.min_rewarded)
+        metrics = Metrics()
+        upstreams = Upstreams(settings, transport)
+        router = PolicyRouter(settings.policy, store, upstreams)
+        recorder = Recorder(store, batch_max=settings.store.batch_max, on_batch=metrics.on_batch)
+        svc = Services(settings=settings, repo=store, upstreams=upstreams, router=router, recorder=recorder,
+                       keys=KeyRing(settings.auth.admin_key.get_secret_value(),
+                                    [k.get_secret_value() for k in settings.auth.agent_keys]),
+                       gate=EpisodeGate(store), metrics=metrics)
+        app.state.services = svc
+        recorder.start()
+        with contextlib.suppress(Exception):
+            await router.refresh()
+        await upstreams.check_all(router.sync_replica)
+        loops = [
+            asyncio.create_task(upstreams.health_loop(settings.health_interval_s, router.sync_replica)),
+            asyncio.create_task(router.refresh_loop()),
+            asyncio.create_task(_every(settings.episodes.reaper_interval_s, "reaper",
+                                       lambda: store.abandon_expired(idle_s=settings.episodes.deadline_s))),
+        ]
+        log.info("proxy ready", extra={"replicas": [r.name for r in upstreams.replicas],
+                                       "store": store.url.split("://")[0]})
+        try:
+            yield
+        finally:
+            for task in loops:
+                task.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
+            if svc.background:
+                await asyncio.gather(*svc.background, return_exceptions=True)
+            await recorder.close()
+            await upstreams.close()
+            if repo is None:
+                await store.close()
+            log.info("proxy stopped")
+
+    app = FastAPI(title="Flywheel proxy", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible proxy that records agent episodes for RL training.")
+    for module in (chat, episodes, policy, trainer, ops):
+        app.include_router(module.router)
+
+    @app.exception_handler(FlywheelError)
+    async def _flywheel_error(_: Request, exc: FlywheelError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return _error_response(InvalidRequest(message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            return _error_response(NotFound(f"no route {exc.detail}" if exc.detail != "Not Found" else "no such route"))
+        error = InvalidRequest(str(exc.detail))
+        error.status_code = exc.status_code
+        return _error_response(error)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", exc_info=exc)
+        return _error_response(FlywheelError(f"internal error ({type(exc).__name__}); see the proxy log"))
+
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    return app
+
+
+def app_from_env() -> FastAPI:
+    """Factory for ``uvicorn --factory`` (each worker process builds its own app)."""
+    import os
+
+    from proxy.logs import configure
+    from proxy.settings import load_settings
+
+    settings = load_settings(os.environ.get("FLYWHEEL_CONFIG"))
+    configure(settings.log_level, settings.log_format)
+    return create_app(settings)

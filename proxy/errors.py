@@ -1,0 +1,110 @@
+"""Errors the proxy answers with, each rendered as OpenAI-style JSON.
+
+Every error a client can see is a ``FlywheelError``; the one handler in ``app.py`` renders it as
+``{"error": {"message", "type", "param", "code"}}`` with the class's HTTP status. Nothing escapes
+as a bare 500 or an empty body.
+
+    FlywheelError (500 server_error)
+    ├── InvalidRequest (400 invalid_request_error)
+    │   ├── MissingEpisode (400)            model call that names no episode
+    │   └── UnsafeRequest (400)             a request that would harm the upstream engine
+    ├── AuthenticationFailed (401 authentication_error)
+    ├── PermissionDenied (403 permission_error)
+    ├── NotFound (404 not_found_error)
+    ├── Conflict (409 conflict_error)
+    │   └── EpisodeClosed (409)             model call on a rewarded or abandoned episode
+    ├── PayloadTooLarge (413 invalid_request_error)
+    ├── ServiceUnavailable (503 service_unavailable)
+    │   └── RecordingFailed (503)           the store could not commit the call's record
+    └── UpstreamError (502 upstream_error)
+        ├── UpstreamUnavailable (502)       connect error, or no healthy replica
+        └── UpstreamTimeout (504 timeout_error)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+
+class FlywheelError(Exception):
+    status_code: int = 500
+    type: str = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def json(self) -> bytes:
+        return orjson.dumps(self.body())
+
+
+class InvalidRequest(FlywheelError):
+    status_code = 400
+    type = "invalid_request_error"
+
+
+class MissingEpisode(InvalidRequest):
+    pass
+
+
+class UnsafeRequest(InvalidRequest):
+    pass
+
+
+class AuthenticationFailed(FlywheelError):
+    status_code = 401
+    type = "authentication_error"
+
+
+class PermissionDenied(FlywheelError):
+    status_code = 403
+    type = "permission_error"
+
+
+class NotFound(FlywheelError):
+    status_code = 404
+    type = "not_found_error"
+
+
+class Conflict(FlywheelError):
+    status_code = 409
+    type = "conflict_error"
+
+
+class EpisodeClosed(Conflict):
+    pass
+
+
+class PayloadTooLarge(FlywheelError):
+    status_code = 413
+    type = "invalid_request_error"
+
+
+class ServiceUnavailable(FlywheelError):
+    status_code = 503
+    type = "service_unavailable"
+
+
+class RecordingFailed(ServiceUnavailable):
+    pass
+
+
+class UpstreamError(FlywheelError):
+    status_code = 502
+    type = "upstream_error"
+
+
+class UpstreamUnavailable(UpstreamError):
+    pass
+
+
+class UpstreamTimeout(UpstreamError):
+    status_code = 504
+    type = "timeout_error"

@@ -1,0 +1,36 @@
+"""Prometheus metrics, in a registry per app (tests build many apps in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("flywheel_requests", "Model requests by route and status", ["route", "status"],
+                                registry=r)
+        self.latency = Histogram("flywheel_request_seconds", "Model request latency (to last byte)", ["route"],
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("flywheel_time_to_first_token_seconds", "Streamed time to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tokens = Counter("flywheel_tokens", "Tokens through the proxy", ["kind"], registry=r)
+        self.episodes = Counter("flywheel_episodes", "Episodes created and finished", ["event"], registry=r)
+        self.recorded = Counter("flywheel_calls_recorded", "Calls committed to the store", registry=r)
+        self.commit_seconds = Histogram("flywheel_store_commit_seconds", "Group commit duration",
+                                        buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_depth = Gauge("flywheel_store_queue_depth", "Calls waiting for their commit", registry=r)
+        self.replicas_healthy = Gauge("flywheel_replicas_healthy", "Healthy vLLM replicas", registry=r)
+        self.policy_version = Gauge("flywheel_policy_version", "Current policy version", registry=r)
+        self.dropped = Counter("flywheel_dropped_fields", "Request fields dropped to protect the engine",
+                               ["field"], registry=r)
+
+    def on_batch(self, calls: int, seconds: float) -> None:
+        self.recorded.inc(calls)
+        self.commit_seconds.observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

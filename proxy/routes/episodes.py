@@ -1,0 +1,111 @@
+"""Control API: groups, episodes, rewards. Admin key only: an agent must never reward itself."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import APIRouter, Query
+
+from proxy.deps import AdminDep, ServicesDep
+from proxy.errors import InvalidRequest
+from proxy.gate import canonical_id
+from proxy.schemas import (
+    AbandonIn,
+    CreatedEpisode,
+    CreatedGroup,
+    EpisodeCreate,
+    EpisodeKey,
+    EpisodeOut,
+    GroupCreate,
+    GroupOut,
+    Limit,
+    ListOut,
+    RewardIn,
+)
+
+router = APIRouter(tags=["episodes"])
+
+
+def _key(svc: ServicesDep, episode_id: str) -> EpisodeKey:
+    return EpisodeKey(id=episode_id, api_key=svc.keys.episode_key(episode_id),
+                      base_url=f"{svc.settings.base_url}/episodes/{episode_id}/v1")
+
+
+@router.post("/groups", status_code=201, response_model=CreatedGroup)
+async def create_group(body: GroupCreate, svc: ServicesDep, _: AdminDep) -> CreatedGroup:
+    """Create a group of ``size`` episodes for one task, each with its own key and base URL."""
+    if body.size > svc.settings.episodes.max_group_size:
+        raise InvalidRequest(f"size {body.size} exceeds the limit {svc.settings.episodes.max_group_size}",
+                             param="size")
+    if body.episode_metadata is not None and len(body.episode_metadata) != body.size:
+        raise InvalidRequest(f"episode_metadata has {len(body.episode_metadata)} entries; size is {body.size}",
+                             param="episode_metadata")
+    group = await svc.repo.create_group(task_id=body.task_id, size=body.size, metadata=body.metadata,
+                                        episode_metadata=body.episode_metadata)
+    svc.metrics.episodes.labels("created").inc(body.size)
+    return CreatedGroup.model_validate(
+        {**GroupOut.model_validate(group).model_dump(),
+         "episode_keys": [_key(svc, e.id) for e in group.episodes or []]})
+
+
+@router.get("/groups", response_model=ListOut)
+async def list_groups(svc: ServicesDep, _: AdminDep,
+                      status: Literal["open", "complete", "failed"] | None = None,
+                      task_id: str | None = None,
+                      train_status: Literal["pending", "trained", "skipped", "stale"] | None = None,
+                      limit: Limit = 100, offset: int = Query(0, ge=0)) -> ListOut:
+    groups = await svc.repo.list_groups(status=status, task_id=task_id, train_status=train_status,
+                                        limit=limit, offset=offset)
+    return ListOut(data=[GroupOut.model_validate(g) for g in groups])
+
+
+@router.get("/groups/{group_id}", response_model=GroupOut)
+async def get_group(group_id: str, svc: ServicesDep, _: AdminDep) -> GroupOut:
+    return GroupOut.model_validate(await svc.repo.get_group(canonical_id(group_id, param="group_id")))
+
+
+@router.post("/episodes", status_code=201, response_model=CreatedEpisode)
+async def create_episode(body: EpisodeCreate, svc: ServicesDep, _: AdminDep) -> CreatedEpisode:
+    """Create a lone episode (no group): recorded like any other, never trained on by GRPO."""
+    episode = await svc.repo.create_episode(task_id=body.task_id, metadata=body.metadata)
+    svc.metrics.episodes.labels("created").inc()
+    key = _key(svc, episode.id)
+    return CreatedEpisode.model_validate(
+        {**EpisodeOut.model_validate(episode).model_dump(), "api_key": key.api_key, "base_url": key.base_url})
+
+
+@router.get("/episodes", response_model=ListOut)
+async def list_episodes(svc: ServicesDep, _: AdminDep,
+                        status: Literal["open", "rewarded", "abandoned"] | None = None,
+                        group_id: str | None = None, task_id: str | None = None,
+                        limit: Limit = 100, offset: int = Query(0, ge=0)) -> ListOut:
+    episodes = await svc.repo.list_episodes(
+        status=status, group_id=canonical_id(group_id, param="group_id") if group_id else None,
+        task_id=task_id, limit=limit, offset=offset)
+    return ListOut(data=[EpisodeOut.model_validate(e) for e in episodes])
+
+
+@router.get("/episodes/{episode_id}", response_model=EpisodeOut)
+async def get_episode(episode_id: str, svc: ServicesDep, _: AdminDep,
+                      calls: bool = Query(True, description="include the recorded calls")) -> EpisodeOut:
+    return EpisodeOut.model_validate(await svc.repo.get_episode(canonical_id(episode_id), with_calls=calls))
+
+
+@router.post("/episodes/{episode_id}/reward", response_model=EpisodeOut)
+async def reward_episode(episode_id: str, body: RewardIn, svc: ServicesDep, _: AdminDep) -> EpisodeOut:
+    """Finish an episode with its reward. The same payload again is a no-op; a different one is 409."""
+    episode, changed = await svc.repo.set_reward(canonical_id(episode_id), reward=body.reward,
+                                                 call_rewards=body.call_rewards, metadata=body.metadata)
+    svc.gate.closed(episode.id)
+    if changed:
+        svc.metrics.episodes.labels("rewarded").inc()
+    return EpisodeOut.model_validate(episode)
+
+
+@router.post("/episodes/{episode_id}/abandon", response_model=EpisodeOut)
+async def abandon_episode(episode_id: str, body: AbandonIn, svc: ServicesDep, _: AdminDep) -> EpisodeOut:
+    """Finish an episode without a reward (the agent failed): it never enters training."""
+    episode = await svc.repo.abandon(canonical_id(episode_id), reason=body.reason)
+    svc.gate.closed(episode.id)
+    svc.metrics.episodes.labels("abandoned").inc()
+    return EpisodeOut.model_validate(episode)

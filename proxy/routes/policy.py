@@ -1,0 +1,34 @@
+"""Policy API: the current adapter version, and publishing a new one (the trainer calls this)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from proxy.deps import AdminDep, ServicesDep
+from proxy.schemas import ListOut, PolicyOut, PublishIn
+
+router = APIRouter(prefix="/policy", tags=["policy"])
+
+
+@router.get("", response_model=PolicyOut)
+async def current_policy(svc: ServicesDep, _: AdminDep) -> PolicyOut:
+    """The version the policy aliases route to now (version 0, the base model, before any publish)."""
+    await svc.router.refresh()
+    current = svc.router.current
+    if current is None:
+        return PolicyOut(version=0, name=svc.settings.policy.base_model, adapter_path="", created_at=0.0,
+                         metadata={})
+    return PolicyOut.model_validate(current)
+
+
+@router.get("/versions", response_model=ListOut)
+async def policy_versions(svc: ServicesDep, _: AdminDep) -> ListOut:
+    return ListOut(data=[PolicyOut.model_validate(v) for v in await svc.repo.list_policy_versions()])
+
+
+@router.post("/publish", status_code=201, response_model=PolicyOut)
+async def publish(body: PublishIn, svc: ServicesDep, _: AdminDep) -> PolicyOut:
+    """Load the adapter on every replica as ``policy-v{N}``, switch routing to it, unload old ones."""
+    record = await svc.router.publish(adapter_path=body.adapter_path, version=body.version, metadata=body.metadata)
+    svc.metrics.policy_version.set(record.version)
+    return PolicyOut.model_validate(record)

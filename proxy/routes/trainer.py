@@ -1,0 +1,45 @@
+"""Trainer API: lease completed groups, acknowledge them with the step that used them, report metrics.
+
+Exactly once: a group is offered only while untrained and unleased (or its lease expired); an ack
+needs the lease that holds it, and acking the same step again is a no-op, so a trainer that
+crashed after its checkpoint can re-ack safely.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Query
+
+from proxy.deps import AdminDep, ServicesDep
+from proxy.schemas import AckIn, ClaimIn, ClaimOut, GroupOut, ListOut, StepIn
+
+router = APIRouter(prefix="/trainer", tags=["trainer"])
+
+
+@router.post("/claim", response_model=ClaimOut)
+async def claim(body: ClaimIn, svc: ServicesDep, _: AdminDep) -> ClaimOut:
+    await svc.router.refresh()
+    current = svc.router.current.version if svc.router.current else 0
+    result = await svc.repo.claim_groups(owner=body.trainer_id, max_groups=body.max_groups, lease_s=body.lease_s,
+                                         max_staleness=body.max_staleness, current_version=current)
+    return ClaimOut(lease_id=result.lease_id, lease_expires_at=result.lease_expires_at, current_version=current,
+                    stale=result.stale, groups=[GroupOut.model_validate(g) for g in result.groups])
+
+
+@router.post("/ack", response_model=ListOut)
+async def ack(body: AckIn, svc: ServicesDep, _: AdminDep) -> ListOut:
+    groups = await svc.repo.ack_groups(lease_id=body.lease_id, group_ids=body.group_ids, step=body.step,
+                                       status=body.status, note=body.note)
+    return ListOut(data=[GroupOut.model_validate(g) for g in groups])
+
+
+@router.post("/steps", status_code=201)
+async def report_step(body: StepIn, svc: ServicesDep, _: AdminDep) -> dict[str, object]:
+    record = await svc.repo.add_trainer_step(step=body.step, metrics=body.metrics)
+    return {"step": record.step, "metrics": record.metrics, "created_at": record.created_at}
+
+
+@router.get("/steps", response_model=ListOut)
+async def list_steps(svc: ServicesDep, _: AdminDep, since_step: int = Query(-1, ge=-1),
+                     limit: int = Query(1000, ge=1, le=10000)) -> ListOut:
+    steps = await svc.repo.list_trainer_steps(since_step=since_step, limit=limit)
+    return ListOut(data=[{"step": s.step, "metrics": s.metrics, "created_at": s.created_at} for s in steps])

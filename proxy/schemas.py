@@ -1,0 +1,190 @@
+"""Wire models of the control and trainer APIs (the OpenAI routes pass bodies through as JSON).
+
+Every float that reaches the store is finite: NaN and infinity are refused here, anywhere in a
+payload, with a 400 that names the field.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+
+def _finite_json(value: Any, path: str = "") -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"non-finite number at {path or 'top level'}: JSON has no NaN or Infinity")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _finite_json(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _finite_json(item, f"{path}[{i}]")
+    return value
+
+
+Metadata = Annotated[dict[str, Any], AfterValidator(_finite_json)]
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+Limit = Annotated[int, Field(ge=1, le=1000)]
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# -- episodes and groups ----------------------------------------------------------------------
+
+class GroupCreate(_In):
+    task_id: str = Field(min_length=1, max_length=256)
+    size: int = Field(ge=1, description="episodes in the group (GRPO's G); the proxy caps it (episodes.max_group_size)")
+    metadata: Metadata = {}
+    episode_metadata: list[Metadata] | None = Field(
+        None, description="one metadata object per episode (e.g. a seed); length must equal size")
+
+
+class EpisodeCreate(_In):
+    task_id: str | None = Field(None, max_length=256)
+    metadata: Metadata = {}
+
+
+class RewardIn(_In):
+    reward: FiniteFloat
+    call_rewards: dict[str, FiniteFloat] | None = Field(
+        None, description="optional per-call rewards keyed by call ordinal (0-based), e.g. {\"2\": 0.5}")
+    metadata: Metadata | None = None
+
+
+class AbandonIn(_In):
+    reason: str = Field(min_length=1, max_length=4000)
+
+
+class EpisodeKey(BaseModel):
+    """Returned once, at creation: what an agent needs to be recorded under this episode."""
+
+    id: str
+    api_key: str
+    base_url: str
+
+
+class CallOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    ordinal: int
+    kind: str
+    stream: bool
+    request: dict[str, Any]
+    response: dict[str, Any] | None
+    status_code: int
+    error: dict[str, Any] | None
+    prompt_token_ids: list[int] | None
+    choices: list[dict[str, Any]]
+    exact_ids: bool
+    model_requested: str
+    model_served: str | None
+    policy_version: int | None
+    replica: str | None
+    started_at: float
+    latency_ms: float
+    ttft_ms: float | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    notes: dict[str, Any] | None
+
+
+class EpisodeOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: str
+    group_id: str | None
+    task_id: str | None
+    metadata: dict[str, Any]
+    status: Literal["open", "rewarded", "abandoned"]
+    reward: float | None
+    call_rewards: dict[str, float] | None
+    reward_metadata: dict[str, Any] | None
+    abandon_reason: str | None
+    created_at: float
+    finished_at: float | None
+    calls: list[CallOut] | None = None
+
+
+class CreatedEpisode(EpisodeOut):
+    api_key: str
+    base_url: str
+
+
+class GroupOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: str
+    task_id: str
+    size: int
+    metadata: dict[str, Any]
+    status: Literal["open", "complete", "failed"]
+    created_at: float
+    completed_at: float | None
+    train_status: str
+    trained_step: int | None
+    train_note: str | None
+    counts: dict[str, int]
+    episodes: list[EpisodeOut] | None = None
+
+
+class CreatedGroup(GroupOut):
+    episode_keys: list[EpisodeKey]
+
+
+class ListOut(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Any]
+
+
+# -- policy -----------------------------------------------------------------------------------
+
+class PublishIn(_In):
+    adapter_path: str = Field(min_length=1, description="adapter directory as the vLLM replicas see it")
+    version: int | None = Field(None, ge=1, description="default: current version + 1")
+    metadata: Metadata = {}
+
+
+class PolicyOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    version: int
+    name: str
+    adapter_path: str
+    created_at: float
+    metadata: dict[str, Any]
+
+
+# -- trainer ----------------------------------------------------------------------------------
+
+class ClaimIn(_In):
+    trainer_id: str = Field("trainer", min_length=1, max_length=128)
+    max_groups: int = Field(8, ge=1, le=1024)
+    lease_s: float = Field(600.0, gt=0, le=86400)
+    max_staleness: int | None = Field(None, ge=0, description="skip groups whose oldest call is more than "
+                                      "this many policy versions behind the current one")
+
+
+class ClaimOut(BaseModel):
+    lease_id: str
+    lease_expires_at: float
+    current_version: int
+    stale: int
+    groups: list[GroupOut]
+
+
+class AckIn(_In):
+    lease_id: str = Field(min_length=1)
+    group_ids: list[str] = Field(min_length=1)
+    step: int = Field(ge=0)
+    status: Literal["trained", "skipped"] = "trained"
+    note: str | None = Field(None, max_length=4000)
+
+
+class StepIn(_In):
+    step: int = Field(ge=0)
+    metrics: Metadata

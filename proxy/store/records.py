@@ -1,0 +1,115 @@
+"""Plain records the repository takes and returns, so ORM objects never leave ``proxy/store``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class NewCall:
+    """A finished model call, ready to be written. The ordinal is assigned by the store."""
+
+    episode_id: str
+    kind: str
+    stream: bool
+    request: dict[str, Any]
+    response: dict[str, Any] | None
+    status_code: int
+    error: dict[str, Any] | None
+    prompt_token_ids: list[int] | None
+    choices: list[dict[str, Any]]
+    exact_ids: bool
+    model_requested: str
+    model_served: str | None
+    policy_version: int | None
+    replica: str | None
+    started_at: float
+    latency_ms: float
+    ttft_ms: float | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    notes: dict[str, Any] | None = None
+
+
+@dataclass(slots=True)
+class CallRecord:
+    id: int
+    episode_id: str
+    ordinal: int
+    kind: str
+    stream: bool
+    request: dict[str, Any]
+    response: dict[str, Any] | None
+    status_code: int
+    error: dict[str, Any] | None
+    prompt_token_ids: list[int] | None
+    choices: list[dict[str, Any]]
+    exact_ids: bool
+    model_requested: str
+    model_served: str | None
+    policy_version: int | None
+    replica: str | None
+    started_at: float
+    latency_ms: float
+    ttft_ms: float | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    notes: dict[str, Any] | None
+
+
+@dataclass(slots=True)
+class EpisodeRecord:
+    id: str
+    group_id: str | None
+    task_id: str | None
+    metadata: dict[str, Any]
+    status: str
+    reward: float | None
+    call_rewards: dict[str, float] | None
+    reward_metadata: dict[str, Any] | None
+    abandon_reason: str | None
+    created_at: float
+    finished_at: float | None
+    calls: list[CallRecord] | None = None
+
+
+@dataclass(slots=True)
+class GroupRecord:
+    id: str
+    task_id: str
+    size: int
+    metadata: dict[str, Any]
+    status: str
+    created_at: float
+    completed_at: float | None
+    train_status: str
+    trained_step: int | None
+    train_note: str | None
+    episodes: list[EpisodeRecord] | None = None
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class PolicyVersionRecord:
+    version: int
+    name: str
+    adapter_path: str
+    created_at: float
+    metadata: dict[str, Any]
+
+
+@dataclass(slots=True)
+class Claim:
+    lease_id: str
+    lease_expires_at: float
+    groups: list[GroupRecord]
+    stale: int
+    """Groups marked stale (older than the staleness bound) while looking for fresh ones."""
+
+
+@dataclass(slots=True)
+class TrainerStepRecord:
+    step: int
+    metrics: dict[str, Any]
+    created_at: float

@@ -1,0 +1,447 @@
+"""The only place that opens transactions and commits.
+
+Every public method is one transaction: it either happens whole or not at all, so no route can
+leave a half-written group, episode or reward behind. Writes that must not interleave take locks
+in one order (group row, then episode rows sorted by id) so PostgreSQL replicas never deadlock;
+SQLite writers are serialised by ``BEGIN IMMEDIATE`` on the writer engine.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import asdict
+from typing import Any
+
+from sqlalchemy import func, insert, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, async_sessionmaker
+
+from proxy.errors import Conflict, InvalidRequest, NotFound
+from proxy.store.db import is_sqlite, make_engine
+from proxy.store.models import Call, Episode, Group, PolicyVersion, TrainerStep
+from proxy.store.records import (
+    CallRecord,
+    Claim,
+    EpisodeRecord,
+    GroupRecord,
+    NewCall,
+    PolicyVersionRecord,
+    TrainerStepRecord,
+)
+
+OPEN, REWARDED, ABANDONED = "open", "rewarded", "abandoned"
+FINISHED = (REWARDED, ABANDONED)
+
+
+def _episode(row: Episode, calls: list[CallRecord] | None = None) -> EpisodeRecord:
+    return EpisodeRecord(
+        id=row.id, group_id=row.group_id, task_id=row.task_id, metadata=row.meta or {}, status=row.status,
+        reward=row.reward, call_rewards=row.call_rewards, reward_metadata=row.reward_metadata,
+        abandon_reason=row.abandon_reason, created_at=row.created_at, finished_at=row.finished_at, calls=calls,
+    )
+
+
+def _group(row: Group, episodes: list[EpisodeRecord] | None = None) -> GroupRecord:
+    counts: dict[str, int] = {}
+    for episode in episodes or []:
+        counts[episode.status] = counts.get(episode.status, 0) + 1
+    return GroupRecord(
+        id=row.id, task_id=row.task_id, size=row.size, metadata=row.meta or {}, status=row.status,
+        created_at=row.created_at, completed_at=row.completed_at, train_status=row.train_status,
+        trained_step=row.trained_step, train_note=row.train_note, episodes=episodes, counts=counts,
+    )
+
+
+_CALL_COLUMNS = [c.name for c in Call.__table__.columns]
+
+
+def _call(row: Any) -> CallRecord:
+    return CallRecord(**{name: getattr(row, name) for name in _CALL_COLUMNS})
+
+
+def _policy(row: PolicyVersion) -> PolicyVersionRecord:
+    return PolicyVersionRecord(version=row.version, name=row.name, adapter_path=row.adapter_path,
+                               created_at=row.created_at, metadata=row.meta or {})
+
+
+class Repository:
+    """Async data access for the proxy: episodes, groups, calls, policy versions, trainer steps."""
+
+    def __init__(self, url: str, *, synchronous: str = "NORMAL", pool_size: int = 10,
+                 min_rewarded: int = 2) -> None:
+        self.url = url
+        self.sqlite = is_sqlite(url)
+        self.min_rewarded = min_rewarded
+        self._reader = make_engine(url, synchronous=synchronous, pool_size=pool_size)
+        self._writer: AsyncEngine = (
+            make_engine(url, synchronous=synchronous, immediate=True) if self.sqlite else self._reader
+        )
+        self._read_sessions = async_sessionmaker(self._reader, expire_on_commit=False)
+        self._write_sessions = async_sessionmaker(self._writer, expire_on_commit=False)
+
+    async def close(self) -> None:
+        await self._reader.dispose()
+        if self._writer is not self._reader:
+            await self._writer.dispose()
+
+    @asynccontextmanager
+    async def _write(self) -> AsyncIterator[AsyncSession]:
+        async with self._write_sessions() as session, session.begin():
+            yield session
+
+    @asynccontextmanager
+    async def _read(self) -> AsyncIterator[AsyncSession]:
+        async with self._read_sessions() as session:
+            yield session
+
+    async def ping(self) -> None:
+        async with self._read() as session:
+            await session.execute(select(1))
+
+    # -- episodes and groups ------------------------------------------------------------------
+
+    async def create_group(self, *, task_id: str, size: int, metadata: dict[str, Any],
+                           episode_metadata: Sequence[dict[str, Any]] | None = None) -> GroupRecord:
+        now = time.time()
+        group = Group(id=str(uuid.uuid4()), task_id=task_id, size=size, meta=metadata, status=OPEN,
+                      created_at=now, train_status="pending")
+        episodes = [
+            Episode(id=str(uuid.uuid4()), group_id=group.id, task_id=task_id,
+                    meta=(episode_metadata[i] if episode_metadata else {}), status=OPEN, created_at=now)
+            for i in range(size)
+        ]
+        async with self._write() as session:
+            session.add(group)
+            await session.flush()  # the group row first: episodes reference it
+            session.add_all(episodes)
+        return _group(group, [_episode(e) for e in episodes])
+
+    async def create_episode(self, *, task_id: str | None, metadata: dict[str, Any]) -> EpisodeRecord:
+        episode = Episode(id=str(uuid.uuid4()), group_id=None, task_id=task_id, meta=metadata, status=OPEN,
+                          created_at=time.time())
+        async with self._write() as session:
+            session.add(episode)
+        return _episode(episode)
+
+    async def episode_state(self, episode_id: str) -> tuple[str, str | None] | None:
+        """(status, group_id) of an episode, or None: the model routes' existence check."""
+        async with self._read() as session:
+            row = (await session.execute(
+                select(Episode.status, Episode.group_id).where(Episode.id == episode_id))).first()
+        return (row[0], row[1]) if row else None
+
+    async def get_episode(self, episode_id: str, *, with_calls: bool = True) -> EpisodeRecord:
+        async with self._read() as session:
+            row = await session.get(Episode, episode_id)
+            if row is None:
+                raise NotFound(f"episode {episode_id} not found", param="episode_id")
+            calls = await self._calls(session, [episode_id]) if with_calls else None
+        return _episode(row, calls.get(episode_id, []) if calls is not None else None)
+
+    async def _calls(self, session: AsyncSession, episode_ids: list[str]) -> dict[str, list[CallRecord]]:
+        out: dict[str, list[CallRecord]] = {eid: [] for eid in episode_ids}
+        if not episode_ids:
+            return out
+        result = await session.execute(
+            select(Call.__table__).where(Call.episode_id.in_(episode_ids)).order_by(Call.episode_id, Call.ordinal))
+        for row in result:
+            out[row.episode_id].append(_call(row))
+        return out
+
+    async def list_episodes(self, *, status: str | None = None, group_id: str | None = None,
+                            task_id: str | None = None, limit: int = 100, offset: int = 0) -> list[EpisodeRecord]:
+        query = select(Episode).order_by(Episode.created_at.desc(), Episode.id).limit(limit).offset(offset)
+        if status:
+            query = query.where(Episode.status == status)
+        if group_id:
+            query = query.where(Episode.group_id == group_id)
+        if task_id:
+            query = query.where(Episode.task_id == task_id)
+        async with self._read() as session:
+            return [_episode(row) for row in (await session.scalars(query)).all()]
+
+    async def get_group(self, group_id: str) -> GroupRecord:
+        async with self._read() as session:
+            row = await session.get(Group, group_id)
+            if row is None:
+                raise NotFound(f"group {group_id} not found", param="group_id")
+            episodes = (await session.scalars(
+                select(Episode).where(Episode.group_id == group_id).order_by(Episode.created_at, Episode.id))).all()
+        return _group(row, [_episode(e) for e in episodes])
+
+    async def list_groups(self, *, status: str | None = None, task_id: str | None = None,
+                          train_status: str | None = None, limit: int = 100, offset: int = 0) -> list[GroupRecord]:
+        query = select(Group).order_by(Group.created_at.desc(), Group.id).limit(limit).offset(offset)
+        if status:
+            query = query.where(Group.status == status)
+        if task_id:
+            query = query.where(Group.task_id == task_id)
+        if train_status:
+            query = query.where(Group.train_status == train_status)
+        async with self._read() as session:
+            groups = (await session.scalars(query)).all()
+            ids = [g.id for g in groups]
+            episodes = (await session.scalars(select(Episode).where(Episode.group_id.in_(ids)))).all() if ids else []
+        by_group: dict[str, list[EpisodeRecord]] = {gid: [] for gid in ids}
+        for episode in episodes:
+            by_group[episode.group_id or ""].append(_episode(episode))
+        return [_group(g, by_group[g.id]) for g in groups]
+
+    async def _lock_group(self, session: AsyncSession, group_id: str | None) -> None:
+        """Serialise group completion: two rewards of one group must not both miss the other."""
+        if group_id is not None:
+            await session.execute(select(Group.id).where(Group.id == group_id).with_for_update())
+
+    async def _complete_group(self, session: AsyncSession, group_id: str | None, now: float) -> None:
+        if group_id is None:
+            return
+        counts = dict((await session.execute(
+            select(Episode.status, func.count()).where(Episode.group_id == group_id).group_by(Episode.status))).all())
+        if counts.get(OPEN, 0) > 0:
+            return
+        status = "complete" if counts.get(REWARDED, 0) >= self.min_rewarded else "failed"
+        await session.execute(update(Group).where(Group.id == group_id, Group.status == OPEN)
+                              .values(status=status, completed_at=now))
+
+    async def _episode_for_update(self, session: AsyncSession, episode_id: str) -> Episode:
+        group_id = (await session.execute(select(Episode.group_id).where(Episode.id == episode_id))).scalar()
+        await self._lock_group(session, group_id)
+        row = (await session.scalars(select(Episode).where(Episode.id == episode_id).with_for_update())).first()
+        if row is None:
+            raise NotFound(f"episode {episode_id} not found", param="episode_id")
+        return row
+
+    async def set_reward(self, episode_id: str, *, reward: float, call_rewards: dict[str, float] | None,
+                         metadata: dict[str, Any] | None) -> tuple[EpisodeRecord, bool]:
+        """Reward and finish an episode. Returns (episode, changed); the same payload twice is a
+        no-op, a different one is a ``Conflict``."""
+        async with self._write() as session:
+            row = await self._episode_for_update(session, episode_id)
+            if row.status == REWARDED:
+                same = (row.reward == reward and (row.call_rewards or None) == (call_rewards or None)
+                        and (row.reward_metadata or None) == (metadata or None))
+                if same:
+                    return _episode(row), False
+                raise Conflict(f"episode {episode_id} already has a different reward ({row.reward})",
+                               code="reward_conflict")
+            if row.status == ABANDONED:
+                raise Conflict(f"episode {episode_id} was abandoned ({row.abandon_reason}); it takes no reward",
+                               code="episode_abandoned")
+            if call_rewards:
+                await self._check_ordinals(session, episode_id, call_rewards)
+            now = time.time()
+            row.status, row.reward, row.finished_at = REWARDED, reward, now
+            row.call_rewards, row.reward_metadata = call_rewards or None, metadata or None
+            await session.flush()
+            await self._complete_group(session, row.group_id, now)
+            return _episode(row), True
+
+    async def _check_ordinals(self, session: AsyncSession, episode_id: str, call_rewards: dict[str, float]) -> None:
+        count = (await session.execute(select(func.count()).where(Call.episode_id == episode_id))).scalar_one()
+        bad = [k for k in call_rewards if not (k.isdigit() and int(k) < count)]
+        if bad:
+            raise InvalidRequest(f"call_rewards names calls {bad} but the episode has {count} calls "
+                                 f"(ordinals 0..{count - 1})", param="call_rewards")
+
+    async def abandon(self, episode_id: str, *, reason: str) -> EpisodeRecord:
+        async with self._write() as session:
+            row = await self._episode_for_update(session, episode_id)
+            if row.status == REWARDED:
+                raise Conflict(f"episode {episode_id} is already rewarded", code="episode_rewarded")
+            if row.status == OPEN:
+                now = time.time()
+                row.status, row.abandon_reason, row.finished_at = ABANDONED, reason, now
+                await session.flush()
+                await self._complete_group(session, row.group_id, now)
+            return _episode(row)
+
+    async def abandon_expired(self, *, idle_s: float) -> int:
+        """Abandon open episodes idle (no call, no reward) for ``idle_s``; returns how many."""
+        now = time.time()
+        last_call = (select(func.max(Call.started_at)).where(Call.episode_id == Episode.id)
+                     .correlate(Episode).scalar_subquery())
+        idle = select(Episode.id, Episode.group_id).where(
+            Episode.status == OPEN, func.coalesce(last_call, Episode.created_at) < now - idle_s)
+        async with self._write() as session:
+            expired = (await session.execute(idle)).all()
+            for group_id in sorted({g for _, g in expired if g}):
+                await self._lock_group(session, group_id)
+            ids = sorted(e for e, _ in expired)
+            if not ids:
+                return 0
+            await session.execute(update(Episode).where(Episode.id.in_(ids), Episode.status == OPEN).values(
+                status=ABANDONED, abandon_reason=f"no reward within {idle_s:.0f}s", finished_at=now))
+            for group_id in sorted({g for _, g in expired if g}):
+                await self._complete_group(session, group_id, now)
+        return len(ids)
+
+    # -- calls: the recorder's hot path ---------------------------------------------------------
+
+    async def insert_calls(self, calls: Sequence[NewCall]) -> None:
+        """Write a batch of calls in one transaction (group commit), assigning per-episode ordinals.
+
+        Ordinals continue from the stored maximum; the episode rows are locked first so two proxy
+        replicas writing one episode on PostgreSQL take turns instead of colliding.
+        """
+        if not calls:
+            return
+        try:
+            async with self._writer.begin() as conn:
+                await self._insert(conn, calls)
+        except IntegrityError:
+            if len(calls) == 1:
+                raise
+            for call in calls:  # one bad record (say, a deleted episode) must not sink the batch
+                async with self._writer.begin() as conn:
+                    await self._insert(conn, [call])
+
+    async def _insert(self, conn: AsyncConnection, calls: Sequence[NewCall]) -> None:
+        episode_ids = sorted({c.episode_id for c in calls})
+        if not self.sqlite:
+            await conn.execute(select(Episode.id).where(Episode.id.in_(episode_ids))
+                               .order_by(Episode.id).with_for_update())
+        result = await conn.execute(select(Call.episode_id, func.max(Call.ordinal))
+                                    .where(Call.episode_id.in_(episode_ids)).group_by(Call.episode_id))
+        next_ordinal = {eid: -1 for eid in episode_ids} | {eid: m for eid, m in result.all()}
+        rows = []
+        for call in sorted(calls, key=lambda c: c.started_at):
+            next_ordinal[call.episode_id] += 1
+            rows.append(asdict(call) | {"ordinal": next_ordinal[call.episode_id]})
+        await conn.execute(insert(Call), rows)
+
+    async def count_calls(self, episode_id: str | None = None) -> int:
+        query = select(func.count()).select_from(Call)
+        if episode_id:
+            query = query.where(Call.episode_id == episode_id)
+        async with self._read() as session:
+            return (await session.execute(query)).scalar_one()
+
+    # -- policy versions ----------------------------------------------------------------------
+
+    async def current_policy(self) -> PolicyVersionRecord | None:
+        async with self._read() as session:
+            row = (await session.scalars(select(PolicyVersion).order_by(PolicyVersion.version.desc()).limit(1))).first()
+        return _policy(row) if row else None
+
+    async def next_policy_version(self) -> int:
+        async with self._read() as session:
+            latest = (await session.execute(select(func.max(PolicyVersion.version)))).scalar()
+        return (latest or 0) + 1
+
+    async def add_policy_version(self, *, version: int, name: str, adapter_path: str,
+                                 metadata: dict[str, Any]) -> PolicyVersionRecord:
+        """Make ``version`` current. Versions only move forward: publishing an old number is a conflict."""
+        async with self._write() as session:
+            latest = (await session.execute(select(func.max(PolicyVersion.version)))).scalar() or 0
+            if version <= latest:
+                raise Conflict(f"policy version {version} is not newer than the current version {latest}",
+                               param="version", code="version_conflict")
+            row = PolicyVersion(version=version, name=name, adapter_path=adapter_path, created_at=time.time(),
+                                meta=metadata)
+            session.add(row)
+        return _policy(row)
+
+    async def list_policy_versions(self, limit: int = 100) -> list[PolicyVersionRecord]:
+        async with self._read() as session:
+            rows = (await session.scalars(
+                select(PolicyVersion).order_by(PolicyVersion.version.desc()).limit(limit))).all()
+        return [_policy(r) for r in rows]
+
+    # -- trainer: claim, ack, metrics ---------------------------------------------------------
+
+    async def claim_groups(self, *, owner: str, max_groups: int, lease_s: float, max_staleness: int | None,
+                           current_version: int) -> Claim:
+        """Lease up to ``max_groups`` completed, untrained groups (oldest first).
+
+        Groups whose oldest call is more than ``max_staleness`` versions behind ``current_version``
+        are marked ``stale`` and never offered again. A lease that expires offers the group again.
+        """
+        now = time.time()
+        lease_id = str(uuid.uuid4())
+        available = (select(Group).where(
+            Group.status == "complete", Group.train_status == "pending",
+            (Group.lease_id.is_(None)) | (Group.lease_expires_at < now),
+        ).order_by(Group.completed_at, Group.id))
+        if not self.sqlite:
+            available = available.with_for_update(skip_locked=True)
+        chosen: list[Group] = []
+        stale = 0
+        async with self._write() as session:
+            offset = 0
+            while len(chosen) < max_groups:
+                batch = (await session.scalars(available.limit(max_groups * 2).offset(offset))).all()
+                if not batch:
+                    break
+                offset += len(batch)
+                versions = await self._min_versions(session, [g.id for g in batch])
+                for group in batch:
+                    oldest = versions.get(group.id)
+                    if max_staleness is not None and oldest is not None and current_version - oldest > max_staleness:
+                        group.train_status = "stale"
+                        group.train_note = f"oldest call at policy v{oldest}, current v{current_version}"
+                        stale += 1
+                    elif len(chosen) < max_groups:
+                        group.lease_id, group.lease_owner, group.lease_expires_at = lease_id, owner, now + lease_s
+                        chosen.append(group)
+            await session.flush()
+            ids = [g.id for g in chosen]
+            episodes = (await session.scalars(
+                select(Episode).where(Episode.group_id.in_(ids)).order_by(Episode.created_at, Episode.id))).all()
+            calls = await self._calls(session, [e.id for e in episodes])
+        by_group: dict[str, list[EpisodeRecord]] = {gid: [] for gid in ids}
+        for episode in episodes:
+            by_group[episode.group_id or ""].append(_episode(episode, calls[episode.id]))
+        return Claim(lease_id=lease_id, lease_expires_at=now + lease_s,
+                     groups=[_group(g, by_group[g.id]) for g in chosen], stale=stale)
+
+    async def _min_versions(self, session: AsyncSession, group_ids: list[str]) -> dict[str, int]:
+        result = await session.execute(
+            select(Episode.group_id, func.min(Call.policy_version))
+            .join(Call, Call.episode_id == Episode.id)
+            .where(Episode.group_id.in_(group_ids), Call.policy_version.is_not(None))
+            .group_by(Episode.group_id))
+        return {gid: v for gid, v in result.all() if v is not None}
+
+    async def ack_groups(self, *, lease_id: str, group_ids: Sequence[str], step: int,
+                         status: str, note: str | None = None) -> list[GroupRecord]:
+        """Mark leased groups ``trained`` (or ``skipped``) by ``step``. Idempotent for the same step;
+        a group leased to someone else since, or trained by another step, is a ``Conflict``."""
+        async with self._write() as session:
+            query = select(Group).where(Group.id.in_(sorted(set(group_ids)))).order_by(Group.id)
+            rows = {g.id: g for g in (await session.scalars(query.with_for_update())).all()}
+            missing = [gid for gid in group_ids if gid not in rows]
+            if missing:
+                raise NotFound(f"groups not found: {missing}", param="group_ids")
+            for group in rows.values():
+                if group.train_status in ("trained", "skipped") and group.trained_step == step:
+                    continue
+                if group.train_status != "pending":
+                    raise Conflict(f"group {group.id} is already {group.train_status}"
+                                   + (f" by step {group.trained_step}" if group.trained_step is not None else ""),
+                                   code="already_acked")
+                if group.lease_id != lease_id:
+                    raise Conflict(f"group {group.id} is not held by lease {lease_id} (lease expired and "
+                                   "the group was claimed again)", code="lease_lost")
+                group.train_status, group.trained_step, group.train_note = status, step, note
+                group.lease_expires_at = None
+        return [_group(g) for g in rows.values()]
+
+    async def add_trainer_step(self, *, step: int, metrics: dict[str, Any]) -> TrainerStepRecord:
+        """Store a step's metrics; a retried report of the same step replaces the first."""
+        async with self._write() as session:
+            row = await session.get(TrainerStep, step)
+            if row is None:
+                row = TrainerStep(step=step, metrics=metrics, created_at=time.time())
+                session.add(row)
+            else:
+                row.metrics = metrics
+        return TrainerStepRecord(step=row.step, metrics=row.metrics, created_at=row.created_at)
+
+    async def list_trainer_steps(self, *, since_step: int = -1, limit: int = 1000) -> list[TrainerStepRecord]:
+        async with self._read() as session:
+            rows = (await session.scalars(select(TrainerStep).where(TrainerStep.step > since_step)
+                                          .order_by(TrainerStep.step).limit(limit))).all()
+        return [TrainerStepRecord(step=r.step, metrics=r.metrics, created_at=r.created_at) for r in rows]
