@@ -95,7 +95,17 @@ class PolicyRouter:
     async def _load(self, replica: Replica, name: str, path: str) -> None:
         response = await self._upstreams.post_json(replica, "/v1/load_lora_adapter",
                                                    {"lora_name": name, "lora_path": path})
-        if response.status_code == 200 or "already been loaded" in response.text:
+        if response.status_code != 200 and "already been loaded" in response.text:
+            # Loaded earlier (a retried publish, or a restarted proxy): fine if it is the same adapter;
+            # a different adapter under this name must be replaced, never silently served.
+            roots = {m["id"]: m.get("root") for m in await self._upstreams.list_models(replica)}
+            if roots.get(name) == path:
+                replica.adapters.add(name)
+                return
+            await self._upstreams.post_json(replica, "/v1/unload_lora_adapter", {"lora_name": name})
+            response = await self._upstreams.post_json(replica, "/v1/load_lora_adapter",
+                                                       {"lora_name": name, "lora_path": path})
+        if response.status_code == 200:
             replica.adapters.add(name)
             return
         message = _error_message(response.text)

@@ -98,6 +98,7 @@ class EpisodeOut(BaseModel):
 
     id: str
     group_id: str | None
+    group_index: int | None
     task_id: str | None
     metadata: dict[str, Any]
     status: Literal["open", "rewarded", "abandoned"]

@@ -58,6 +58,7 @@ def upgrade() -> None:
     op.create_table('episodes',
     sa.Column('id', sa.String(length=36), nullable=False),
     sa.Column('group_id', sa.String(length=36), nullable=True),
+    sa.Column('group_index', sa.Integer(), nullable=True),
     sa.Column('task_id', sa.String(length=256), nullable=True),
     sa.Column('metadata', sa.JSON(), nullable=False),
     sa.Column('status', sa.String(length=16), nullable=False),

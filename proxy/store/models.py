@@ -47,6 +47,8 @@ class Episode(Base):
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
     group_id: Mapped[str | None] = mapped_column(ForeignKey("groups.id"), index=True)
+    group_index: Mapped[int | None]
+    """Position in its group (0..size-1), so episodes list in creation order."""
     task_id: Mapped[str | None] = mapped_column(String(256), index=True)
     meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
     status: Mapped[str] = mapped_column(String(16), index=True)  # open | rewarded | abandoned

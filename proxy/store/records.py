@@ -62,6 +62,7 @@ class CallRecord:
 class EpisodeRecord:
     id: str
     group_id: str | None
+    group_index: int | None
     task_id: str | None
     metadata: dict[str, Any]
     status: str

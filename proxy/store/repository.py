@@ -38,7 +38,8 @@ FINISHED = (REWARDED, ABANDONED)
 
 def _episode(row: Episode, calls: list[CallRecord] | None = None) -> EpisodeRecord:
     return EpisodeRecord(
-        id=row.id, group_id=row.group_id, task_id=row.task_id, metadata=row.meta or {}, status=row.status,
+        id=row.id, group_id=row.group_id, group_index=row.group_index, task_id=row.task_id,
+        metadata=row.meta or {}, status=row.status,
         reward=row.reward, call_rewards=row.call_rewards, reward_metadata=row.reward_metadata,
         abandon_reason=row.abandon_reason, created_at=row.created_at, finished_at=row.finished_at, calls=calls,
     )
@@ -109,7 +110,7 @@ class Repository:
         group = Group(id=str(uuid.uuid4()), task_id=task_id, size=size, meta=metadata, status=OPEN,
                       created_at=now, train_status="pending")
         episodes = [
-            Episode(id=str(uuid.uuid4()), group_id=group.id, task_id=task_id,
+            Episode(id=str(uuid.uuid4()), group_id=group.id, group_index=i, task_id=task_id,
                     meta=(episode_metadata[i] if episode_metadata else {}), status=OPEN, created_at=now)
             for i in range(size)
         ]
@@ -169,7 +170,7 @@ class Repository:
             if row is None:
                 raise NotFound(f"group {group_id} not found", param="group_id")
             episodes = (await session.scalars(
-                select(Episode).where(Episode.group_id == group_id).order_by(Episode.created_at, Episode.id))).all()
+                select(Episode).where(Episode.group_id == group_id).order_by(Episode.group_index, Episode.id))).all()
         return _group(row, [_episode(e) for e in episodes])
 
     async def list_groups(self, *, status: str | None = None, task_id: str | None = None,
@@ -184,7 +185,8 @@ class Repository:
         async with self._read() as session:
             groups = (await session.scalars(query)).all()
             ids = [g.id for g in groups]
-            episodes = (await session.scalars(select(Episode).where(Episode.group_id.in_(ids)))).all() if ids else []
+            episodes = (await session.scalars(select(Episode).where(Episode.group_id.in_(ids))
+                                              .order_by(Episode.group_index))).all() if ids else []
         by_group: dict[str, list[EpisodeRecord]] = {gid: [] for gid in ids}
         for episode in episodes:
             by_group[episode.group_id or ""].append(_episode(episode))
@@ -389,7 +391,7 @@ class Repository:
             await session.flush()
             ids = [g.id for g in chosen]
             episodes = (await session.scalars(
-                select(Episode).where(Episode.group_id.in_(ids)).order_by(Episode.created_at, Episode.id))).all()
+                select(Episode).where(Episode.group_id.in_(ids)).order_by(Episode.group_index, Episode.id))).all()
             calls = await self._calls(session, [e.id for e in episodes])
         by_group: dict[str, list[EpisodeRecord]] = {gid: [] for gid in ids}
         for episode in episodes:

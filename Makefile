@@ -1,0 +1,66 @@
+# Flywheel: two commands. `make run` sets everything up and runs the local training loop;
+# `make test` sets everything up and runs the tests. Heavy venvs and the converted model live in
+# $(FLYWHEEL_CACHE), keyed by what they are built from, so reruns and fresh clones reuse them.
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+BOOTSTRAP_PYTHON ?= python3
+export FLYWHEEL_CACHE ?= $(HOME)/.cache/flywheel
+export LITELLM_LOCAL_MODEL_COST_MAP := True
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+export PYTHONPATH := $(CURDIR)
+
+ENGINE_PY := $(CURDIR)/.venv/bin/python
+AGENTS_PY := $(CURDIR)/.venv-agents/bin/python
+RUN_CONFIG ?= configs/run-local.yaml
+PYTEST_ARGS ?=
+
+.PHONY: help setup engine agents model test test-engine test-agents lint run serve bench clean
+
+help:
+	@echo "make run    set up, then run the local loop (vLLM + proxy + trainer + math workflow)"
+	@echo "make test   set up, then run lint and the test suite (real vLLM, SQLite, PostgreSQL)"
+	@echo "make serve  set up, then run vLLM and the proxy only (point your agent at it)"
+	@echo "make bench  run the benchmarks in bench/"
+
+engine:
+	@$(BOOTSTRAP_PYTHON) deploy/bootstrap.py engine >/dev/null
+
+agents:
+	@$(BOOTSTRAP_PYTHON) deploy/bootstrap.py agents >/dev/null
+
+model: engine
+	@$(ENGINE_PY) -m deploy.model fetch >/dev/null
+
+setup: engine agents model
+
+lint: engine
+	$(ENGINE_PY) -m ruff check .
+
+test: setup lint test-engine test-agents
+
+test-engine:
+	FLYWHEEL_ENGINE_PYTHON=$(ENGINE_PY) FLYWHEEL_AGENTS_PYTHON=$(AGENTS_PY) \
+	FLYWHEEL_MODEL_DIR=$$($(ENGINE_PY) -m deploy.model path) \
+	$(ENGINE_PY) -m pytest -m "not agents" $(PYTEST_ARGS)
+
+test-agents:
+	FLYWHEEL_ENGINE_PYTHON=$(ENGINE_PY) FLYWHEEL_AGENTS_PYTHON=$(AGENTS_PY) \
+	FLYWHEEL_MODEL_DIR=$$($(ENGINE_PY) -m deploy.model path) \
+	$(AGENTS_PY) -m pytest -m agents $(PYTEST_ARGS)
+
+serve: setup
+	FLYWHEEL_AGENTS_PYTHON=$(AGENTS_PY) $(ENGINE_PY) -m deploy.local serve --config $(RUN_CONFIG)
+
+run: setup
+	FLYWHEEL_AGENTS_PYTHON=$(AGENTS_PY) $(ENGINE_PY) -m deploy.local run --config $(RUN_CONFIG)
+
+bench: setup
+	$(ENGINE_PY) bench/proxy_overhead.py
+	$(ENGINE_PY) bench/trainer_step.py
+
+clean:
+	rm -rf data runs .pytest_cache .ruff_cache

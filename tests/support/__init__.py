@@ -1,0 +1,1 @@
+"""Shared test helpers: real services (vLLM, the proxy as a process) and free ports."""

@@ -1,0 +1,113 @@
+"""Start the real services tests run against, and stop them cleanly.
+
+vLLM is expensive (about a minute to start, plus warm-up), so one engine serves a whole pytest
+session. ``FLYWHEEL_TEST_VLLM_URL`` points tests at an engine that is already running (handy while
+developing); otherwise the session starts its own with the engine venv's Python
+(``FLYWHEEL_ENGINE_PYTHON``, default: this interpreter) and the converted model
+(``FLYWHEEL_MODEL_DIR``, default: ``deploy.model.fetch()``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+ADMIN_KEY = "test-admin-key-0123456789"
+PG_URL = os.environ.get("FLYWHEEL_TEST_PG_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def engine_python() -> str:
+    return os.environ.get("FLYWHEEL_ENGINE_PYTHON", sys.executable)
+
+
+def model_dir() -> str:
+    if os.environ.get("FLYWHEEL_MODEL_DIR"):
+        return os.environ["FLYWHEEL_MODEL_DIR"]
+    from deploy.model import fetch
+
+    return str(fetch())
+
+
+def wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes] | None = None, log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text()[-3000:] if log and log.exists() else ""
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered\n{tail}")
+        try:
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{url} not ready after {timeout}s")
+
+
+@dataclass
+class ProxyProcess:
+    """``python -m proxy serve`` in a subprocess: what a user runs, and what kill -9 can hit."""
+
+    upstream_url: str
+    store_url: str
+    workdir: Path
+    port: int = field(default_factory=free_port)
+    workers: int = 1
+    extra_env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / f"proxy-{self.port}.log"
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({
+            "FLYWHEEL_ADMIN_KEY": ADMIN_KEY,
+            "FLYWHEEL_STORE__URL": self.store_url,
+            "FLYWHEEL_PORT": str(self.port),
+            "FLYWHEEL_UPSTREAMS": f'[{{"name": "vllm-0", "url": "{self.upstream_url}"}}]',
+            "PYTHONPATH": str(ROOT),
+        })
+        env.update(self.extra_env)
+        return env
+
+    def start(self, timeout: float = 60.0) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [engine_python(), "-m", "proxy", "serve", "--workers", str(self.workers)],
+            cwd=self.workdir, env=self.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        wait_http(f"{self.url}/openapi.json", timeout, self.proc, self.log_path)
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
