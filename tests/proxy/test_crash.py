@@ -1,0 +1,106 @@
+"""Durability: whatever a client received is in the store, through kill -9 and through SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.services import ADMIN_KEY, ProxyProcess
+
+pytestmark = pytest.mark.vllm
+ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
+
+
+async def _agent(client: httpx.AsyncClient, episode: dict[str, Any], acked: list[tuple[str, str]],
+                 stream: bool) -> None:
+    """Call the model until the proxy dies; remember every response the client fully received."""
+    auth = {"authorization": f"Bearer {episode['api_key']}"}
+    body = {"model": "policy", "messages": [{"role": "user", "content": "Say one word."}], "max_tokens": 3,
+            "stream": stream}
+    url = f"{episode['base_url']}/chat/completions"
+    while True:
+        try:
+            if not stream:
+                response = await client.post(url, json=body, headers=auth)
+                if response.status_code != 200:
+                    return
+                acked.append((episode["id"], response.json()["id"]))
+                continue
+            async with client.stream("POST", url, json=body, headers=auth) as response:
+                lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
+            if response.status_code == 200 and lines and lines[-1] == "data: [DONE]":
+                import json
+
+                acked.append((episode["id"], json.loads(lines[0][6:])["id"]))
+        except httpx.HTTPError:
+            return
+
+
+async def _run_until_killed(proxy: ProxyProcess, episodes: list[dict[str, Any]], seconds: float,
+                            kill: Any) -> list[tuple[str, str]]:
+    acked: list[tuple[str, str]] = []
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=200)) as client:
+        agents = [asyncio.create_task(_agent(client, e, acked, stream=i % 2 == 1)) for i, e in enumerate(episodes)]
+        await asyncio.sleep(seconds)
+        kill()
+        await asyncio.wait_for(asyncio.gather(*agents), timeout=120)
+    return acked
+
+
+def _stored_ids(proxy: ProxyProcess, episode_id: str) -> set[str]:
+    calls = httpx.get(f"{proxy.url}/episodes/{episode_id}", headers=ADMIN, timeout=30).json()["calls"]
+    return {c["response"]["id"] for c in calls if c["response"]}
+
+
+def _make_episodes(proxy: ProxyProcess, n: int) -> list[dict[str, Any]]:
+    group = httpx.post(f"{proxy.url}/groups", json={"task_id": "crash", "size": n}, headers=ADMIN).json()
+    return group["episode_keys"]
+
+
+def test_kill9_loses_no_acknowledged_call(vllm_url: str, tmp_path: Path) -> None:
+    store = f"sqlite+aiosqlite:///{tmp_path / 'flywheel.db'}"
+    proxy = ProxyProcess(upstream_url=vllm_url, store_url=store, workdir=tmp_path)
+    proxy.start()
+    episodes = _make_episodes(proxy, 50)
+    acked = asyncio.run(_run_until_killed(proxy, episodes, seconds=12, kill=proxy.kill9))
+    assert len(acked) >= 50, "too few calls completed before the kill to mean anything"
+    restarted = ProxyProcess(upstream_url=vllm_url, store_url=store, workdir=tmp_path, port=proxy.port)
+    restarted.start()
+    try:
+        missing = [(e, r) for e, r in acked if r not in _stored_ids(restarted, e)]
+        assert missing == [], f"{len(missing)} of {len(acked)} acknowledged calls were lost"
+        # The store is consistent after the crash: ordinals are dense per episode.
+        calls = httpx.get(f"{restarted.url}/episodes/{episodes[0]['id']}", headers=ADMIN).json()["calls"]
+        assert [c["ordinal"] for c in calls] == list(range(len(calls)))
+    finally:
+        restarted.stop()
+
+
+def test_sigterm_finishes_in_flight_calls_and_records_them(vllm_url: str, tmp_path: Path) -> None:
+    store = f"sqlite+aiosqlite:///{tmp_path / 'flywheel.db'}"
+    proxy = ProxyProcess(upstream_url=vllm_url, store_url=store, workdir=tmp_path)
+    proxy.start()
+    episodes = _make_episodes(proxy, 20)
+    assert proxy.proc is not None
+    pid = proxy.proc.pid
+    started = time.monotonic()
+    acked = asyncio.run(_run_until_killed(proxy, episodes, seconds=6, kill=lambda: os.kill(pid, signal.SIGTERM)))
+    # uvicorn re-raises the signal after a graceful shutdown, so the exit code is -15 either way;
+    # the lifespan's last log line is what proves the drain ran to the end.
+    assert proxy.proc.wait(timeout=90) in (0, -signal.SIGTERM)
+    assert '"proxy stopped"' in proxy.log_path.read_text(), "graceful shutdown did not finish"
+    assert time.monotonic() - started < 120
+    restarted = ProxyProcess(upstream_url=vllm_url, store_url=store, workdir=tmp_path, port=proxy.port)
+    restarted.start()
+    try:
+        missing = [(e, r) for e, r in acked if r not in _stored_ids(restarted, e)]
+        assert acked and missing == []
+    finally:
+        restarted.stop()
