@@ -15,6 +15,7 @@ Library: ``VLLMServer(...).start(); .wait_healthy()``. CLI: ``python -m deploy.v
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -28,6 +29,14 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """In a child, before exec: get SIGTERM when the launcher dies, however it dies (no orphans)."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 DEFAULT_TEMPLATE = ROOT / "configs" / "templates" / "smollm2_tools.jinja"
 
 
@@ -91,10 +100,12 @@ class VLLMServer:
     def start(self) -> None:
         if self.process and self.process.poll() is None:
             return
+        if self.log_path:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         # A new session: stop() can signal the engine's worker processes along with the server.
         self.process = subprocess.Popen(self.command(), env=self.env(), stdout=out, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+                                        start_new_session=True, preexec_fn=die_with_parent)
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None

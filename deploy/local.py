@@ -1,0 +1,193 @@
+"""The local launcher behind ``make serve`` and ``make run``: one machine, every process supervised.
+
+``serve`` brings up vLLM (restarted if its engine dies) and the proxy on SQLite, then waits for
+Ctrl-C. ``run`` (see ``deploy/loop.py``) adds the trainer and the math workflow for a time budget,
+evaluates before and after, and writes a report. Either way, every child is stopped on exit: they
+run in their own process groups with a parent-death signal, so even a killed launcher leaves no
+orphans behind.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from deploy.vllm import Supervisor, VLLMServer, die_with_parent
+
+ROOT = Path(__file__).resolve().parent.parent
+
+def log(message: str) -> None:
+    print(f"[flywheel {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def load_run_config(path: str | Path) -> dict[str, Any]:
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise SystemExit(f"{path}: expected a mapping")
+    return data
+
+
+def admin_key(data_dir: Path) -> str:
+    """The admin key: FLYWHEEL_ADMIN_KEY, else ``data/admin.key`` (created 0600 on first use)."""
+    if os.environ.get("FLYWHEEL_ADMIN_KEY"):
+        return os.environ["FLYWHEEL_ADMIN_KEY"]
+    path = data_dir / "admin.key"
+    if not path.exists():
+        data_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(secrets.token_urlsafe(32) + "\n")
+        path.chmod(0o600)
+    return path.read_text().strip()
+
+
+@dataclass
+class Child:
+    """A supervised child process with its own log file."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        out = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it for its lifetime
+        self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                     start_new_session=True, preexec_fn=die_with_parent)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if not self.alive():
+            return
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+class Stack:
+    """vLLM + proxy, the part ``serve`` and ``run`` share."""
+
+    def __init__(self, config: dict[str, Any], *, data_dir: Path) -> None:
+        self.config = config
+        self.data_dir = data_dir
+        self.logs = data_dir / "logs"
+        engine = config.get("engine", {})
+        self.proxy_config = ROOT / config.get("proxy_config", "configs/local.yaml")
+        proxy_settings = (yaml.safe_load(self.proxy_config.read_text()) or {}).get("proxy", {})
+        self.proxy_url = f"http://{proxy_settings.get('host', '127.0.0.1')}:{proxy_settings.get('port', 8100)}"
+        upstream_url = proxy_settings["upstreams"][0]["url"]
+        self.vllm = VLLMServer(
+            model=engine.get("model") or self._model(), served_name=engine.get("served_name", "policy-base"),
+            port=int(upstream_url.rsplit(":", 1)[1].split("/")[0]), device=engine.get("device", "cpu"),
+            max_lora_rank=engine.get("max_lora_rank", 16), max_loras=engine.get("max_loras", 4),
+            max_model_len=engine.get("max_model_len", 8192), cpu_kv_cache_gib=engine.get("cpu_kv_cache_gib", 4),
+            log_path=self.logs / "vllm.log", extra_args=list(engine.get("extra_args", [])))
+        self.restarts: list[str] = []
+        self.supervisor = Supervisor(self.vllm, on_restart=self._on_restart)
+        self.key = admin_key(data_dir)
+        env = dict(os.environ, FLYWHEEL_ADMIN_KEY=self.key)
+        store_url = proxy_settings.get("store", {}).get("url", "")
+        if store_url.startswith("sqlite") and "///data/" in store_url:  # keep the store beside this run's data
+            env["FLYWHEEL_STORE__URL"] = store_url.replace("///data/", f"///{data_dir.resolve()}/")
+        self.proxy = Child("proxy", [sys.executable, "-m", "proxy", "serve", "--config", str(self.proxy_config)],
+                           self.logs / "proxy.log", env)
+
+    @staticmethod
+    def _model() -> str:
+        from deploy.model import fetch
+
+        return str(fetch())
+
+    def _on_restart(self, reason: str) -> None:
+        self.restarts.append(reason)
+        log(f"vLLM restarted ({reason}); the proxy reloads the current adapter before routing to it")
+
+    def start(self) -> None:
+        log(f"starting vLLM (log: {self.vllm.log_path}); about a minute on CPU")
+        self.vllm.start()
+        self.vllm.wait_healthy(timeout=900)
+        self.supervisor.start()
+        log(f"vLLM healthy at {self.vllm.url}")
+        self.proxy.start()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if not self.proxy.alive():
+                raise SystemExit(f"the proxy exited; see {self.proxy.log_path}")
+            try:
+                if httpx.get(f"{self.proxy_url}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            raise SystemExit(f"the proxy did not become healthy; see {self.proxy.log_path}")
+        log(f"proxy healthy at {self.proxy_url} (log: {self.proxy.log_path})")
+
+    def stop(self) -> None:
+        self.supervisor.stop()
+        self.proxy.stop()
+        self.vllm.stop()
+        log("stopped vLLM and the proxy")
+
+
+def serve(config_path: str) -> None:
+    config = load_run_config(config_path)
+    data_dir = ROOT / config.get("data_dir", "data")
+    stack = Stack(config, data_dir=data_dir)
+    stopping = False
+
+    def _stop(*_: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        stack.start()
+        log("ready. Create an episode and point any OpenAI client at its base_url:")
+        print(f"  curl -s {stack.proxy_url}/episodes -H \"authorization: Bearer $(cat {data_dir}/admin.key)\" "
+              "-H 'content-type: application/json' -d '{\"task_id\": \"demo\"}'", flush=True)
+        print("  # then: OpenAI(base_url=<base_url>, api_key=<api_key>) with model=\"policy\"; Ctrl-C stops",
+              flush=True)
+        while not stopping:
+            time.sleep(0.5)
+            if not stack.proxy.alive():
+                log(f"the proxy exited; see {stack.proxy.log_path}")
+                break
+    finally:
+        stack.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m deploy.local")
+    parser.add_argument("command", choices=["serve", "run"])
+    parser.add_argument("--config", default="configs/run-local.yaml")
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        serve(args.config)
+    else:
+        from deploy.loop import run
+
+        run(args.config)
+
+
+if __name__ == "__main__":
+    main()
