@@ -1,0 +1,120 @@
+"""The runner against a real proxy and vLLM, with scripted episode functions.
+
+Each episode of a group does one scripted thing (a real model call then a reward, an exception, a
+timeout, a non-finite reward), so every path ends in exactly the state the runner promises:
+rewarded with the posted reward, or abandoned with the error as its reason, never a made-up reward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.services import ADMIN_KEY, ProxyProcess
+from tests.workflows.conftest import admin_get
+from workflows.base import Episode, Outcome, Split, Workflow
+from workflows.client import ProxyClient, ProxyError
+from workflows.runner import GroupResult, RunConfig, Runner
+
+pytestmark = pytest.mark.vllm
+
+
+@dataclass(frozen=True)
+class ScriptOptions:
+    script: tuple[str, ...] = ("reward:1", "reward:0", "raise", "sleep")
+
+
+class Scripted(Workflow[str, ScriptOptions]):
+    """Episode ``i`` plays ``script[i]``; rewarded episodes make one real 2-token model call first."""
+
+    name = "scripted"
+    options_type = ScriptOptions
+
+    def tasks(self, split: Split) -> Sequence[str]:
+        return [f"{split}-a", f"{split}-b"]
+
+    def task_id(self, task: str) -> str:
+        return f"scripted/{task}"
+
+    async def run_episode(self, task: str, episode: Episode) -> Outcome:
+        action = self.options.script[episode.index]
+        if action == "raise":
+            raise RuntimeError("scripted agent failure")
+        if action == "sleep":
+            await asyncio.sleep(30)
+        if action == "nan":
+            return Outcome(reward=float("nan"))
+        async with httpx.AsyncClient(timeout=120) as http:
+            response = await http.post(f"{episode.base_url}/chat/completions",
+                                       headers={"Authorization": f"Bearer {episode.api_key}"},
+                                       json={"model": episode.model, "max_tokens": 2, "temperature": 1.0,
+                                             "messages": [{"role": "user", "content": "Say hi"}]})
+        response.raise_for_status()
+        return Outcome(reward=float(action.split(":")[1]), metadata={"script": action})
+
+
+def config(proxy: ProxyProcess, **kw: Any) -> RunConfig:
+    return RunConfig(proxy_url=proxy.url, admin_key=ADMIN_KEY, **kw)
+
+
+async def test_each_episode_ends_rewarded_or_abandoned_with_its_error(proxy: ProxyProcess) -> None:
+    client = ProxyClient(proxy.url, ADMIN_KEY)
+    runner = Runner(Scripted(ScriptOptions()), config(proxy, groups=1, group_size=4, concurrency=4,
+                                                      episode_timeout_s=3.0), client)
+    stats = await runner.run()
+    await client.aclose()
+    (group,) = stats.groups
+    assert group.status == "complete"  # two rewarded, two abandoned: enough to train on
+    by_index = {admin_get(proxy, f"/episodes/{e.episode_id}")["metadata"]["index"]: e for e in group.episodes}
+    assert [by_index[i].status for i in range(4)] == ["rewarded", "rewarded", "abandoned", "abandoned"]
+    first = admin_get(proxy, f"/episodes/{by_index[0].episode_id}")
+    assert (first["status"], first["reward"], first["reward_metadata"]) == ("rewarded", 1.0, {"script": "reward:1"})
+    (call,) = first["calls"]
+    assert call["exact_ids"] is True and call["prompt_token_ids"] and call["choices"][0]["token_ids"]
+    assert admin_get(proxy, f"/episodes/{by_index[1].episode_id}")["reward"] == 0.0
+    failed = admin_get(proxy, f"/episodes/{by_index[2].episode_id}")
+    assert failed["status"] == "abandoned" and failed["reward"] is None
+    assert failed["abandon_reason"].startswith("RuntimeError: scripted agent failure [at ")
+    slow = admin_get(proxy, f"/episodes/{by_index[3].episode_id}")
+    assert (slow["status"], slow["abandon_reason"]) == ("abandoned", "timeout: the episode ran past its time limit")
+    assert stats.summary()["rewarded"] == 2 and stats.summary()["mean_reward"] == 0.5
+
+
+async def test_a_non_finite_reward_is_not_posted(proxy: ProxyProcess) -> None:
+    client = ProxyClient(proxy.url, ADMIN_KEY)
+    stats = await Runner(Scripted(ScriptOptions(script=("nan", "reward:1"))),
+                         config(proxy, groups=1, group_size=2, concurrency=2), client).run()
+    await client.aclose()
+    (group,) = stats.groups
+    assert group.status == "failed"  # one rewarded episode is too few for GRPO
+    nan = next(e for e in group.episodes if e.status == "abandoned")
+    assert nan.error == "episode function returned a non-finite reward (nan)"
+    assert admin_get(proxy, f"/episodes/{nan.episode_id}")["reward"] is None
+
+
+async def test_loop_runs_until_stopped_and_leaves_nothing_open(proxy: ProxyProcess) -> None:
+    client = ProxyClient(proxy.url, ADMIN_KEY)
+    seen: list[GroupResult] = []
+    runner = Runner(Scripted(ScriptOptions(script=("reward:1", "reward:0"))),
+                    config(proxy, group_size=2, concurrency=2, loop=True, seed=3), client,
+                    on_group=lambda g: (seen.append(g), len(seen) >= 3 and runner.stop()))
+    stats = await asyncio.wait_for(runner.run(), 120)
+    await client.aclose()
+    assert len(stats.groups) >= 3
+    assert {g.status for g in stats.groups} == {"complete"}
+    assert {g.task_id for g in stats.groups} == {"scripted/train-a", "scripted/train-b"}  # cycles the tasks
+    for g in stats.groups:
+        assert admin_get(proxy, f"/groups/{g.group_id}")["counts"] == {"rewarded": 2}
+
+
+async def test_a_wrong_admin_key_stops_the_run(proxy: ProxyProcess) -> None:
+    client = ProxyClient(proxy.url, "not-the-admin-key-at-all")
+    with pytest.raises(ProxyError) as info:
+        await Runner(Scripted(ScriptOptions()), config(proxy, groups=2), client).run()
+    await client.aclose()
+    assert info.value.status == 401

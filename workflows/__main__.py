@@ -1,0 +1,171 @@
+"""``python -m workflows run|eval|list``: drive episodes through the proxy, evaluate, list workflows.
+
+Examples::
+
+    python -m workflows run math --proxy http://127.0.0.1:8100 --groups 8 --group-size 8 --concurrency 16
+    python -m workflows run tau2 --proxy URL -o domain=retail --groups 2 --group-size 2 --loop
+    python -m workflows eval math --proxy URL --split test --limit 100
+    python -m workflows list
+
+The admin key comes from ``FLYWHEEL_ADMIN_KEY`` or ``--admin-key-file`` (default ``data/admin.key``,
+which ``python -m proxy serve`` creates). Progress goes to stderr; the final summary is one JSON
+object on stdout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from workflows.base import Endpoint, Split, Workflow
+from workflows.client import ProxyClient, ProxyError
+from workflows.options import OptionError, describe, parse_options
+from workflows.registry import BUILTIN, load
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm must never fetch its price list
+
+cli = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+
+ProxyOpt = Annotated[str, typer.Option("--proxy", help="the proxy's URL, e.g. http://127.0.0.1:8100")]
+KeyFileOpt = Annotated[Path, typer.Option("--admin-key-file", help="used when FLYWHEEL_ADMIN_KEY is unset")]
+OptionsOpt = Annotated[list[str] | None, typer.Option("--option", "-o", help="workflow option key=value "
+                                                      "(see `python -m workflows list`)")]
+SplitOpt = Annotated[str, typer.Option("--split", help="train or test")]
+
+
+def admin_key(path: Path) -> str:
+    key = os.environ.get("FLYWHEEL_ADMIN_KEY", "").strip()
+    if key:
+        return key
+    if path.exists():
+        key = path.read_text().strip()
+        if key:
+            return key
+    raise typer.BadParameter(f"no admin key: set FLYWHEEL_ADMIN_KEY or write it to {path}",
+                             param_hint="--admin-key-file")
+
+
+def build(name: str, options: list[str] | None) -> Workflow[Any, Any]:
+    try:
+        cls = load(name)
+        return cls(parse_options(cls.options_type, options or []))
+    except (ValueError, OptionError) as exc:
+        raise typer.BadParameter(str(exc)) from exc
+
+
+def check_split(split: str) -> Split:
+    if split not in ("train", "test"):
+        raise typer.BadParameter(f"split must be train or test, got {split!r}", param_hint="--split")
+    return "train" if split == "train" else "test"
+
+
+@cli.command()
+def run(name: Annotated[str, typer.Argument(help="math, tau2, tac, or package.module:Class")],
+        proxy: ProxyOpt,
+        groups: Annotated[int, typer.Option(help="groups to run (ignored with --loop)")] = 1,
+        group_size: Annotated[int, typer.Option(help="episodes per group (GRPO's G)")] = 4,
+        concurrency: Annotated[int, typer.Option(help="episodes running at once")] = 4,
+        split: SplitOpt = "train",
+        loop: Annotated[bool, typer.Option(help="keep producing groups until interrupted")] = False,
+        model: Annotated[str, typer.Option(help="model the agents ask for")] = "policy",
+        timeout: Annotated[float | None, typer.Option(help="seconds per episode (default: the workflow's)")] = None,
+        seed: Annotated[int, typer.Option(help="seeds the task order")] = 0,
+        max_pending: Annotated[int | None, typer.Option(
+            help="with --loop: wait while the trainer has this many complete groups unclaimed")] = None,
+        option: OptionsOpt = None,
+        admin_key_file: KeyFileOpt = Path("data/admin.key")) -> None:
+    """Create groups of episodes for a workflow's tasks, run its agents, post rewards."""
+    from workflows.progress import RunProgress
+    from workflows.runner import RunConfig, Runner
+
+    workflow = build(name, option)
+    try:
+        config = RunConfig(proxy_url=proxy, admin_key=admin_key(admin_key_file), groups=groups,
+                           group_size=group_size, concurrency=concurrency, split=check_split(split), loop=loop,
+                           model=model, episode_timeout_s=timeout, seed=seed, max_pending=max_pending,
+                           passthrough_key=os.environ.get("FLYWHEEL_AGENT_KEY") or None)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+
+    async def main() -> dict[str, Any]:
+        client = ProxyClient(config.proxy_url, config.admin_key)
+        with RunProgress(None if loop else groups * group_size) as progress:
+            runner = Runner(workflow, config, client, on_episode=progress.episode, on_group=progress.group)
+            job = asyncio.current_task()
+            loop_ = asyncio.get_running_loop()
+
+            def interrupt() -> None:
+                if runner.stopping and job is not None:
+                    job.cancel()  # second signal: abandon what is still running
+                else:
+                    progress.console.log("stopping: no new groups; Ctrl-C again to abandon running episodes")
+                    runner.stop()
+
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop_.add_signal_handler(sig, interrupt)
+            try:
+                stats = await runner.run()
+            finally:
+                await client.aclose()
+        return {"workflow": workflow.name, "split": config.split, **stats.summary()}
+
+    try:
+        summary = asyncio.run(main())
+    except ProxyError as exc:
+        typer.echo(f"workflows: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    except asyncio.CancelledError:
+        typer.echo("workflows: interrupted; running episodes were abandoned", err=True)
+        raise typer.Exit(130) from None
+    typer.echo(json.dumps(summary))
+
+
+@cli.command("eval")
+def evaluate(name: Annotated[str, typer.Argument(help="a workflow with an evaluation (math)")],
+             proxy: ProxyOpt,
+             split: SplitOpt = "test",
+             limit: Annotated[int | None, typer.Option(help="first K problems of the split")] = None,
+             concurrency: Annotated[int, typer.Option(help="requests at once")] = 16,
+             model: Annotated[str, typer.Option(help="model to evaluate")] = "policy",
+             output: Annotated[Path | None, typer.Option(help="also write the JSON report here")] = None,
+             option: OptionsOpt = None,
+             admin_key_file: KeyFileOpt = Path("data/admin.key")) -> None:
+    """Evaluate the current policy through the unrecorded passthrough route; prints a JSON report."""
+    workflow = build(name, option)
+    key = os.environ.get("FLYWHEEL_AGENT_KEY") or admin_key(admin_key_file)
+    endpoint = Endpoint(f"{proxy.rstrip('/')}/passthrough/v1", key)
+    try:
+        report = asyncio.run(workflow.evaluate(endpoint, split=check_split(split), limit=limit,
+                                               concurrency=concurrency, model=model))
+    except NotImplementedError as exc:
+        raise typer.BadParameter(f"workflow {name!r} has no evaluation") from exc
+    text = json.dumps(report)
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(text + "\n")
+    typer.echo(text)
+
+
+@cli.command("list")
+def list_workflows() -> None:
+    """The built-in workflows and their -o options."""
+    for name in BUILTIN:
+        try:
+            cls = load(name)
+        except ValueError as exc:
+            typer.echo(f"{name}: unavailable here ({exc})")
+            continue
+        typer.echo(f"{name}: {(cls.__doc__ or '').strip().splitlines()[0]}")
+        for field, default, doc in describe(cls.options_type):
+            typer.echo(f"  -o {field}=... (default {default}) {doc}")
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
