@@ -53,19 +53,28 @@ def serve(config: ConfigOpt = None,
                 timeout_graceful_shutdown=60, timeout_keep_alive=30)
 
 
+def _store_url(config: Path | None) -> str:
+    """The store URL alone (migrating needs no admin key or upstreams): env, then YAML, then default."""
+    from_env = os.environ.get("FLYWHEEL_STORE__URL") or os.environ.get("FLYWHEEL_STORE_URL")
+    if from_env:
+        return from_env
+    import yaml
+
+    from proxy.settings import StoreSettings
+
+    data = yaml.safe_load(config.read_text()) if config else None
+    section = data.get("proxy", data) if isinstance(data, dict) else {}
+    store = section.get("store") if isinstance(section, dict) else None
+    return str((store or {}).get("url") or StoreSettings().url)
+
+
 @cli.command()
 def migrate(config: ConfigOpt = None,
             revision: Annotated[str, typer.Option(help="target revision")] = "head") -> None:
     """Create or upgrade the store's schema (Alembic); safe to run again."""
     from proxy.store.db import migrate as run_migrations
 
-    settings_url = os.environ.get("FLYWHEEL_STORE_URL") or os.environ.get("FLYWHEEL_STORE__URL")
-    if settings_url is None:
-        import yaml
-
-        data = yaml.safe_load(config.read_text()) if config else {}
-        settings_url = ((data or {}).get("proxy", data or {}).get("store") or {}).get(
-            "url", "sqlite+aiosqlite:///data/flywheel.db")
+    settings_url = _store_url(config)
     run_migrations(settings_url)
     typer.echo(f"schema at {revision}")
 

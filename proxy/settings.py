@@ -43,28 +43,28 @@ class PolicySettings(_Section):
     adapter_prefix: str = "policy-v"
     """Published versions are loaded as ``{prefix}{N}``; a new name per version avoids vLLM's
     prefix-cache reuse across reloads under one name (vLLM issues 30931, 42125)."""
-    keep_versions: int = Field(3, ge=1)
+    keep_versions: int = Field(default=3, ge=1)
     """Adapters kept loaded on vLLM; requests still in flight on an older version keep working."""
-    refresh_s: float = Field(0.5, gt=0)
+    refresh_s: float = Field(default=0.5, gt=0)
     """How often a proxy re-reads the current version from the store (other replicas may publish)."""
 
 
 class StoreSettings(_Section):
     url: str = "sqlite+aiosqlite:///data/flywheel.db"
-    batch_max: int = Field(512, ge=1)
+    batch_max: int = Field(default=512, ge=1)
     """Most call records written in one transaction (group commit)."""
     sqlite_synchronous: Literal["NORMAL", "FULL"] = "NORMAL"
     """NORMAL survives a process crash (kill -9); FULL also survives power loss, at an fsync per commit."""
-    pool_size: int = Field(10, ge=1)
+    pool_size: int = Field(default=10, ge=1)
 
 
 class EpisodeSettings(_Section):
-    deadline_s: float = Field(1800.0, gt=0)
+    deadline_s: float = Field(default=1800.0, gt=0)
     """An open episode with no call and no reward for this long is abandoned, so its group completes."""
-    reaper_interval_s: float = Field(5.0, gt=0)
-    min_rewarded: int = Field(2, ge=1)
+    reaper_interval_s: float = Field(default=5.0, gt=0)
+    min_rewarded: int = Field(default=2, ge=1)
     """A group completes when every episode is rewarded or abandoned and at least this many are rewarded."""
-    max_group_size: int = Field(1024, ge=1)
+    max_group_size: int = Field(default=1024, ge=1)
 
 
 class AuthSettings(_Section):
@@ -100,8 +100,8 @@ class Settings(_Section):
     episodes: EpisodeSettings = EpisodeSettings()
     auth: AuthSettings
     timeouts: UpstreamTimeouts = UpstreamTimeouts()
-    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
-    health_interval_s: float = Field(2.0, gt=0)
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    health_interval_s: float = Field(default=2.0, gt=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["json", "text"] = "json"
 
