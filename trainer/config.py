@@ -1,0 +1,331 @@
+"""Trainer configuration: one frozen dataclass, TRL's names, read from YAML plus ``key=value`` overrides.
+
+Field names follow TRL's ``GRPOConfig`` where one exists (``loss_type``, ``scale_rewards``,
+``epsilon``, ``epsilon_high``, ``beta``, ``num_iterations``, ``importance_sampling_level``,
+``max_completion_length``, ``vllm_importance_sampling_*``), so a TRL user reads them without a map.
+Each field carries one docstring: unit, effect, why the default. Bad values fail at start with a
+message that says how to fix them, never mid-training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
+ScaleRewards = Literal["group", "batch", "none"]
+ImportanceLevel = Literal["token", "sequence"]
+CorrectionMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+Mode = Literal["sync", "async"]
+DType = Literal["auto", "bfloat16", "float32"]
+
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class ConfigError(ValueError):
+    """A configuration the trainer refuses to start with; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    # -- model and LoRA --------------------------------------------------------------------------
+    model: str = ""
+    """Hugging Face model directory (the one vLLM serves). Empty: ``$FLYWHEEL_MODEL_DIR``
+    (``python -m deploy.model path`` prints the converted SmolLM2)."""
+    dtype: DType = "auto"
+    """Weights dtype. ``auto``: bfloat16 when the CPU has native bf16 (avx512_bf16/AMX) or a GPU
+    is used, else float32. LoRA weights and optimizer state stay float32 either way."""
+    lora_r: int = 8
+    """LoRA rank. Must not exceed the engine's ``--max-lora-rank`` (``max_lora_rank``)."""
+    lora_alpha: int = 16
+    """LoRA scaling numerator (update scale = alpha / r)."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA path. 0 keeps the trainer's log-probs deterministic, so the ratio of
+    the first pass is exactly 1 (TRL disables dropout for GRPO for the same reason)."""
+    lora_target_modules: tuple[str, ...] = DEFAULT_TARGETS
+    """Module names that get adapters; every linear layer of a Llama block by default."""
+    max_lora_rank: int = 16
+    """The engine's ``--max-lora-rank`` (configs/run-local.yaml ``engine.max_lora_rank``); vLLM
+    refuses adapters of higher rank, so a larger ``lora_r`` fails here instead of at publish."""
+    threads: int | None = None
+    """torch CPU threads; None keeps torch's default (all cores)."""
+
+    # -- optimisation ------------------------------------------------------------------------------
+    learning_rate: float = 5e-5
+    """AdamW learning rate for the LoRA weights."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm (0 disables)."""
+    num_iterations: int = 1
+    """Optimizer steps per batch (TRL's mu). With 1, the 'old' policy is the current one, so its
+    log-probs come free from the same forward pass (detached): no second pass."""
+    seed: int = 0
+    """torch seed (LoRA initialisation)."""
+
+    # -- loss --------------------------------------------------------------------------------------
+    loss_type: LossType = "dapo"
+    """Token aggregation (REFERENCE.md): grpo = mean of per-sequence means; bnpo = per micro-batch
+    token mean; dr_grpo = sum / (sequences * max_completion_length); dapo = sum / tokens of the
+    whole step (TRL's default; no length bias)."""
+    scale_rewards: ScaleRewards = "group"
+    """Advantage scaling: divide by the group's reward std (group), the step's (batch), or not at
+    all (none, Dr. GRPO)."""
+    epsilon: float = 0.2
+    """Lower clip: the ratio is clipped to [1 - epsilon, 1 + epsilon_high]."""
+    epsilon_high: float | None = None
+    """Upper clip; None means ``epsilon``. DAPO recommends 0.28 (clip-higher)."""
+    beta: float = 0.0
+    """KL coefficient against the reference (the base model: adapter disabled). 0 skips the
+    reference forward pass entirely."""
+    importance_sampling_level: ImportanceLevel = "token"
+    """Policy ratio per token, or one per sequence from the mean log-ratio (GSPO)."""
+    vllm_importance_sampling_correction: bool = True
+    """Weight each token by pi_trainer_old / pi_engine (truncated importance sampling): corrects
+    the engine/trainer numeric mismatch and, in async mode, the staleness of the samples."""
+    vllm_importance_sampling_mode: CorrectionMode = "token_truncate"
+    """``*_truncate`` caps the weight at the cap, ``*_mask`` zeroes weights above it; ``sequence_*``
+    uses one weight per sample (product over its tokens). Token truncation keeps long multi-turn
+    samples usable, where a sequence product almost always crosses the cap."""
+    vllm_importance_sampling_cap: float = 3.0
+    """Cap C on the importance weight (TRL's default)."""
+    max_completion_length: int = 1024
+    """Dr. GRPO's constant normaliser (tokens): dr_grpo divides the summed loss by
+    sequences * this. Used by no other loss type."""
+
+    # -- data ----------------------------------------------------------------------------------------
+    groups_per_step: int = 4
+    """Completed groups per optimizer step; the trainer waits up to ``batch_wait_s`` to fill it."""
+    batch_wait_s: float = 30.0
+    """After the first group of a step arrives, wait at most this long for the rest, then train
+    on what is there (s)."""
+    min_rewarded: int = 2
+    """Groups with fewer rewarded episodes carry no usable comparison and are acked ``skipped``."""
+    micro_batch_tokens: int = 2048
+    """Token budget of one packed forward/backward pass (micro-batch); samples are packed into
+    micro-batches without padding and gradients accumulate across them."""
+    max_seq_len: int = 2048
+    """Longer samples are truncated (their tail loses its loss mask) and counted."""
+    retokenize_inexact: bool = False
+    """Calls recorded without exact token ids: retokenize with the chat template (True) or drop
+    them (False, default: retokenized text drifts from what the engine sampled). Counted either way."""
+    chat_template: str | None = None
+    """Jinja chat template for retokenizing (use the one vLLM serves with, e.g.
+    configs/templates/smollm2_tools.jinja); None uses the tokenizer's own."""
+    logprob_chunk_rows: int = 512
+    """Rows of the vocabulary projection computed at once: the selective log-softmax never holds
+    more than rows x vocab logits."""
+    pass_threshold: float = 0.5
+    """An episode with reward at or above this counts as passed (the pass-rate metric only)."""
+
+    # -- rollout coupling ------------------------------------------------------------------------------
+    mode: Mode = "async"
+    """``sync``: train only on groups whose every call came from the current policy version.
+    ``async``: train on anything within ``max_staleness`` versions while rollouts continue."""
+    max_staleness: int | None = None
+    """Async mode: groups whose oldest call is more than this many versions behind are dropped
+    (proxy marks them stale). None means 1. Sync mode always uses 0."""
+    publish_every: int = 1
+    """Publish the adapter to vLLM every this many steps."""
+    keep_adapters: int = 4
+    """Published adapter directories kept on disk. Keep at least the proxy's
+    ``policy.keep_versions`` (3): a restarted vLLM replica reloads those from disk."""
+    keep_checkpoints: int = 2
+    """Step checkpoints kept on disk (the newest is what a restart resumes from)."""
+    max_steps: int | None = None
+    """Stop after this many steps in total (resumed runs count earlier steps); None runs until stopped."""
+
+    # -- proxy and output --------------------------------------------------------------------------------
+    proxy_url: str = "http://127.0.0.1:8100"
+    """The proxy's base URL."""
+    admin_key_file: str | None = "data/admin.key"
+    """Where the admin key is read from when ``FLYWHEEL_ADMIN_KEY`` is unset."""
+    trainer_id: str = "trainer"
+    """Lease owner name shown by the proxy."""
+    lease_s: float = 900.0
+    """Lease on claimed groups (s). Must outlast a step plus its checkpoint; a crashed trainer's
+    groups are offered again after it expires."""
+    poll_interval_s: float = 2.0
+    """Wait between claims when no completed group is available (s)."""
+    request_timeout_s: float = 120.0
+    """Timeout of one proxy request (s); publishing loads the adapter on every replica."""
+    output_dir: str = "runs/trainer"
+    """Checkpoints, published adapters, TensorBoard events and the step journal."""
+    tensorboard: bool = True
+    """Write TensorBoard event files under ``output_dir/tensorboard``."""
+    progress: bool = True
+    """Rich progress display on a terminal (a plain line per step otherwise)."""
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+        checks: list[tuple[bool, str]] = [
+            (self.lora_r >= 1, "lora_r must be >= 1"),
+            (self.lora_r <= self.max_lora_rank,
+             f"lora_r={self.lora_r} exceeds max_lora_rank={self.max_lora_rank} (vLLM's --max-lora-rank); "
+             "lower lora_r or start vLLM with a larger --max-lora-rank and set max_lora_rank to match"),
+            (self.lora_alpha > 0, "lora_alpha must be > 0"),
+            (0.0 <= self.lora_dropout < 1.0, "lora_dropout must be in [0, 1)"),
+            (bool(self.lora_target_modules), "lora_target_modules must name at least one module"),
+            (not {"lm_head", "embed_tokens"} & set(self.lora_target_modules),
+             "lora_target_modules must not include lm_head or embed_tokens (the selective log-softmax reads "
+             "the frozen output embedding directly); adapt the attention and MLP projections instead"),
+            (self.learning_rate > 0, "learning_rate must be > 0"),
+            (self.max_grad_norm >= 0, "max_grad_norm must be >= 0 (0 disables clipping)"),
+            (self.num_iterations >= 1, "num_iterations must be >= 1"),
+            (0.0 < self.epsilon < 1.0, "epsilon must be in (0, 1); TRL's default is 0.2"),
+            (self.epsilon_high is None or self.epsilon_high > 0, "epsilon_high must be > 0 (or null for epsilon)"),
+            (self.beta >= 0, "beta must be >= 0 (0 disables the KL term)"),
+            (self.vllm_importance_sampling_cap > 0, "vllm_importance_sampling_cap must be > 0"),
+            (self.max_completion_length >= 1, "max_completion_length must be >= 1"),
+            (self.groups_per_step >= 1, "groups_per_step must be >= 1"),
+            (self.min_rewarded >= 2, "min_rewarded must be >= 2: GRPO compares episodes within a group"),
+            (self.max_seq_len >= 2, "max_seq_len must be >= 2"),
+            (self.micro_batch_tokens >= self.max_seq_len,
+             f"micro_batch_tokens={self.micro_batch_tokens} must be >= max_seq_len={self.max_seq_len} so the "
+             "longest sample fits one pass; raise micro_batch_tokens or lower max_seq_len"),
+            (self.logprob_chunk_rows >= 1, "logprob_chunk_rows must be >= 1"),
+            (self.max_staleness is None or self.max_staleness >= 0, "max_staleness must be >= 0"),
+            (not (self.mode == "sync" and self.max_staleness not in (None, 0)),
+             f"mode=sync trains only on groups from the current version (staleness 0), but max_staleness="
+             f"{self.max_staleness}; drop max_staleness or use mode=async"),
+            (self.publish_every >= 1, "publish_every must be >= 1"),
+            (self.keep_adapters >= 1, "keep_adapters must be >= 1 (3 or more: the proxy keeps 3 versions loaded)"),
+            (self.keep_checkpoints >= 1, "keep_checkpoints must be >= 1"),
+            (self.max_steps is None or self.max_steps >= 0, "max_steps must be >= 0 (or null to run until stopped)"),
+            (self.lease_s > 0 and self.poll_interval_s > 0 and self.batch_wait_s >= 0,
+             "lease_s and poll_interval_s must be > 0, batch_wait_s >= 0"),
+            (self.request_timeout_s > 0, "request_timeout_s must be > 0"),
+            (self.proxy_url.startswith(("http://", "https://")),
+             f"proxy_url must be an http(s) URL, got {self.proxy_url!r}"),
+            (self.threads is None or self.threads >= 1, "threads must be >= 1 (or null for torch's default)"),
+        ]
+        errors = [message for ok, message in checks if not ok]
+        if errors:
+            raise ConfigError("invalid trainer config:\n  - " + "\n  - ".join(errors))
+
+    @property
+    def epsilon_upper(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def staleness_bound(self) -> int:
+        """Versions a group may lag the current policy: 0 in sync mode."""
+        if self.mode == "sync":
+            return 0
+        return 1 if self.max_staleness is None else self.max_staleness
+
+    @property
+    def model_dir(self) -> Path:
+        return Path(self.model or os.environ.get("FLYWHEEL_MODEL_DIR", "")).expanduser()
+
+    @property
+    def out(self) -> Path:
+        return Path(self.output_dir).expanduser().resolve()
+
+    def admin_key(self) -> str:
+        """FLYWHEEL_ADMIN_KEY, else the key file; never stored on the config (it is logged)."""
+        key = os.environ.get("FLYWHEEL_ADMIN_KEY", "").strip()
+        if key:
+            return key
+        if self.admin_key_file and Path(self.admin_key_file).is_file():
+            return Path(self.admin_key_file).read_text().strip()
+        raise ConfigError(f"no admin key: set FLYWHEEL_ADMIN_KEY or admin_key_file (tried {self.admin_key_file!r}; "
+                          "`python -m proxy serve` creates data/admin.key)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _check_choices(config: TrainerConfig) -> None:
+    hints = get_type_hints(TrainerConfig)
+    for f in dataclasses.fields(config):
+        hint = hints[f.name]
+        if get_origin(hint) is Literal and getattr(config, f.name) not in get_args(hint):
+            raise ConfigError(f"unknown {f.name} {getattr(config, f.name)!r}; choose one of "
+                              f"{', '.join(map(str, get_args(hint)))}")
+
+
+# -- loading ---------------------------------------------------------------------------------------
+
+def _coerce(name: str, value: Any, hint: Any) -> Any:
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(name, value, inner[0])
+    if origin is Literal:
+        return value  # checked with a full message in __post_init__
+    if origin is tuple:
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, list | tuple):
+            raise ConfigError(f"{name}: expected a list, got {value!r}")
+        return tuple(str(i).strip() for i in items if str(i).strip())
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{name}: expected true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{name}: expected an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads 2e-5 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{name}: expected a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, str | int | float):
+            return os.path.expandvars(str(value))
+        raise ConfigError(f"{name}: expected a string, got {value!r}")
+    return value
+
+
+def parse_override(pair: str) -> tuple[str, Any]:
+    """``key=value`` (or ``--key=value``) with the value read as a YAML scalar or list."""
+    key, sep, raw = pair.lstrip("-").partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {pair!r}: expected key=value, e.g. max_steps=10")
+    return key.strip().replace("-", "_"), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainerConfig:
+    """Build the config from YAML (a top-level ``trainer:`` section or the whole file) and overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"config file not found: {file}")
+        loaded = yaml.safe_load(file.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{file}: expected a mapping of trainer settings")
+        data = dict(loaded.get("trainer", loaded))
+    for pair in overrides or []:
+        key, value = parse_override(pair)
+        data[key] = value
+    hints = get_type_hints(TrainerConfig)
+    unknown = [k for k in data if k not in hints]
+    if unknown:
+        hint = "; ".join(f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, hints, 1)) else repr(k)
+                         for k in unknown)
+        raise ConfigError(f"unknown trainer setting {hint}")
+    values = {k: _coerce(k, v, hints[k]) for k, v in data.items()}
+    return TrainerConfig(**values)

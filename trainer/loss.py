@@ -1,0 +1,146 @@
+"""The GRPO family of losses as pure tensor functions (no model, no I/O), following REFERENCE.md.
+
+Shapes: B sequences, T token positions (padded; ``mask`` is 1 on tokens the policy sampled).
+Log-probs are per token. One step's sequences may be split into micro-batches: the aggregation
+normalisers (``Totals``) are those of the whole step, so summing the micro-batch losses gives the
+loss of the full batch, whatever the packing.
+
+    advantages       A_i = (R_i - mean(R_group)) / (std + 1e-4)   std of the group or the batch; none: no division
+    ratio            r = exp(logp - old_logp)                     per token, or exp(mean log-ratio) per sequence (GSPO)
+    clipped_ratio    clip(r, 1 - epsilon, 1 + epsilon_high)
+    per_token_loss   -min(r * A, clipped_ratio * A) * w + beta * per_token_kl
+    w                min(exp(old_logp - engine_logp), cap)        truncated importance sampling (or 0 above cap)
+    per_token_kl     exp(ref - logp) - (ref - logp) - 1           k3 estimator, http://joschu.net/blog/kl-approx.html
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Tensor = torch.Tensor
+EPS_STD = 1e-4
+"""Added to the reward std before dividing (TRL's constant)."""
+
+
+def group_advantages(rewards: Sequence[Tensor], scale: Literal["group", "batch", "none"]) -> list[Tensor]:
+    """Per-group advantages: reward minus the group mean, scaled by a std (unbiased, as torch.std)."""
+    centred = [r - r.mean() for r in rewards]  # (G_i,) each
+    if scale == "none":
+        return centred
+    if scale == "batch":
+        std = torch.cat(list(rewards)).std()
+        return [c / (std + EPS_STD) for c in centred]
+    return [c / (r.std() + EPS_STD) for c, r in zip(centred, rewards, strict=True)]
+
+
+def per_token_kl(logps: Tensor, ref_logps: Tensor) -> Tensor:
+    """k3 estimate of KL(pi || ref) per token: exp(ref - logp) - (ref - logp) - 1 >= 0.  # (B, T)"""
+    delta = ref_logps - logps
+    return torch.exp(delta) - delta - 1
+
+
+def importance_ratio(logps: Tensor, old_logps: Tensor, mask: Tensor,
+                     level: Literal["token", "sequence"]) -> Tensor:
+    """pi_theta / pi_old per token, or GSPO's exp(mean log-ratio) per sequence broadcast to its tokens."""
+    log_ratio = logps - old_logps  # (B, T)
+    if level == "sequence":
+        log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # (B, 1)
+    return torch.exp(log_ratio).expand_as(logps)  # (B, T)
+
+
+def truncated_importance_weights(old_logps: Tensor, behaviour_logps: Tensor, mask: Tensor, *, cap: float,
+                                 mode: str) -> tuple[Tensor, Tensor]:
+    """Weights pi_old / pi_engine correcting for sampling by the engine (a stale or numerically
+    different policy). NaN engine log-probs (unknown) give weight 1. Returns (weights (B, T),
+    capped (B, T) bool: where the cap truncated or masked)."""
+    diff = torch.nan_to_num((old_logps - behaviour_logps) * mask, nan=0.0)  # (B, T)
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True).expand_as(old_logps)  # (B, T): one weight per sequence
+    weights = torch.exp(diff)
+    capped = (weights > cap) & mask.bool()
+    if mode.endswith("truncate"):
+        return weights.clamp(max=cap), capped
+    return torch.where(weights > cap, torch.zeros_like(weights), weights), capped
+
+
+@dataclass(frozen=True)
+class Totals:
+    """Normalisers of a whole step (all micro-batches)."""
+
+    sequences: int
+    tokens: int
+    micro_batches: int
+    max_completion_length: int
+
+
+def aggregate(per_token_loss: Tensor, mask: Tensor, loss_type: str, totals: Totals) -> Tensor:
+    """Reduce per-token losses to this micro-batch's share of the step loss."""
+    masked = per_token_loss * mask  # (B, T)
+    if loss_type == "grpo":
+        per_sequence = masked.sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
+        return per_sequence.sum() / totals.sequences
+    if loss_type == "bnpo":
+        return masked.sum() / mask.sum().clamp(min=1) / totals.micro_batches
+    if loss_type == "dr_grpo":
+        return masked.sum() / (totals.sequences * totals.max_completion_length)
+    if loss_type == "dapo":
+        return masked.sum() / max(totals.tokens, 1)
+    raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
+@dataclass
+class LossOut:
+    loss: Tensor
+    """Scalar with gradient: this micro-batch's share of the step loss."""
+    policy_loss: Tensor
+    kl: Tensor
+    """Summed masked per-token KL (divide by tokens for the mean); 0 when beta is 0."""
+    clipped_low: Tensor
+    clipped_high: Tensor
+    """Counts of tokens where the lower / upper clip bound was active (the gradient is cut)."""
+    is_capped: Tensor
+    is_weight_sum: Tensor
+    ratio_sum: Tensor
+
+
+def grpo_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tensor, *, totals: Totals,
+              loss_type: str, epsilon: float, epsilon_high: float, beta: float = 0.0,
+              ref_logps: Tensor | None = None, behaviour_logps: Tensor | None = None,
+              is_cap: float = 3.0, is_mode: str = "token_truncate",
+              level: Literal["token", "sequence"] = "token") -> LossOut:
+    """Clipped surrogate with optional KL and truncated importance weights.
+
+    logps (B, T) with grad; old_logps (B, T) detached (the policy before this step's updates);
+    advantages (B,); mask (B, T) float; behaviour_logps (B, T) the engine's, NaN where unknown.
+    """
+    mask = mask.to(logps.dtype)
+    ratio = importance_ratio(logps, old_logps, mask, level)  # (B, T)
+    clipped_ratio = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)  # (B, T)
+    adv = advantages.to(logps.dtype).unsqueeze(-1)  # (B, 1)
+    per_token_loss = -torch.min(ratio * adv, clipped_ratio * adv)  # (B, T)
+    if behaviour_logps is not None:
+        weights, capped = truncated_importance_weights(old_logps.detach(), behaviour_logps, mask, cap=is_cap,
+                                                       mode=is_mode)
+        per_token_loss = per_token_loss * weights
+    else:
+        weights, capped = torch.ones_like(logps), torch.zeros_like(mask, dtype=torch.bool)
+    policy_part = aggregate(per_token_loss, mask, loss_type, totals)
+    kl_sum = torch.zeros((), dtype=logps.dtype)
+    loss = policy_part
+    if beta > 0:
+        if ref_logps is None:
+            raise ValueError("beta > 0 needs ref_logps (the reference policy's log-probs)")
+        kl = per_token_kl(logps, ref_logps)  # (B, T)
+        loss = aggregate(per_token_loss + beta * kl, mask, loss_type, totals)
+        kl_sum = (kl * mask).sum().detach()
+    with torch.no_grad():
+        on = mask.bool()
+        low = (ratio < 1 - epsilon) & (adv < 0) & on
+        high = (ratio > 1 + epsilon_high) & (adv > 0) & on
+        return LossOut(loss=loss, policy_loss=policy_part.detach(), kl=kl_sum, clipped_low=low.sum(),
+                       clipped_high=high.sum(), is_capped=capped.sum(), is_weight_sum=(weights * mask).sum(),
+                       ratio_sum=(ratio * mask).sum())
