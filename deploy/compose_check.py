@@ -201,11 +201,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("env needs a config file, e.g. configs/gpu-qwen2.5-1.5b.yaml")
         print("\n".join(f"{k}={v}" for k, v in engine_env(args.config).items()))
         return 0
-    env_file = args.env_file or ROOT / "deploy" / ".env"
+    env_file = (args.env_file or ROOT / "deploy" / ".env").resolve()
     if not env_file.exists():
         parser.error(f"{env_file} not found: cp deploy/.env.example deploy/.env and fill in the secrets")
     try:
-        config = render([COMPOSE_FILE, *args.files], env_file=env_file)
+        config = render([COMPOSE_FILE, *(f.resolve() for f in args.files)], env_file=env_file)
     except ComposeError as exc:
         print(f"compose_check: invalid: {exc}", file=sys.stderr)
         return 1

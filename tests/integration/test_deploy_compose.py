@@ -219,6 +219,12 @@ def test_gpu_config_loads_in_the_proxy_and_trainer_as_compose_runs_them(gpu_conf
     assert settings.policy.keep_versions <= engine["max_loras"]
     assert settings.policy.keep_versions <= trainer.keep_adapters
     assert trainer.max_seq_len <= engine["max_model_len"]
+    # The agent's requests fit the served context (vLLM refuses prompt + max_tokens beyond it).
+    options = dict(o.split("=", 1) for o in services["worker"]["environment"]["FLYWHEEL_WORKFLOW_ARGS"].split()
+                   if "=" in o)
+    output = options.get("max_output_tokens", options.get("max_tokens", 0))
+    asked = int(options.get("max_input_tokens", 0)) + int(output)
+    assert 0 < asked <= engine["max_model_len"], options
 
 
 def test_scale_override_adds_a_replica_and_proxy_replicas() -> None:
