@@ -44,8 +44,9 @@ class Recorder:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending.append((call, future))
         self._wake.set()
-        # Shielded: a client that disconnects while waiting must not cancel the commit of its call.
-        await asyncio.shield(future)
+        # A client that disconnects while waiting cancels only its wait: the call is in the queue
+        # and is committed anyway (the batch loop skips futures that are already done).
+        await future
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

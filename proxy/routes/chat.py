@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from proxy.capture import Captured, Kind, StreamCapture, Wants, capture_response, prepare, sampled, strip_for_client
-from proxy.deps import PrincipalDep, Services, json_body, services
+from proxy.deps import Services, json_body, principal, services
 from proxy.errors import (
     FlywheelError,
     InvalidRequest,
@@ -235,9 +235,10 @@ class ModelCall:
                     buffer += raw
                     if b"\r" in buffer:
                         buffer = buffer.replace(b"\r\n", b"\n")
-                    while (cut := buffer.find(b"\n\n")) >= 0:
-                        event, buffer = buffer[:cut], buffer[cut + 2:]
-                        out, content, done, upstream_error = self._event(event, capture)
+                    start, outs = 0, []
+                    while (cut := buffer.find(b"\n\n", start)) >= 0:
+                        out, content, done, upstream_error = self._event(buffer[start:cut], capture)
+                        start = cut + 2
                         saw_done = saw_done or done
                         if upstream_error is not None:
                             error = upstream_error
@@ -245,7 +246,10 @@ class ModelCall:
                             ttft_ms = (time.perf_counter() - self.t0) * 1000
                             self.svc.metrics.ttft.observe(ttft_ms / 1000)
                         if out is not None:
-                            yield out
+                            outs.append(out)
+                    buffer = buffer[start:]
+                    if outs:  # what arrived together leaves together: one write, not one per event
+                        yield outs[0] if len(outs) == 1 else b"".join(outs)
             except httpx.TransportError as exc:
                 assert self.replica is not None
                 error = map_transport_error(exc, self.replica)
@@ -317,14 +321,14 @@ def _spawn(svc: Services, coro: Any) -> None:
     task.add_done_callback(tasks.discard)
 
 
-async def _handle(request: Request, who: PrincipalDep, kind: Kind, path_episode: str | None,
-                  *, recorded: bool) -> Response:
+async def _handle(request: Request, kind: Kind, path_episode: str | None, *, recorded: bool) -> Response:
+    who = principal(request)
     svc = services(request)
     body = await json_body(request, svc.settings.max_body_bytes)
     _validate(body, kind)
     episode_id = None
     if recorded:
-        episode_id = identify_episode(request.headers, path_episode, who)
+        episode_id = identify_episode(request.headers, canonical_id(path_episode) if path_episode else None, who)
         await svc.gate.check_open(episode_id)
     call = ModelCall(svc, kind, body, episode_id)
     if body.get("stream"):
@@ -345,47 +349,53 @@ async def _models(request: Request) -> Response:
     return Response(orjson.dumps({"object": "list", "data": models}), media_type="application/json")
 
 
+# The key is checked inside the handlers, not as a FastAPI dependency: ``principal`` is a plain
+# function, and FastAPI runs those in a worker thread, a thread hop on every model call.
+
 @router.post("/v1/chat/completions")
-async def chat_completions(request: Request, who: PrincipalDep) -> Response:
-    return await _handle(request, who, "chat", None, recorded=True)
+async def chat_completions(request: Request) -> Response:
+    return await _handle(request, "chat", None, recorded=True)
 
 
 @router.post("/v1/completions")
-async def completions(request: Request, who: PrincipalDep) -> Response:
-    return await _handle(request, who, "completion", None, recorded=True)
+async def completions(request: Request) -> Response:
+    return await _handle(request, "completion", None, recorded=True)
 
 
 @router.get("/v1/models")
-async def models(request: Request, who: PrincipalDep) -> Response:
+async def models(request: Request) -> Response:
+    principal(request)
     return await _models(request)
 
 
 @router.post("/episodes/{episode_id}/v1/chat/completions")
-async def episode_chat_completions(episode_id: str, request: Request, who: PrincipalDep) -> Response:
-    return await _handle(request, who, "chat", canonical_id(episode_id), recorded=True)
+async def episode_chat_completions(episode_id: str, request: Request) -> Response:
+    return await _handle(request, "chat", episode_id, recorded=True)
 
 
 @router.post("/episodes/{episode_id}/v1/completions")
-async def episode_completions(episode_id: str, request: Request, who: PrincipalDep) -> Response:
-    return await _handle(request, who, "completion", canonical_id(episode_id), recorded=True)
+async def episode_completions(episode_id: str, request: Request) -> Response:
+    return await _handle(request, "completion", episode_id, recorded=True)
 
 
 @router.get("/episodes/{episode_id}/v1/models")
-async def episode_models(episode_id: str, request: Request, who: PrincipalDep) -> Response:
+async def episode_models(episode_id: str, request: Request) -> Response:
+    who = principal(request)
     identify_episode(request.headers, canonical_id(episode_id), who)
     return await _models(request)
 
 
 @router.post("/passthrough/v1/chat/completions")
-async def passthrough_chat(request: Request, who: PrincipalDep) -> Response:
-    return await _handle(request, who, "chat", None, recorded=False)
+async def passthrough_chat(request: Request) -> Response:
+    return await _handle(request, "chat", None, recorded=False)
 
 
 @router.post("/passthrough/v1/completions")
-async def passthrough_completions(request: Request, who: PrincipalDep) -> Response:
-    return await _handle(request, who, "completion", None, recorded=False)
+async def passthrough_completions(request: Request) -> Response:
+    return await _handle(request, "completion", None, recorded=False)
 
 
 @router.get("/passthrough/v1/models")
-async def passthrough_models(request: Request, who: PrincipalDep) -> Response:
+async def passthrough_models(request: Request) -> Response:
+    principal(request)
     return await _models(request)

@@ -3,24 +3,26 @@
 Every public method is one transaction: it either happens whole or not at all, so no route can
 leave a half-written group, episode or reward behind. Writes that must not interleave take locks
 in one order (group row, then episode rows sorted by id) so PostgreSQL replicas never deadlock;
-SQLite writers are serialised by ``BEGIN IMMEDIATE`` on the writer engine.
+SQLite writers (the writer engine, and the recorder's own connection) are serialised by ``BEGIN IMMEDIATE``.
 """
 
 from __future__ import annotations
 
+import sqlite3
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import asdict
+from dataclasses import fields
 from typing import Any
 
-from sqlalchemy import func, insert, select, update
+import orjson
+from sqlalchemy import JSON, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, async_sessionmaker
 
 from proxy.errors import Conflict, InvalidRequest, NotFound
-from proxy.store.db import is_sqlite, make_engine
+from proxy.store.db import SqliteWorker, is_sqlite, make_engine, sqlite_file
 from proxy.store.models import Call, Episode, Group, PolicyVersion, TrainerStep
 from proxy.store.records import (
     CallRecord,
@@ -63,6 +65,59 @@ def _call(row: Any) -> CallRecord:
     return CallRecord(**{name: getattr(row, name) for name in _CALL_COLUMNS})
 
 
+_NEW_CALL_FIELDS = [f.name for f in fields(NewCall)]
+_JSON_FIELDS = frozenset(c.name for c in Call.__table__.columns if isinstance(c.type, JSON))
+_INSERT_CALL_SQL = "INSERT INTO {} (ordinal, {}) VALUES ({})".format(
+    Call.__tablename__, ", ".join(f'"{name}"' for name in _NEW_CALL_FIELDS),
+    ", ".join("?" * (len(_NEW_CALL_FIELDS) + 1)))
+
+
+_EPISODE_STATE_SQL = f"SELECT status, group_id FROM {Episode.__tablename__} WHERE id = ?"
+
+# One max() per episode (an index seek) instead of GROUP BY over every call of the episodes.
+_LAST_ORDINALS_SQL = (f"SELECT id, (SELECT max(ordinal) FROM {Call.__tablename__} WHERE episode_id = "
+                      f"{Episode.__tablename__}.id) FROM {Episode.__tablename__} WHERE id IN ({{}})")
+
+
+def _last_ordinals(episode_ids: list[str]) -> Any:
+    """The highest stored ordinal of each episode (None for one without calls), as a query."""
+    last = (select(func.max(Call.ordinal)).where(Call.episode_id == Episode.id).correlate(Episode)
+            .scalar_subquery())
+    return select(Episode.id, last).where(Episode.id.in_(episode_ids))
+
+
+def _with_ordinals(calls: Sequence[NewCall], stored_max: dict[str, int]) -> list[tuple[int, NewCall]]:
+    """Ordinals continue per episode from the stored maximum, in start order."""
+    next_ordinal = {c.episode_id: stored_max.get(c.episode_id, -1) for c in calls}
+    out = []
+    for call in sorted(calls, key=lambda c: c.started_at):
+        next_ordinal[call.episode_id] += 1
+        out.append((next_ordinal[call.episode_id], call))
+    return out
+
+
+def _sqlite_value(name: str, value: Any) -> Any:
+    # What SQLAlchemy's JSON type writes (None becomes the JSON text 'null'); the data came from
+    # orjson.loads or the proxy itself, so orjson's output is the same JSON.
+    return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode() if name in _JSON_FIELDS else value
+
+
+def _insert_sqlite(conn: sqlite3.Connection, calls: Sequence[NewCall]) -> None:
+    """``insert_calls``' transaction on the SQLite writer thread: the same rows as the engine path."""
+    episode_ids = sorted({c.episode_id for c in calls})
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        stored = conn.execute(_LAST_ORDINALS_SQL.format(", ".join("?" * len(episode_ids))), episode_ids).fetchall()
+        conn.executemany(_INSERT_CALL_SQL, [
+            (ordinal, *(_sqlite_value(name, getattr(call, name)) for name in _NEW_CALL_FIELDS))
+            for ordinal, call in _with_ordinals(calls, {eid: m for eid, m in stored if m is not None})])
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+
+
 def _policy(row: PolicyVersion) -> PolicyVersionRecord:
     return PolicyVersionRecord(version=row.version, name=row.name, adapter_path=row.adapter_path,
                                created_at=row.created_at, metadata=row.meta or {})
@@ -82,8 +137,16 @@ class Repository:
         )
         self._read_sessions = async_sessionmaker(self._reader, expire_on_commit=False)
         self._write_sessions = async_sessionmaker(self._writer, expire_on_commit=False)
+        # SQLite files: the recorder's group commits and the model routes' episode check each get
+        # a plain connection on a thread of their own (see SqliteWorker); the rest uses the engines.
+        path = sqlite_file(url)
+        self._call_writer = SqliteWorker(path, synchronous=synchronous, name="recorder") if path else None
+        self._state_reader = SqliteWorker(path, synchronous=synchronous, name="gate") if path else None
 
     async def close(self) -> None:
+        for worker in (self._call_writer, self._state_reader):
+            if worker is not None:
+                await worker.close()
         await self._reader.dispose()
         if self._writer is not self._reader:
             await self._writer.dispose()
@@ -129,9 +192,12 @@ class Repository:
 
     async def episode_state(self, episode_id: str) -> tuple[str, str | None] | None:
         """(status, group_id) of an episode, or None: the model routes' existence check."""
-        async with self._read() as session:
-            row = (await session.execute(
-                select(Episode.status, Episode.group_id).where(Episode.id == episode_id))).first()
+        if self._state_reader is not None:
+            row = await self._state_reader.run(lambda conn: conn.execute(_EPISODE_STATE_SQL, (episode_id,)).fetchone())
+        else:
+            async with self._read() as session:
+                row = (await session.execute(
+                    select(Episode.status, Episode.group_id).where(Episode.id == episode_id))).first()
         return (row[0], row[1]) if row else None
 
     async def get_episode(self, episode_id: str, *, with_calls: bool = True) -> EpisodeRecord:
@@ -291,27 +357,31 @@ class Repository:
         if not calls:
             return
         try:
-            async with self._writer.begin() as conn:
-                await self._insert(conn, calls)
+            await self._insert_batch(calls)
         except IntegrityError:
             if len(calls) == 1:
                 raise
             for call in calls:  # one bad record (say, a deleted episode) must not sink the batch
-                async with self._writer.begin() as conn:
-                    await self._insert(conn, [call])
+                await self._insert_batch([call])
+
+    async def _insert_batch(self, calls: Sequence[NewCall]) -> None:
+        if self._call_writer is not None:
+            try:
+                await self._call_writer.run(lambda conn: _insert_sqlite(conn, calls))
+            except sqlite3.IntegrityError as exc:
+                raise IntegrityError(_INSERT_CALL_SQL, None, exc) from exc
+            return
+        async with self._writer.begin() as conn:
+            await self._insert(conn, calls)
 
     async def _insert(self, conn: AsyncConnection, calls: Sequence[NewCall]) -> None:
         episode_ids = sorted({c.episode_id for c in calls})
         if not self.sqlite:
             await conn.execute(select(Episode.id).where(Episode.id.in_(episode_ids))
                                .order_by(Episode.id).with_for_update())
-        result = await conn.execute(select(Call.episode_id, func.max(Call.ordinal))
-                                    .where(Call.episode_id.in_(episode_ids)).group_by(Call.episode_id))
-        next_ordinal = {eid: -1 for eid in episode_ids} | {eid: m for eid, m in result.all()}
-        rows = []
-        for call in sorted(calls, key=lambda c: c.started_at):
-            next_ordinal[call.episode_id] += 1
-            rows.append(asdict(call) | {"ordinal": next_ordinal[call.episode_id]})
+        stored = {eid: m for eid, m in (await conn.execute(_last_ordinals(episode_ids))).all() if m is not None}
+        rows = [{name: getattr(call, name) for name in _NEW_CALL_FIELDS} | {"ordinal": ordinal}
+                for ordinal, call in _with_ordinals(calls, stored)]
         await conn.execute(insert(Call), rows)
 
     async def count_calls(self, episode_id: str | None = None) -> int:
