@@ -1,0 +1,175 @@
+"""Start the processes a benchmark measures, and account for their CPU and memory.
+
+The proxy is the real ``python -m proxy serve`` (what a user runs) with recording into a SQLite
+file in a temp dir and a real admin key; the upstream is ``bench/fake_upstream.py`` in its own
+process. CPU is read from ``/proc`` for a whole process tree (uvicorn workers are children).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+TICKS = os.sysconf("SC_CLK_TCK")
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return raw[raw.rindex(")") + 2:].split()  # fields from 3 (state) on; the name may hold spaces
+
+
+def tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (fields := _stat(int(entry))) is not None:
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        out.append(current)
+        todo.extend(children.get(current, ()))
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process tree (live processes only)."""
+    total = 0
+    for p in tree(pid):
+        fields = _stat(p)
+        if fields is not None:
+            total += int(fields[11]) + int(fields[12])
+    return total / TICKS
+
+
+def rss_mb(pid: int) -> float:
+    total = 0
+    for p in tree(pid):
+        fields = _stat(p)
+        if fields is not None:
+            total += int(fields[21]) * PAGE
+    return total / 2**20
+
+
+def open_fds(pid: int) -> dict[int, int]:
+    out = {}
+    for p in tree(pid):
+        try:
+            out[p] = len(os.listdir(f"/proc/{p}/fd"))
+        except OSError:
+            pass
+    return out
+
+
+def load_average() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@dataclass
+class FakeUpstreamProcess:
+    """``bench/fake_upstream.py`` in its own process group."""
+
+    proc: subprocess.Popen[bytes]
+    url: str
+
+    @classmethod
+    def start(cls, *, tokens: int = 16, interval_s: float = 0.5, port: int = 0) -> FakeUpstreamProcess:
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "bench" / "fake_upstream.py"), "--port", str(port), "--tokens", str(tokens),
+             "--interval", str(interval_s)], stdout=subprocess.PIPE, start_new_session=True)
+        assert proc.stdout is not None
+        line = proc.stdout.readline().decode()
+        if "listening on" not in line:
+            raise RuntimeError(f"fake_upstream did not start: {line!r}")
+        address = line.split("listening on ")[1].split()[0]
+        return cls(proc, f"http://{address}")
+
+    def stop(self) -> None:
+        _stop(self.proc)
+
+
+@dataclass
+class ProxyUnderTest:
+    """The real proxy: ``python -m proxy serve`` recording into SQLite under ``workdir``."""
+
+    proc: subprocess.Popen[bytes]
+    url: str
+    admin_key: str
+    db_path: Path
+    log_path: Path
+
+    @classmethod
+    def start(cls, upstream_url: str, workdir: Path, *, workers: int = 1,
+              extra_env: dict[str, str] | None = None, timeout_s: float = 60.0) -> ProxyUnderTest:
+        port = free_port()
+        admin_key = secrets.token_urlsafe(32)
+        db_path = workdir / "flywheel.db"
+        env = dict(os.environ)
+        env.update({
+            "FLYWHEEL_ADMIN_KEY": admin_key,
+            "FLYWHEEL_STORE__URL": f"sqlite+aiosqlite:///{db_path}",
+            "FLYWHEEL_PORT": str(port),
+            "FLYWHEEL_UPSTREAMS": f'[{{"name": "fake_upstream", "url": "{upstream_url}"}}]',
+            "PYTHONPATH": str(ROOT),
+        })
+        env.update(extra_env or {})
+        log_path = workdir / "proxy.log"
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "proxy", "serve", "--workers", str(workers)],
+                                    cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"proxy exited ({proc.returncode}):\n{log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{url}/healthz", timeout=2.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"proxy not healthy after {timeout_s}s:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.2)
+        return cls(proc, url, admin_key, db_path, log_path)
+
+    def create_group(self, size: int, task_id: str) -> list[dict[str, str]]:
+        """POST /groups; returns the episode keys ``[{id, api_key, base_url}]``."""
+        response = httpx.post(f"{self.url}/groups", json={"task_id": task_id, "size": size, "metadata": {}},
+                              headers={"authorization": f"Bearer {self.admin_key}"}, timeout=30.0)
+        if response.status_code != 201:
+            raise RuntimeError(f"POST /groups answered {response.status_code}: {response.text}")
+        return list(response.json()["episode_keys"])
+
+    def stop(self) -> None:
+        _stop(self.proc)

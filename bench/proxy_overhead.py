@@ -1,0 +1,198 @@
+"""What the proxy costs: latency and throughput direct to an upstream vs through Flywheel, in one run.
+
+The upstream is ``fake_upstream`` (answers at once, vLLM-shaped bodies; see bench/fake_upstream.py),
+so every millisecond measured is transport plus the proxy. The proxy is the real
+``python -m proxy serve`` recording into SQLite (WAL) in a temp dir, with a real admin key; each
+client connection is one agent with its own episode (``POST /groups``), using the episode's
+``base_url`` and ``api_key`` as an agent would. Each cell runs the same closed-loop generator
+(bench/_loadgen.py: raw keep-alive sockets on uvloop, pre-built requests) first straight at the
+fake upstream, then through the proxy, at concurrency 1, 64 and 256, non-streamed and streamed.
+
+After the run the proxy is stopped (SIGTERM drains it) and the store is read: every answer the
+client got as a success must be a recorded call of its episode with status 200.
+
+Run: ``python bench/proxy_overhead.py`` (about 2 minutes). The last line is one JSON object.
+Targets (2 cores): added p50 <= 1 ms at c=1; >= 1,000 recorded req/s at c=64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sqlite3
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import orjson
+import uvloop
+
+from bench._loadgen import CellResult, build_request, run_cell
+from bench._procs import FakeUpstreamProcess, ProxyUnderTest, cpu_seconds, load_average
+
+MESSAGES = [
+    {"role": "system", "content": "You are a careful coding agent. Think, then call one tool."},
+    {"role": "user", "content": "The test suite fails in tests/test_parser.py; find the bug and fix it."},
+]
+
+
+def chat_body(model: str, *, stream: bool, max_tokens: int) -> bytes:
+    return orjson.dumps({"model": model, "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0.7,
+                         "stream": stream})
+
+
+def busy_cpu_seconds() -> float:
+    """CPU seconds all cores spent busy since boot (for "everything else on the machine")."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Cell:
+    target: str  # direct | proxy
+    stream: bool
+    concurrency: int
+    result: CellResult
+    cpu: dict[str, float]
+    """Percent of one core per process over the cell: proxy, fake_upstream, loadgen, other."""
+
+
+async def measure(target: str, host: str, port: int, requests: list[bytes], *, stream: bool, warmup_s: float,
+                  measure_s: float, pids: dict[str, int]) -> tuple[CellResult, dict[str, float]]:
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    own, busy = os.times(), busy_cpu_seconds()
+    t0 = time.monotonic()
+    result = await run_cell(host, port, requests, stream=stream, warmup_s=warmup_s, measure_s=measure_s)
+    wall = time.monotonic() - t0
+    used = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+    after = os.times()
+    used["loadgen"] = after.user + after.system - own.user - own.system
+    used["other"] = max(0.0, busy_cpu_seconds() - busy - sum(used.values()))
+    return result, {name: 100 * seconds / wall for name, seconds in used.items()}
+
+
+def recorded_ok(db_path: Path) -> dict[str, int]:
+    """Recorded calls with status 200, per episode."""
+    with sqlite3.connect(db_path) as db:
+        rows = db.execute("SELECT episode_id, count(*) FROM calls WHERE status_code = 200 GROUP BY episode_id")
+        return dict(rows.fetchall())
+
+
+def print_table(cells: list[Cell]) -> None:
+    header = (f"{'target':<7} {'mode':<7} {'conc':>5} {'ok':>7} {'err':>5} {'req/s':>8} {'p50 ms':>8} "
+              f"{'p90 ms':>8} {'p99 ms':>8}   cpu% proxy/upstream/loadgen/other")
+    print(header)
+    print("-" * len(header))
+    for cell in cells:
+        r = cell.result
+        cpu = "/".join(f"{cell.cpu.get(k, 0):.0f}" for k in ("proxy", "fake_upstream", "loadgen", "other"))
+        print(f"{cell.target:<7} {'stream' if cell.stream else 'plain':<7} {cell.concurrency:>5} {r.ok:>7} "
+              f"{r.errors:>5} {r.rps:>8.0f} {r.percentile_ms(0.5):>8.2f} {r.percentile_ms(0.9):>8.2f} "
+              f"{r.percentile_ms(0.99):>8.2f}   {cpu}")
+        if r.error_kinds:
+            print(f"{'':>22}errors: {r.error_kinds}")
+
+
+async def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
+    upstream = FakeUpstreamProcess.start(tokens=args.tokens)
+    proxy = ProxyUnderTest.start(upstream.url, workdir, workers=args.workers)
+    try:
+        most = max(args.concurrency)
+        episodes = proxy.create_group(most, task_id="bench-proxy-overhead")
+        up, px = urlsplit(upstream.url), urlsplit(proxy.url)
+        pids = {"proxy": proxy.proc.pid, "fake_upstream": upstream.proc.pid}
+        expected: dict[str, int] = {}
+        cells: list[Cell] = []
+        load_before = load_average()
+        for stream in (False, True):
+            direct_req = build_request(up.hostname or "", up.port or 0, "/v1/chat/completions",
+                                       chat_body("policy-base", stream=stream, max_tokens=args.tokens))
+            proxy_reqs = [build_request(px.hostname or "", px.port or 0,
+                                        urlsplit(ep["base_url"]).path + "/chat/completions",
+                                        chat_body("policy", stream=stream, max_tokens=args.tokens),
+                                        {"authorization": f"Bearer {ep['api_key']}"}) for ep in episodes]
+            for concurrency in args.concurrency:
+                for target in ("direct", "proxy"):
+                    host, port = (up.hostname, up.port) if target == "direct" else (px.hostname, px.port)
+                    requests = [direct_req] * concurrency if target == "direct" else proxy_reqs[:concurrency]
+                    result, cpu = await measure(target, host or "", port or 0, requests, stream=stream,
+                                                warmup_s=args.warmup, measure_s=args.seconds, pids=pids)
+                    cells.append(Cell(target, stream, concurrency, result, cpu))
+                    if target == "proxy":
+                        for ep, ok in zip(episodes, result.ok_per_conn, strict=False):
+                            expected[ep["id"]] = expected.get(ep["id"], 0) + ok
+                    print(f"  {target} {'stream' if stream else 'plain'} c={concurrency}: {result.rps:.0f} req/s, "
+                          f"p50 {result.percentile_ms(0.5):.2f} ms, errors {result.errors}", flush=True)
+        load_after = load_average()
+    finally:
+        proxy.stop()  # SIGTERM: drains the recorder
+        upstream.stop()
+    stored = recorded_ok(proxy.db_path)
+    missing = sum(max(0, n - stored.get(eid, 0)) for eid, n in expected.items())
+
+    print()
+    print_table(cells)
+
+    def cell(target: str, stream: bool, concurrency: int) -> CellResult:
+        return next(c.result for c in cells
+                    if c.target == target and c.stream == stream and c.concurrency == concurrency)
+
+    summary: dict[str, object] = {}
+    for stream, suffix in ((False, ""), (True, "_stream")):
+        if 1 in args.concurrency:
+            added = cell("proxy", stream, 1).percentile_ms(0.5) - cell("direct", stream, 1).percentile_ms(0.5)
+            summary[f"c1_added_p50_ms{suffix}"] = round(added, 3)
+            summary[f"c1_p50_ms_direct{suffix}"] = round(cell("direct", stream, 1).percentile_ms(0.5), 3)
+            summary[f"c1_p50_ms_proxy{suffix}"] = round(cell("proxy", stream, 1).percentile_ms(0.5), 3)
+        for concurrency in args.concurrency:
+            if concurrency == 1:
+                continue
+            summary[f"c{concurrency}_rps_direct{suffix}"] = round(cell("direct", stream, concurrency).rps)
+            summary[f"c{concurrency}_rps_proxy{suffix}"] = round(cell("proxy", stream, concurrency).rps)
+            summary[f"c{concurrency}_p50_ms_proxy{suffix}"] = round(
+                cell("proxy", stream, concurrency).percentile_ms(0.5), 2)
+            summary[f"c{concurrency}_errors{suffix}"] = cell("proxy", stream, concurrency).errors
+    summary.update({
+        "errors_total": sum(c.result.errors for c in cells),
+        "proxied_ok_total": sum(expected.values()),
+        "recorded_ok_total": sum(stored.values()),
+        "recorded_missing": missing,
+        "proxy_workers": args.workers,
+        "completion_tokens": args.tokens,
+        "seconds_per_cell": args.seconds,
+        "load_avg_before": load_before,
+        "load_avg_after": load_after,
+    })
+    print(f"\nstore check: {summary['proxied_ok_total']} successful proxied answers, "
+          f"{summary['recorded_ok_total']} recorded with status 200, {missing} missing "
+          f"({'OK' if missing == 0 else 'FAILED'})")
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seconds", type=float, default=5.0, help="measuring window per cell")
+    parser.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each window")
+    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64, 256])
+    parser.add_argument("--tokens", type=int, default=16, help="completion tokens per answer (fake_upstream)")
+    parser.add_argument("--workers", type=int, default=1, help="proxy worker processes")
+    parser.add_argument("--keep", action="store_true", help="keep the temp dir (store, proxy log)")
+    args = parser.parse_args()
+    print(f"load average before: {load_average()} (2 cores; other engineers share them)", flush=True)
+    workdir = Path(tempfile.mkdtemp(prefix="flywheel-bench-"))
+    summary = uvloop.run(run(args, workdir))
+    if args.keep or summary["errors_total"] or summary["recorded_missing"]:
+        print(f"kept {workdir} (proxy.log, flywheel.db)")
+    else:
+        import shutil
+
+        shutil.rmtree(workdir, ignore_errors=True)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
