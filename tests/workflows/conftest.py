@@ -18,6 +18,8 @@ import pytest
 
 from tests.support.services import ADMIN_KEY, ROOT, ProxyProcess
 
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # before any test module imports litellm (tau2)
+
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 

@@ -83,7 +83,7 @@ def same_answer(predicted: str, gold: str) -> bool:
     p, g = parse_number(predicted), parse_number(gold)
     if p is not None and g is not None:
         return p == g
-    from math_verify import parse, verify  # type: ignore[import-untyped]  # symbolic only; in the agents venv
+    from math_verify import parse, verify  # type: ignore[import-untyped,unused-ignore]  # agents venv
 
     return bool(verify(parse(f"${gold}$"), parse(f"${predicted}$")))
 

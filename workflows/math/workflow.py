@@ -15,13 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 from openai import AsyncOpenAI
 
 from workflows.base import Endpoint, Episode, Outcome, Split, Workflow
 from workflows.math.reward import check
 from workflows.math.tasks import MIXES, MathProblem, generate, load_jsonl
 
+TIMEOUT_S = 600.0
+"""Per request: on a busy CPU engine a 96-token reply can wait minutes in the queue."""
 SYSTEM_PROMPT = "Solve the problem. End your reply with a line 'Answer: <number>'."
 
 
@@ -62,10 +63,6 @@ class MathWorkflow(Workflow[MathProblem, MathOptions]):
     options_type = MathOptions
     episode_timeout_s = 300.0
 
-    def __init__(self, options: MathOptions) -> None:
-        super().__init__(options)
-        self._http: httpx.AsyncClient | None = None
-
     def tasks(self, split: Split) -> Sequence[MathProblem]:
         path = self.options.train_jsonl if split == "train" else self.options.test_jsonl
         problems = load_jsonl(path, split) if path is not None else generate(split, mix=self.options.mix)
@@ -80,19 +77,12 @@ class MathWorkflow(Workflow[MathProblem, MathOptions]):
     def messages(self, task: MathProblem) -> list[dict[str, str]]:
         return [{"role": "system", "content": self.options.system_prompt}, {"role": "user", "content": task.question}]
 
-    async def start(self) -> None:
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0))
-
-    async def close(self) -> None:
-        if self._http is not None:
-            await self._http.aclose()
-            self._http = None
-
     async def run_episode(self, task: MathProblem, episode: Episode) -> Outcome:
-        client = AsyncOpenAI(base_url=episode.base_url, api_key=episode.api_key, http_client=self._http)
-        response = await client.chat.completions.create(
-            model=episode.model, messages=self.messages(task),  # type: ignore[arg-type]
-            max_tokens=self.options.max_tokens, temperature=self.options.temperature)
+        # A client per episode (its own connection pool): openai 2.x and 3.x take different httpx clients.
+        async with AsyncOpenAI(base_url=episode.base_url, api_key=episode.api_key, timeout=TIMEOUT_S) as client:
+            response = await client.chat.completions.create(
+                model=episode.model, messages=self.messages(task),  # type: ignore[arg-type]
+                max_tokens=self.options.max_tokens, temperature=self.options.temperature)
         choice = response.choices[0]
         result = check(choice.message.content or "", task.answer)
         return Outcome(reward=result.reward(self.options.format_weight),
@@ -113,8 +103,7 @@ class MathWorkflow(Workflow[MathProblem, MathOptions]):
         slots = asyncio.Semaphore(concurrency)
         versions: set[str] = set()
         started = time.monotonic()
-        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0)) as http:
-            client = AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, http_client=http)
+        async with AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, timeout=TIMEOUT_S) as client:
 
             async def one(task: MathProblem) -> tuple[MathProblem, bool, bool]:
                 async with slots:

@@ -1,0 +1,86 @@
+"""TheAgentCompany task layout, read from a directory.
+
+A task directory holds what a TAC image keeps under ``/instruction`` and ``/utils``:
+
+- ``task.md``: the instruction given to the agent;
+- ``checkpoints.md``: the checkpoints in words (for people; the evaluator is the authority);
+- ``evaluator.py``: ``grade_checkpoints(trajectory: str, workspace: Path) -> Result`` (local tasks
+  get their workspace path; TAC's own evaluators read fixed paths inside their container);
+- ``dependencies.yml``: the services the task needs (gitlab, rocketchat, owncloud, plane); local
+  tasks need none;
+- ``workspace/`` (optional): files copied into the agent's fresh working directory;
+- ``init.sh`` (optional): run in the working directory before the agent starts.
+
+A directory of tasks may carry ``splits.yml`` (``train: [...]``, ``test: [...]``); without one,
+every task is in both splits. A task for the docker runtime names its image in ``image.txt``
+(default ``ghcr.io/theagentcompany/<name>-image:1.0.0``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml  # type: ignore[import-untyped,unused-ignore]
+
+BUNDLED = Path(__file__).resolve().parent / "tasks"
+"""Self-contained local tasks written for Flywheel (no services)."""
+SERVICES = {"gitlab", "rocketchat", "owncloud", "plane"}
+
+
+@dataclass(frozen=True)
+class TACTask:
+    name: str
+    path: Path
+    instruction: str
+    dependencies: tuple[str, ...]
+    image: str
+
+    @property
+    def evaluator(self) -> Path:
+        return self.path / "evaluator.py"
+
+    @property
+    def workspace_seed(self) -> Path | None:
+        seed = self.path / "workspace"
+        return seed if seed.is_dir() else None
+
+    @property
+    def init_script(self) -> Path | None:
+        script = self.path / "init.sh"
+        return script if script.is_file() else None
+
+
+def load_task(path: Path) -> TACTask:
+    """Read one task directory; a missing piece is an error naming the file."""
+    path = path.resolve()
+    for required in ("task.md", "evaluator.py"):
+        if not (path / required).is_file():
+            raise ValueError(f"TAC task {path.name}: missing {required} in {path}")
+    deps_file = path / "dependencies.yml"
+    deps = yaml.safe_load(deps_file.read_text()) if deps_file.is_file() else []
+    if not isinstance(deps, list | type(None)) or any(not isinstance(d, str) for d in deps or []):
+        raise ValueError(f"TAC task {path.name}: dependencies.yml must be a list of service names")
+    image_file = path / "image.txt"
+    default_image = f"ghcr.io/theagentcompany/{path.name}-image:1.0.0"
+    image = image_file.read_text().strip() if image_file.is_file() else default_image
+    return TACTask(name=path.name, path=path, instruction=(path / "task.md").read_text().strip(),
+                   dependencies=tuple(deps or ()), image=image)
+
+
+def load_tasks(root: Path, split: str) -> list[TACTask]:
+    """The tasks of ``split`` under ``root`` (sorted by name, or in splits.yml's order)."""
+    if not root.is_dir():
+        raise ValueError(f"no TAC task directory {root}")
+    names = sorted(p.name for p in root.iterdir() if (p / "task.md").is_file())
+    splits_file = root / "splits.yml"
+    if splits_file.is_file():
+        splits = yaml.safe_load(splits_file.read_text()) or {}
+        chosen = splits.get(split)
+        if not isinstance(chosen, list):
+            raise ValueError(f"{splits_file}: no list for split {split!r}")
+        unknown = set(chosen) - set(names)
+        if unknown:
+            raise ValueError(f"{splits_file}: {split} names unknown tasks {sorted(unknown)}")
+        names = list(chosen)
+    return [load_task(root / name) for name in names]

@@ -1,0 +1,100 @@
+"""OpenHands on TheAgentCompany-layout tasks: the agent works, the task's evaluator scores checkpoints.
+
+Reward = TAC's final score ``0.5 * result/total + 0.5 * (result // total)``. An episode whose
+task could not be set up, whose agent run failed, or whose evaluator failed is abandoned with that
+error; only a graded run gets a reward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from workflows.base import Endpoint, Episode, Outcome, Split, Workflow, in_thread
+from workflows.tac.agent import AgentConfig, run_agent
+from workflows.tac.runtime import DockerRuntime, LocalRuntime, Runtime
+from workflows.tac.scoring import score
+from workflows.tac.task import BUNDLED, TACTask, load_tasks
+
+
+@dataclass(frozen=True)
+class TACOptions:
+    tasks_dir: Path = BUNDLED
+    """Directory of TAC-layout tasks (default: the bundled local tasks)."""
+    tasks: list[str] | None = None
+    """Only these task names (comma-separated)."""
+    runtime: Literal["local", "docker"] = "local"
+    """local: temp workspace on this host (tasks without services); docker: official TAC images."""
+    max_iterations: int = 6
+    """Agent steps per episode (TAC's harness uses 100; a step is one LLM call)."""
+    temperature: float = 1.0
+    max_output_tokens: int = 256
+    max_input_tokens: int = 8192
+    """The served context (vLLM --max-model-len); OpenHands' prompt and tools take ~6.3k of 8k."""
+    system_prompt: Literal["openhands", "short"] = "openhands"
+    """openhands: the SDK's own prompt; short: a compact one for small-context models."""
+    keep_workspaces: bool = False
+    workspace_root: Path | None = None
+    """Parent of the per-episode temp directories (default: the system temp dir)."""
+    server_hostname: str = "localhost"
+    """docker runtime: where TAC's services (GitLab, RocketChat, ownCloud, Plane) run."""
+    env_model: str = "policy-base"
+    """docker runtime: LLM for TAC's NPCs and LLM-graded checkpoints (through /passthrough/v1)."""
+
+    def __post_init__(self) -> None:
+        if self.max_iterations < 1:
+            raise ValueError(f"max_iterations must be >= 1, got {self.max_iterations}")
+
+
+class TACWorkflow(Workflow[TACTask, TACOptions]):
+    """OpenHands (terminal + file editor) on TheAgentCompany-layout tasks; reward = TAC's score."""
+
+    name = "tac"
+    options_type = TACOptions
+    episode_timeout_s = 1800.0
+
+    def tasks(self, split: Split) -> Sequence[TACTask]:
+        tasks = load_tasks(self.options.tasks_dir, split)
+        if self.options.tasks:
+            unknown = set(self.options.tasks) - {t.name for t in tasks}
+            if unknown:
+                raise ValueError(f"no {split} TAC tasks named {sorted(unknown)} in {self.options.tasks_dir}")
+            tasks = [t for t in tasks if t.name in self.options.tasks]
+        return tasks
+
+    def task_id(self, task: TACTask) -> str:
+        return f"tac/{task.name}"
+
+    def task_metadata(self, task: TACTask) -> dict[str, Any]:
+        return {"task": task.name, "runtime": self.options.runtime}
+
+    def runtime(self, passthrough: Endpoint) -> Runtime:
+        if self.options.runtime == "docker":
+            return DockerRuntime(server_hostname=self.options.server_hostname, env_llm=passthrough,
+                                 env_model=self.options.env_model, keep=self.options.keep_workspaces)
+        return LocalRuntime(root=self.options.workspace_root, keep=self.options.keep_workspaces)
+
+    def play(self, task: TACTask, episode: Episode) -> Outcome:
+        """Set up, run the agent, grade, clean up (blocking: runs in the runner's thread pool)."""
+        runtime = self.runtime(episode.passthrough)
+        prepared = runtime.prepare(task, episode.id)
+        try:
+            opts = self.options
+            run = run_agent(prepared.instruction, prepared.workdir, AgentConfig(
+                model=episode.model, base_url=f"{episode.proxy_url}/v1", api_key=episode.api_key,
+                conversation_id=episode.id, max_iterations=opts.max_iterations, temperature=opts.temperature,
+                max_output_tokens=opts.max_output_tokens, max_input_tokens=opts.max_input_tokens,
+                system_prompt=opts.system_prompt, file_editor=prepared.file_editor,
+                terminal_params=prepared.terminal_params))
+            result = runtime.evaluate(prepared, run.trajectory)
+        finally:
+            runtime.cleanup(prepared)
+        final = result.final_score
+        return Outcome(reward=score(final), metadata={
+            "checkpoints": [[c.result, c.total] for c in result.checkpoints],
+            "final_score": [final.result, final.total], "ending": run.ending, "events": run.events})
+
+    async def run_episode(self, task: TACTask, episode: Episode) -> Outcome:
+        return await in_thread(self.play, task, episode)
