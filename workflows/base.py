@@ -94,6 +94,8 @@ class Workflow(ABC, Generic[T, O]):
     name: ClassVar[str]
     options_type: ClassVar[type[Any]]
     """A frozen dataclass of the workflow's options (``-o key=value`` on the command line)."""
+    requires: ClassVar[tuple[str, ...]] = ()
+    """Top-level packages the workflow imports lazily; checked when it is loaded by name."""
     episode_timeout_s: ClassVar[float] = 600.0
     """Default wall-clock limit of one episode; past it the episode is abandoned."""
 

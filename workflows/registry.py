@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 from workflows.base import Workflow
 
 BUILTIN = {
-    "math": "workflows.math.workflow:MathWorkflow",
-    "tau2": "workflows.tau2.workflow:Tau2Workflow",
-    "tac": "workflows.tac.workflow:TACWorkflow",
+    "math": "workflows.math.run:MathWorkflow",
+    "tau2": "workflows.tau2.run:Tau2Workflow",
+    "tac": "workflows.tac.run:TACWorkflow",
 }
 
 
@@ -31,4 +32,8 @@ def load(name: str) -> type[Workflow[Any, Any]]:
         raise ValueError(f"module {module_name} has no {attr}") from None
     if not (isinstance(cls, type) and issubclass(cls, Workflow)):
         raise ValueError(f"{target} is not a workflows.base.Workflow subclass")
+    missing = [pkg for pkg in cls.requires if importlib.util.find_spec(pkg) is None]
+    if missing:
+        raise ValueError(f"workflow {name!r} needs {', '.join(missing)}, not installed here; "
+                         "the agent workflows run in the agents venv (.venv-agents/bin/python)")
     return cls

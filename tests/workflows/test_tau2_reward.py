@@ -23,7 +23,7 @@ from tau2.data_model.message import AssistantMessage, ToolCall, UserMessage  # n
 from tau2.registry import registry  # noqa: E402
 from tau2.user.base import BaseUser  # noqa: E402
 
-from workflows.tau2.workflow import outcome_of, simulate  # noqa: E402
+from workflows.tau2.run import outcome_of, simulate  # noqa: E402
 
 TASK_ID = "11"
 

@@ -43,6 +43,7 @@ class MathOptions:
     format_weight: float = 0.1
     """Reward = (1 - w) * correct + w * ends-with-'Answer: <number>'; 0 rewards correctness only."""
     system_prompt: str = SYSTEM_PROMPT
+    """The same for training and evaluation, so their numbers compare."""
 
     def __post_init__(self) -> None:
         if self.mix not in MIXES:

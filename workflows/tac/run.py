@@ -30,12 +30,15 @@ class TACOptions:
     max_iterations: int = 6
     """Agent steps per episode (TAC's harness uses 100; a step is one LLM call)."""
     temperature: float = 1.0
+    """Agent sampling temperature."""
     max_output_tokens: int = 256
+    """Cap per agent step: the prompt leaves ~1.9k of 8k tokens for the whole episode."""
     max_input_tokens: int = 8192
     """The served context (vLLM --max-model-len); OpenHands' prompt and tools take ~6.3k of 8k."""
     system_prompt: Literal["openhands", "short"] = "openhands"
     """openhands: the SDK's own prompt; short: a compact one for small-context models."""
     keep_workspaces: bool = False
+    """Keep each episode's workspace and trajectory for inspection (default: deleted after grading)."""
     workspace_root: Path | None = None
     """Parent of the per-episode temp directories (default: the system temp dir)."""
     server_hostname: str = "localhost"
@@ -53,6 +56,7 @@ class TACWorkflow(Workflow[TACTask, TACOptions]):
 
     name = "tac"
     options_type = TACOptions
+    requires = ("openhands", "litellm")
     episode_timeout_s = 1800.0
 
     def tasks(self, split: Split) -> Sequence[TACTask]:

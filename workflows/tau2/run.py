@@ -33,8 +33,9 @@ class Tau2Options:
     """tau2 domain: airline (30 train / 20 test tasks), retail (74 / 40) or telecom (74 / 40)."""
     task_ids: list[str] | None = None
     """Only these tau2 task ids (comma-separated); default: the whole split."""
-    max_steps: int = 30
-    """Messages before tau2 stops the run (reward 0); tau2's default is 200, too slow on CPU."""
+    max_steps: int = 10
+    """Messages before tau2 stops the run (reward 0). tau2's default is 200; on SmolLM2 the agent's
+    prompt starts at ~5.2k of 8k tokens and grows ~0.5k per exchange, so 10 stays inside the context."""
     max_errors: int = 10
     """Failed tool calls before tau2 stops the run (reward 0)."""
     temperature: float = 1.0
@@ -98,6 +99,7 @@ class Tau2Workflow(Workflow[Any, Tau2Options]):
 
     name = "tau2"
     options_type = Tau2Options
+    requires = ("tau2", "loguru", "litellm")
     episode_timeout_s = 1800.0
 
     def tasks(self, split: Split) -> Sequence[Any]:
