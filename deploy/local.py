@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import yaml
 
-from deploy.vllm import Supervisor, VLLMServer, die_with_parent
+from deploy.vllm import DEFAULT_TEMPLATE, Supervisor, VLLMServer, die_with_parent
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -97,6 +97,9 @@ class Stack:
             port=int(upstream_url.rsplit(":", 1)[1].split("/")[0]), device=engine.get("device", "cpu"),
             max_lora_rank=engine.get("max_lora_rank", 16), max_loras=engine.get("max_loras", 4),
             max_model_len=engine.get("max_model_len", 8192), cpu_kv_cache_gib=engine.get("cpu_kv_cache_gib", 4),
+            chat_template=engine.get("chat_template", str(DEFAULT_TEMPLATE)) or None,
+            tool_call_parser=engine.get("tool_call_parser", "hermes") or None,
+            gpu_memory_utilization=engine.get("gpu_memory_utilization", 0.85),
             log_path=self.logs / "vllm.log", extra_args=list(engine.get("extra_args", [])))
         self.restarts: list[str] = []
         self.supervisor = Supervisor(self.vllm, on_restart=self._on_restart)

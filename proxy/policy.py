@@ -117,19 +117,21 @@ class PolicyRouter:
         raise UpstreamError(f"vLLM {replica.name} failed to load adapter: {response.status_code} {message}")
 
     async def _unload_except(self, replica: Replica, kept: set[str]) -> None:
+        """Unload every published version on ``replica`` outside ``kept``. The replica's own model
+        list is the truth: another proxy replica may have published (and loaded) versions here."""
+        served = {m["id"] for m in await self._upstreams.list_models(replica)}
+        replica.adapters = {name for name in served if self._version_name.match(name)}
         for name in sorted(replica.adapters - kept):
-            if self._version_name.match(name):
-                response = await self._upstreams.post_json(replica, "/v1/unload_lora_adapter", {"lora_name": name})
-                if response.status_code in (200, 404):
-                    replica.adapters.discard(name)
+            response = await self._upstreams.post_json(replica, "/v1/unload_lora_adapter", {"lora_name": name})
+            if response.status_code in (200, 404):
+                replica.adapters.discard(name)
 
     async def sync_replica(self, replica: Replica) -> None:
         """Make a (re)started replica hold the kept versions before it takes traffic again."""
         served = {m["id"] for m in await self._upstreams.list_models(replica)}
-        replica.adapters = {name for name in served if self._version_name.match(name)}
         kept = self._kept(await self._repo.list_policy_versions(self.settings.keep_versions))
         for record in kept:
-            if record.name not in replica.adapters:
+            if record.name not in served:
                 await self._load(replica, record.name, record.adapter_path)
                 log.info("adapter restored on replica", extra={"replica": replica.name, "adapter": record.name})
         await self._unload_except(replica, {r.name for r in kept})

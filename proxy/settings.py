@@ -93,7 +93,8 @@ class Settings(_Section):
     host: str = "127.0.0.1"
     port: int = 8100
     public_url: str | None = None
-    """URL agents reach this proxy at; used in the ``base_url`` returned for new episodes."""
+    """URL agents reach this proxy at, for the ``base_url`` of new episodes; default: the URL the
+    creating request used (its Host header)."""
     upstreams: list[UpstreamSettings] = Field(min_length=1)
     policy: PolicySettings = PolicySettings()
     store: StoreSettings = StoreSettings()
@@ -111,10 +112,6 @@ class Settings(_Section):
         if len(set(names)) != len(names):
             raise ValueError(f"upstream names must be unique, got {names}")
         return self
-
-    @property
-    def base_url(self) -> str:
-        return (self.public_url or f"http://{self.host}:{self.port}").rstrip("/")
 
 
 def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 
 from proxy.deps import AdminDep, ServicesDep
 from proxy.errors import InvalidRequest
@@ -26,13 +26,21 @@ from proxy.schemas import (
 router = APIRouter(tags=["episodes"])
 
 
-def _key(svc: ServicesDep, episode_id: str) -> EpisodeKey:
+def _public_url(svc: ServicesDep, request: Request) -> str:
+    """Where agents reach this proxy: ``public_url`` if set, else the URL this request came in on
+    (so a proxy bound to 0.0.0.0 hands out an address clients can actually use)."""
+    if svc.settings.public_url:
+        return svc.settings.public_url.rstrip("/")
+    return str(request.base_url).rstrip("/")
+
+
+def _key(svc: ServicesDep, request: Request, episode_id: str) -> EpisodeKey:
     return EpisodeKey(id=episode_id, api_key=svc.keys.episode_key(episode_id),
-                      base_url=f"{svc.settings.base_url}/episodes/{episode_id}/v1")
+                      base_url=f"{_public_url(svc, request)}/episodes/{episode_id}/v1")
 
 
 @router.post("/groups", status_code=201, response_model=CreatedGroup)
-async def create_group(body: GroupCreate, svc: ServicesDep, _: AdminDep) -> CreatedGroup:
+async def create_group(body: GroupCreate, svc: ServicesDep, _: AdminDep, request: Request) -> CreatedGroup:
     """Create a group of ``size`` episodes for one task, each with its own key and base URL."""
     if body.size > svc.settings.episodes.max_group_size:
         raise InvalidRequest(f"size {body.size} exceeds the limit {svc.settings.episodes.max_group_size}",
@@ -45,7 +53,7 @@ async def create_group(body: GroupCreate, svc: ServicesDep, _: AdminDep) -> Crea
     svc.metrics.episodes.labels("created").inc(body.size)
     return CreatedGroup.model_validate(
         {**GroupOut.model_validate(group).model_dump(),
-         "episode_keys": [_key(svc, e.id) for e in group.episodes or []]})
+         "episode_keys": [_key(svc, request, e.id) for e in group.episodes or []]})
 
 
 @router.get("/groups", response_model=ListOut)
@@ -65,11 +73,11 @@ async def get_group(group_id: str, svc: ServicesDep, _: AdminDep) -> GroupOut:
 
 
 @router.post("/episodes", status_code=201, response_model=CreatedEpisode)
-async def create_episode(body: EpisodeCreate, svc: ServicesDep, _: AdminDep) -> CreatedEpisode:
+async def create_episode(body: EpisodeCreate, svc: ServicesDep, _: AdminDep, request: Request) -> CreatedEpisode:
     """Create a lone episode (no group): recorded like any other, never trained on by GRPO."""
     episode = await svc.repo.create_episode(task_id=body.task_id, metadata=body.metadata)
     svc.metrics.episodes.labels("created").inc()
-    key = _key(svc, episode.id)
+    key = _key(svc, request, episode.id)
     return CreatedEpisode.model_validate(
         {**EpisodeOut.model_validate(episode).model_dump(), "api_key": key.api_key, "base_url": key.base_url})
 

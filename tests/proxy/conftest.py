@@ -67,9 +67,11 @@ def fake_vllm_completion(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def fake_upstream(seen: list[tuple[str, dict[str, Any]]] | None = None,
-                  respond: Callable[[httpx.Request, dict[str, Any]], httpx.Response | None] | None = None
-                  ) -> httpx.MockTransport:
-    """A named fake vLLM: health, models, adapter loading and chat completions, answering at once."""
+                  respond: Callable[[httpx.Request, dict[str, Any]], httpx.Response | None] | None = None,
+                  adapters: dict[str, str] | None = None) -> httpx.MockTransport:
+    """A named fake vLLM: health, models, adapter loading and chat completions, answering at once.
+    ``adapters`` (name -> path) is its loaded-adapter state; share one dict to fake one engine."""
+    loaded: dict[str, str] = {} if adapters is None else adapters
 
     def handler(request: httpx.Request) -> httpx.Response:
         body = orjson.loads(request.content) if request.content else {}
@@ -81,8 +83,19 @@ def fake_upstream(seen: list[tuple[str, dict[str, Any]]] | None = None,
         if path == "/health":
             return httpx.Response(200)
         if path == "/v1/models":
-            return httpx.Response(200, json={"object": "list", "data": [{"id": "policy-base", "object": "model"}]})
-        if path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            models = [{"id": "policy-base", "object": "model", "root": "/models/base"}]
+            models += [{"id": name, "object": "model", "root": root, "parent": "policy-base"}
+                       for name, root in loaded.items()]
+            return httpx.Response(200, json={"object": "list", "data": models})
+        if path == "/v1/load_lora_adapter":
+            if body["lora_name"] in loaded:
+                return httpx.Response(400, json={"error": {"message": f"The lora adapter '{body['lora_name']}' "
+                                                           "has already been loaded.", "code": 400}})
+            loaded[body["lora_name"]] = body["lora_path"]
+            return httpx.Response(200, text="ok")
+        if path == "/v1/unload_lora_adapter":
+            if loaded.pop(body["lora_name"], None) is None:
+                return httpx.Response(404, json={"error": {"message": "cannot be found", "code": 404}})
             return httpx.Response(200, text="ok")
         if path == "/v1/chat/completions":
             return httpx.Response(200, json=fake_vllm_completion(body))

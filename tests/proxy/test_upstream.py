@@ -196,3 +196,37 @@ async def test_replicas_agree_on_the_policy_through_the_store(sqlite_url: str) -
         await asyncio.sleep(0.3)
         response = await second.post("/v1/chat/completions", json=CHAT, headers=episode_auth(group))
         assert response.headers["x-policy-version"] == "1"
+
+
+async def test_old_versions_are_unloaded_whichever_replica_published_them(sqlite_url: str) -> None:
+    engine: dict[str, str] = {}  # one fake engine behind two proxy replicas
+    settings = make_settings(sqlite_url, policy={"keep_versions": 3, "refresh_s": 0.05})
+    async with running_app(settings, transport=fake_upstream(adapters=engine)) as first, \
+            running_app(settings, transport=fake_upstream(adapters=engine)) as second:
+        assert (await first.post("/policy/publish", json={"adapter_path": "/a/1"}, headers=ADMIN)).status_code == 201
+        for version in range(2, 6):
+            published = await second.post("/policy/publish", json={"adapter_path": f"/a/{version}"}, headers=ADMIN)
+            assert published.status_code == 201 and published.json()["version"] == version
+        assert engine == {"policy-v3": "/a/3", "policy-v4": "/a/4", "policy-v5": "/a/5"}
+
+
+async def test_a_restarted_replica_gets_the_kept_adapters_back(sqlite_url: str) -> None:
+    engine: dict[str, str] = {}
+    async with running_app(make_settings(sqlite_url, policy={"keep_versions": 2}),
+                           transport=fake_upstream(adapters=engine)) as client:
+        for version in (1, 2, 3):
+            await client.post("/policy/publish", json={"adapter_path": f"/a/{version}"}, headers=ADMIN)
+        engine.clear()  # the engine restarted: it lost its adapters
+        services = client.app.state.services  # type: ignore[attr-defined]
+        replica = services.upstreams.replicas[0]
+        replica.healthy = False
+        await services.upstreams.check_all(services.router.sync_replica)
+        assert replica.healthy and engine == {"policy-v2": "/a/2", "policy-v3": "/a/3"}
+
+
+async def test_a_stale_adapter_under_a_published_name_is_replaced(sqlite_url: str) -> None:
+    engine = {"policy-v1": "/old/run/adapter"}  # left over from another run on a shared engine
+    async with running_app(make_settings(sqlite_url), transport=fake_upstream(adapters=engine)) as client:
+        assert (await client.post("/policy/publish", json={"adapter_path": "/new/adapter"},
+                                  headers=ADMIN)).status_code == 201
+        assert engine == {"policy-v1": "/new/adapter"}
