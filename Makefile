@@ -50,7 +50,7 @@ test-engine:
 test-agents:
 	FLYWHEEL_ENGINE_PYTHON=$(ENGINE_PY) FLYWHEEL_AGENTS_PYTHON=$(AGENTS_PY) \
 	FLYWHEEL_MODEL_DIR=$$($(ENGINE_PY) -m deploy.model path) \
-	$(AGENTS_PY) -m pytest -m agents $(PYTEST_ARGS)
+	$(AGENTS_PY) -m pytest -m agents tests/workflows $(PYTEST_ARGS)
 
 serve: setup
 	FLYWHEEL_AGENTS_PYTHON=$(AGENTS_PY) $(ENGINE_PY) -m deploy.local serve --config $(RUN_CONFIG)

@@ -47,7 +47,8 @@ def find_python(kind: str) -> str:
     """Return an interpreter of the version ``kind`` needs, looking in pyenv if it is not on PATH."""
     name = PYTHONS[kind]
     found = shutil.which(name)
-    if found:
+    # A pyenv shim is on PATH even when that version is not selected (it then exits 127): try it.
+    if found and subprocess.run([found, "-c", "pass"], capture_output=True).returncode == 0:
         return found
     pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
     for candidate in sorted(pyenv.glob(f"{PYENV_FALLBACK[kind]}.*"), reverse=True):
