@@ -234,9 +234,9 @@ def build_batch(groups: Sequence[Group], *, max_seq_len: int, min_rewarded: int,
         return batch
     reward_tensors = [torch.tensor([float(e.reward or 0.0) for e in eps], dtype=torch.float64) for _, eps, _ in kept]
     advantages = group_advantages(reward_tensors, scale_rewards)  # type: ignore[arg-type]
-    for (group, _episodes, per_episode), rewards, adv in zip(kept, reward_tensors, advantages, strict=True):
+    for (group, _episodes, per_episode), group_rewards, adv in zip(kept, reward_tensors, advantages, strict=True):
         batch.trained.append(group.id)
-        batch.rewards += rewards.tolist()
+        batch.rewards += group_rewards.tolist()
         batch.advantages += adv.tolist()
         for samples, value in zip(per_episode, adv.tolist(), strict=True):
             for sample in samples:

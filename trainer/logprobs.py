@@ -21,7 +21,7 @@ Tensor = torch.Tensor
 
 class _SelectedLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor, inv_temp: Tensor,  # type: ignore[override]
+    def forward(ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor, inv_temp: Tensor,
                 rows: int) -> tuple[Tensor, Tensor]:
         n = hidden.shape[0]
         logps = hidden.new_empty(n, dtype=torch.float32)  # (N,)
@@ -40,7 +40,7 @@ class _SelectedLogProbs(torch.autograd.Function):
         return logps, entropy
 
     @staticmethod
-    def backward(ctx: Any, grad_logps: Tensor, _grad_entropy: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_logps: Tensor, _grad_entropy: Tensor) -> tuple[Tensor | None, ...]:
         hidden, weight, targets, inv_temp, lse = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden)
         n = hidden.shape[0]
@@ -64,4 +64,5 @@ def selected_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperatu
     if hidden.shape[0] == 0:
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return empty + hidden.sum() * 0, empty  # keeps the graph connected for an empty micro-batch
-    return _SelectedLogProbs.apply(hidden, weight, targets, inv_temp, rows)  # type: ignore[no-any-return]
+    logps, entropy = _SelectedLogProbs.apply(hidden, weight, targets, inv_temp, rows)  # type: ignore[no-untyped-call]
+    return logps, entropy

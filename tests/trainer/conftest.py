@@ -1,0 +1,69 @@
+"""Trainer test helpers: a real proxy in front of the session's vLLM, and recorded groups.
+
+Adapters are published under a per-test name prefix (``policy.adapter_prefix``), never the
+``policy-v*`` names a shared development engine may be serving, and unloaded again at teardown.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.services import ADMIN_KEY, ProxyProcess
+
+ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
+
+
+@dataclass
+class TrainerProxy:
+    url: str
+    prefix: str
+    process: ProxyProcess
+
+    def get(self, path: str, **params: Any) -> Any:
+        response = httpx.get(f"{self.url}{path}", headers=ADMIN, params=params, timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def record_group(self, rewards: list[float], *, question: str = "What is 3+4?", max_tokens: int = 4) -> str:
+        """A group of len(rewards) episodes, one real sampled chat call each, then rewarded."""
+        created = httpx.post(f"{self.url}/groups", headers=ADMIN, timeout=60,
+                             json={"task_id": f"t-{uuid.uuid4().hex[:6]}", "size": len(rewards)})
+        assert created.status_code == 201, created.text
+        group = created.json()
+        for key, reward in zip(group["episode_keys"], rewards, strict=True):
+            reply = httpx.post(f"{key['base_url']}/chat/completions", timeout=300,
+                               headers={"authorization": f"Bearer {key['api_key']}"},
+                               json={"model": "policy", "messages": [{"role": "user", "content": question}],
+                                     "max_tokens": max_tokens, "temperature": 1.0})
+            assert reply.status_code == 200, reply.text
+            rewarded = httpx.post(f"{self.url}/episodes/{key['id']}/reward", headers=ADMIN, json={"reward": reward},
+                                  timeout=60)
+            assert rewarded.status_code == 200, rewarded.text
+        return str(group["id"])
+
+
+def _unload(vllm_url: str, prefix: str) -> None:
+    models = httpx.get(f"{vllm_url}/v1/models", timeout=30).json()["data"]
+    for model in models:
+        if model["id"].startswith(prefix):
+            httpx.post(f"{vllm_url}/v1/unload_lora_adapter", json={"lora_name": model["id"]}, timeout=30)
+
+
+@pytest.fixture
+def trainer_proxy(vllm_url: str, tmp_path: Path) -> Iterator[TrainerProxy]:
+    prefix = f"trainertest{uuid.uuid4().hex[:6]}-v"
+    process = ProxyProcess(upstream_url=vllm_url, store_url=f"sqlite+aiosqlite:///{tmp_path / 'flywheel.db'}",
+                           workdir=tmp_path / "proxy", extra_env={"FLYWHEEL_POLICY__ADAPTER_PREFIX": prefix})
+    process.start()
+    try:
+        yield TrainerProxy(url=process.url, prefix=prefix, process=process)
+    finally:
+        process.stop()
+        _unload(vllm_url, prefix)

@@ -1,0 +1,100 @@
+"""``python -m trainer run --config configs/trainer-local.yaml [key=value ...]``: GRPO on completed groups.
+
+Overrides use the config's field names, e.g. ``max_steps=20 learning_rate=1e-4 mode=sync``
+(``--key=value`` works too). ``python -m trainer config`` prints every field with its default.
+Everything is checked before the model loads: the config, the model directory, the proxy and the
+admin key. Exit status 2 means the trainer refused to start; the message says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from trainer.client import ProxyClient, ProxyError
+from trainer.config import ConfigError, TrainerConfig, load_config
+
+cli = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML config (see configs/trainer-*.yaml)")]
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"trainer: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def preflight(config: TrainerConfig) -> ProxyClient:
+    """The cheap checks, before torch loads: model directory, admin key, proxy reachable and accepting the key."""
+    model = config.model_dir
+    if not str(model) or not (model / "config.json").is_file():
+        raise ConfigError(f"model directory not found or not a Hugging Face model: {str(model)!r}; set `model:` or "
+                          "FLYWHEEL_MODEL_DIR (`python -m deploy.model path` prints the local SmolLM2)")
+    client = ProxyClient(config.proxy_url, config.admin_key(), timeout_s=config.request_timeout_s)
+    try:
+        client.policy()
+    except ProxyError as exc:
+        client.close()
+        if exc.status == 401:
+            raise ConfigError(f"the proxy at {config.proxy_url} rejected the admin key ({exc.message})") from exc
+        raise ConfigError(exc.message if exc.status == 0 else f"proxy check failed: {exc}") from exc
+    return client
+
+
+@cli.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def run(ctx: typer.Context, config: ConfigOpt = None) -> None:
+    """Train until max_steps or SIGTERM; resumes from output_dir's last checkpoint."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        cfg = load_config(config, list(ctx.args))
+        client = preflight(cfg)
+    except ConfigError as exc:
+        _fail(str(exc))
+        return
+    from trainer.loop import Trainer
+    from trainer.lora import Policy
+    from trainer.report import Reporter
+
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    (cfg.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+    try:
+        policy = Policy(cfg)
+    except ConfigError as exc:
+        _fail(str(exc))
+        return
+    reporter = Reporter(cfg.out, tensorboard=cfg.tensorboard, progress=cfg.progress, max_steps=cfg.max_steps,
+                        start_step=0)
+    trainer = Trainer(cfg, client, policy, reporter)
+    trainer.install_signals()
+    try:
+        trainer.resume()
+        last = trainer.run()
+    finally:
+        reporter.close()
+        client.close()
+    typer.echo(json.dumps({"last_step": last, "output_dir": str(cfg.out)}))
+
+
+@cli.command("config")
+def show_config(config: ConfigOpt = None) -> None:
+    """Print the effective configuration (defaults, YAML, overrides) as YAML-ready JSON."""
+    try:
+        cfg = load_config(config)
+    except ConfigError as exc:
+        _fail(str(exc))
+        return
+    for f in dataclasses.fields(cfg):
+        typer.echo(f"{f.name}: {json.dumps(cfg.to_dict()[f.name])}")
+
+
+def main() -> None:
+    cli(prog_name=f"{Path(sys.executable).name} -m trainer")
+
+
+if __name__ == "__main__":
+    main()

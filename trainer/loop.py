@@ -1,0 +1,256 @@
+"""The training loop: claim groups -> samples -> loss -> step -> checkpoint -> ack -> publish -> metrics.
+
+Exactly once. A step's groups are acked only after the checkpoint that contains their update is
+on disk, and the checkpoint names the leases and groups it trained. A restart loads the newest
+checkpoint and re-acks its groups (the proxy treats an ack of the same step as a no-op), so a
+kill -9 between checkpoint and ack loses nothing and trains nothing twice. Leases claimed after
+the checkpoint are journalled (``pending.json``); a restart trains their groups under the same
+lease if it is still valid, otherwise the proxy offers them again when it expires.
+
+Sync mode claims with staleness 0 (only groups from the current policy version); async mode
+accepts groups up to ``max_staleness`` versions old, and the truncated importance weights correct
+for the lag.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import time
+from typing import Any
+
+from trainer.checkpoint import Checkpoints, CheckpointState, LeaseRecord
+from trainer.client import Group, ProxyClient, ProxyError
+from trainer.config import TrainerConfig
+from trainer.data import Batch, ChatRetokenizer, build_batch, staleness
+from trainer.learner import Learner, StepStats
+from trainer.lora import Policy
+from trainer.publish import Publisher
+from trainer.report import Reporter, finite
+
+FAULT_ENV = "FLYWHEEL_TRAINER_FAULT"
+"""Test hook: ``<point>:<step>`` (points: after_claim, after_checkpoint) makes the process kill -9
+itself there, so crash recovery is tested at exact instants."""
+
+
+class Trainer:
+    def __init__(self, config: TrainerConfig, client: ProxyClient, policy: Policy, reporter: Reporter) -> None:
+        self.config = config
+        self.client = client
+        self.policy = policy
+        self.learner = Learner(policy, config)
+        self.reporter = reporter
+        self.checkpoints = Checkpoints(config.out, config.keep_checkpoints)
+        self.publisher = Publisher(client, config.out, config.keep_adapters)
+        self.retokenize = ChatRetokenizer(policy.tokenizer, _template(config)) if config.retokenize_inexact else None
+        self.step = 0
+        self.version_base = 0
+        self.stop_requested = False
+        self._resumable: list[LeaseRecord] = []
+
+    # -- start and resume --------------------------------------------------------------------------
+
+    def resume(self) -> None:
+        """Load the newest checkpoint and finish its step (ack, journal, publish, report) idempotently."""
+        latest = self.checkpoints.latest()
+        if latest is None:
+            self.version_base = self.client.policy().version
+            self.reporter.log(f"fresh start: publishing versions after the proxy's current v{self.version_base}")
+        else:
+            directory, state = latest
+            adapter, optimizer = self.checkpoints.load_tensors(directory)
+            self.policy.load_adapter_state(adapter)
+            self.learner.optimizer.load_state_dict(optimizer)
+            self.step, self.version_base = state.step, state.version_base
+            self.reporter.log(f"resumed from {directory.name}: step {self.step}")
+            self._finish(state)
+        done = {lease.lease_id for lease in latest[1].leases} if latest else set()
+        horizon = time.time() + 30.0
+        self._resumable = [lease for lease in self.checkpoints.pending()
+                           if lease.lease_id not in done and lease.expires_at > horizon]
+
+    def _finish(self, state: CheckpointState) -> None:
+        for lease in state.leases:
+            self._ack(lease, state.step)
+        if state.step not in self.reporter.journal_steps():
+            self.reporter.journal({"step": state.step, "trained": [g for lease in state.leases for g in lease.trained],
+                                   "skipped": [g for lease in state.leases for g in lease.skipped],
+                                   "leases": [lease.lease_id for lease in state.leases]})
+        metrics = dict(state.metrics)
+        if state.step % self.config.publish_every == 0:
+            metrics.update(self._publish(state.step))
+        self.client.report_step(state.step, finite(metrics))
+        self.reporter.step(state.step, metrics)
+
+    def _ack(self, lease: LeaseRecord, step: int) -> None:
+        for status, ids in (("trained", lease.trained), ("skipped", list(lease.skipped))):
+            if not ids:
+                continue
+            note = "; ".join(sorted(set(lease.skipped.values())))[:4000] if status == "skipped" else None
+            try:
+                self.client.ack(lease_id=lease.lease_id, group_ids=ids, step=step, status=status,  # type: ignore[arg-type]
+                                note=note)
+            except ProxyError as exc:
+                if exc.status != 409:
+                    raise
+                self.reporter.log(f"[warning] ack of {len(ids)} {status} groups for step {step} refused: {exc.message}")
+
+    def _publish(self, step: int) -> dict[str, Any]:
+        version = self.version_base + step
+        if self.client.policy().version >= version:
+            return {"proxy/published_version": version}
+        try:
+            record, seconds = self.publisher.publish(self.policy, version, {"step": step})
+        except ProxyError as exc:
+            if 400 <= exc.status < 500:
+                raise  # the adapter or the request is wrong: every later publish would fail the same way
+            self.reporter.log(f"[warning] publishing v{version} failed, the next publish retries: {exc}")
+            return {"proxy/publish_failed": 1}
+        return {"proxy/published_version": record.version, "perf/publish_s": seconds}
+
+    # -- claiming --------------------------------------------------------------------------------
+
+    def collect(self) -> tuple[list[Group], list[LeaseRecord], int, int]:
+        """Groups for one step: (groups, leases, current policy version, groups marked stale)."""
+        if self._resumable:
+            resumed, self._resumable = self._resumable, []
+            return self._refetch(resumed), resumed, self.client.policy().version, 0
+        groups: list[Group] = []
+        leases: list[LeaseRecord] = []
+        current, stale, first_at = 0, 0, None
+        while len(groups) < self.config.groups_per_step and not self.stop_requested:
+            claim = self.client.claim(trainer_id=self.config.trainer_id, lease_s=self.config.lease_s,
+                                      max_groups=self.config.groups_per_step - len(groups),
+                                      max_staleness=self.config.staleness_bound)
+            current, stale = claim.current_version, stale + claim.stale
+            if claim.stale:
+                self.reporter.log(f"{claim.stale} groups dropped as stale: older than {self.config.staleness_bound} "
+                                  f"versions behind v{current} (max_staleness / mode)")
+            if claim.groups:
+                groups += claim.groups
+                leases.append(LeaseRecord(claim.lease_id, [g.id for g in claim.groups], claim.lease_expires_at))
+                self.checkpoints.set_pending(leases)
+                first_at = first_at or time.monotonic()
+                self._fault("after_claim", self.step + 1)
+                continue
+            if first_at is not None and time.monotonic() - first_at >= self.config.batch_wait_s:
+                break
+            self.reporter.status(f"step {self.step + 1}: {len(groups)}/{self.config.groups_per_step} groups, waiting")
+            self._sleep(self.config.poll_interval_s)
+        return groups, leases, current, stale
+
+    def _refetch(self, leases: list[LeaseRecord]) -> list[Group]:
+        groups = []
+        for lease in leases:
+            for group_id in lease.group_ids:
+                group = self.client.group(group_id)
+                if group.train_status == "pending":
+                    group.episodes = [self.client.episode(e.id) for e in group.episodes or []]
+                    groups.append(group)
+        self.reporter.log(f"resuming {len(groups)} groups claimed before the restart")
+        return groups
+
+    # -- one step ----------------------------------------------------------------------------------
+
+    def run_once(self) -> bool:
+        """Claim, train, checkpoint, ack, publish, report. False when stopped before anything was claimed."""
+        wait_started = time.perf_counter()
+        groups, leases, current, stale = self.collect()
+        if not groups:
+            return False
+        wait_s = time.perf_counter() - wait_started
+        cfg = self.config
+        batch = build_batch(groups, max_seq_len=cfg.max_seq_len, min_rewarded=cfg.min_rewarded,
+                            scale_rewards=cfg.scale_rewards, retokenize=self.retokenize)
+        step = self.step + 1
+        for lease in leases:
+            lease.trained = [g for g in lease.group_ids if g in batch.trained]
+            lease.skipped = {g: batch.skipped[g] for g in lease.group_ids if g in batch.skipped}
+        if not batch.samples:  # nothing to learn from: ack the skips, no step is taken
+            for lease in leases:
+                self._ack(lease, step)
+            self.checkpoints.set_pending([])
+            self.reporter.log(f"{len(batch.skipped)} groups skipped ({'; '.join(sorted(set(batch.skipped.values())))})")
+            return True
+        self.reporter.status(f"step {step}: training on {len(batch.samples)} samples")
+        stats = self.learner.step(batch.samples)
+        metrics = step_metrics(batch, groups, stats, current=current, stale=stale, wait_s=wait_s,
+                               pass_threshold=cfg.pass_threshold)
+        state = CheckpointState(step=step, version_base=self.version_base, leases=leases, metrics=finite(metrics))
+        self.checkpoints.save(adapter=self.policy.adapter_state(), optimizer=self.learner.optimizer.state_dict(),
+                              state=state)
+        self.step = step
+        self._fault("after_checkpoint", step)
+        self.checkpoints.set_pending([])
+        self._finish(state)
+        return True
+
+    def run(self) -> int:
+        """Steps until ``max_steps`` or a stop signal; returns the last completed step."""
+        while not self.stop_requested and (self.config.max_steps is None or self.step < self.config.max_steps):
+            if not self.run_once():
+                break
+        return self.step
+
+    # -- signals and faults ----------------------------------------------------------------------
+
+    def install_signals(self) -> None:
+        def request_stop(signum: int, _frame: Any) -> None:
+            if self.stop_requested:  # a second signal: stop now (the last checkpoint is consistent)
+                raise SystemExit(128 + signum)
+            self.stop_requested = True
+            self.reporter.log(f"signal {signum}: stopping after the current step (again to stop at once)")
+
+        signal.signal(signal.SIGTERM, request_stop)
+        signal.signal(signal.SIGINT, request_stop)
+
+    def _sleep(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not self.stop_requested and time.monotonic() < deadline:
+            time.sleep(min(0.2, deadline - time.monotonic()))
+
+    @staticmethod
+    def _fault(point: str, step: int) -> None:
+        if os.environ.get(FAULT_ENV) == f"{point}:{step}":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _template(config: TrainerConfig) -> str | None:
+    return open(config.chat_template).read() if config.chat_template else None  # noqa: SIM115
+
+
+def _stats(values: list[float]) -> tuple[float, float]:
+    if not values:
+        return 0.0, 0.0
+    return statistics.fmean(values), statistics.pstdev(values)
+
+
+def step_metrics(batch: Batch, groups: list[Group], stats: StepStats, *, current: int, stale: int, wait_s: float,
+                 pass_threshold: float) -> dict[str, Any]:
+    """The step's metrics, keyed like cleanrl's charts (reward/, loss/, policy/, data/, perf/, proxy/)."""
+    rewards = [float(e.reward) for g in groups for e in g.episodes or []
+               if e.status == "rewarded" and e.reward is not None]
+    reward_mean, reward_std = _stats(rewards)
+    adv_mean, adv_std = _stats(batch.advantages)
+    lags = staleness(batch.samples, current)
+    metrics: dict[str, Any] = {
+        "reward/mean": reward_mean, "reward/std": reward_std, "reward/episodes": len(rewards),
+        "reward/pass_rate": sum(r >= pass_threshold for r in rewards) / len(rewards) if rewards else 0.0,
+        "advantage/mean": adv_mean, "advantage/std": adv_std,
+        "advantage/abs_mean": statistics.fmean(abs(a) for a in batch.advantages) if batch.advantages else 0.0,
+        "loss/total": stats.loss, "loss/policy": stats.policy_loss, "loss/kl": stats.kl,
+        "policy/entropy": stats.entropy, "policy/clip_fraction": stats.clip_low + stats.clip_high,
+        "policy/clip_low": stats.clip_low, "policy/clip_high": stats.clip_high, "policy/ratio_mean": stats.ratio,
+        "policy/is_weight_mean": stats.is_weight, "policy/is_capped_fraction": stats.is_capped,
+        "policy/logprob_mismatch": stats.mismatch, "policy/grad_norm": stats.grad_norm,
+        "data/tokens": stats.tokens, "data/loss_tokens": stats.loss_tokens, "data/samples": stats.sequences,
+        "data/micro_batches": stats.micro_batches, "data/groups_trained": len(batch.trained),
+        "data/groups_skipped_equal": batch.skipped_equal, "data/groups_skipped_few": batch.skipped_few,
+        "data/groups_skipped_empty": batch.skipped_empty,
+        "staleness/mean": statistics.fmean(lags) if lags else 0.0, "staleness/max": max(lags, default=0),
+        "proxy/policy_version": current, "proxy/stale_groups": stale,
+        "perf/step_s": stats.seconds, "perf/tokens_per_s": stats.tokens_per_s, "perf/wait_s": wait_s,
+    }
+    metrics.update({f"data/{k}": v for k, v in batch.stats.as_dict().items()})
+    return metrics

@@ -1,0 +1,72 @@
+"""Publish the adapter as policy version N: save it, ask the proxy to load it on vLLM, prune old ones.
+
+The adapter goes to ``output_dir/adapters/v{N}`` (written under a temporary name, then renamed, so
+vLLM never reads a half-written file); the proxy loads it on every replica under a new name
+(``policy-v{N}``: reloading one name reuses stale prefix-cache blocks) and switches routing. The
+call is idempotent here: if the proxy already has version N from this very directory (a retry, or
+a restart after a crash between publish and checkpoint), that counts as done. The last
+``keep_adapters`` directories stay on disk: the proxy reloads its kept versions from them when a
+vLLM replica restarts.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from trainer.client import Policy as PolicyInfo
+from trainer.client import ProxyClient, ProxyError
+from trainer.lora import Policy
+
+
+class PublishError(RuntimeError):
+    pass
+
+
+class Publisher:
+    def __init__(self, client: ProxyClient, output_dir: Path, keep: int) -> None:
+        self.client = client
+        self.root = output_dir / "adapters"
+        self.keep = keep
+
+    def path(self, version: int) -> Path:
+        return self.root / f"v{version}"
+
+    def save(self, policy: Policy, version: int) -> Path:
+        final = self.path(version)
+        if final.exists():
+            return final
+        tmp = self.root / f".tmp-v{version}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        policy.save_adapter(tmp)
+        tmp.rename(final)
+        return final
+
+    def publish(self, policy: Policy, version: int, metadata: dict[str, Any]) -> tuple[PolicyInfo, float]:
+        """Save + load on vLLM + switch. Returns the proxy's record and the seconds it all took."""
+        started = time.perf_counter()
+        directory = self.save(policy, version)
+        try:
+            record = self.client.publish(adapter_path=str(directory), version=version, metadata=metadata)
+        except ProxyError as exc:
+            if exc.status != 409:
+                raise
+            record = self._already(version, directory, exc)
+        self._prune(version)
+        return record, time.perf_counter() - started
+
+    def _already(self, version: int, directory: Path, exc: ProxyError) -> PolicyInfo:
+        for known in self.client.policy_versions():
+            if known.version == version and known.adapter_path == str(directory):
+                return known
+        raise PublishError(f"the proxy refused version {version}: {exc.message}. Another trainer published it, or "
+                           "this output_dir belongs to a different store; use a fresh output_dir (it starts "
+                           "numbering after the proxy's current version)") from exc
+
+    def _prune(self, current: int) -> None:
+        versions = sorted(int(p.name[1:]) for p in self.root.glob("v*") if p.name[1:].isdigit())
+        for old in versions[:-self.keep]:
+            if old != current:
+                shutil.rmtree(self.path(old), ignore_errors=True)
