@@ -67,6 +67,7 @@ def _evaluate(stack: Stack, config: dict[str, Any], run_dir: Path, label: str) -
 
 def _child_env(stack: Stack, config: dict[str, Any]) -> dict[str, str]:
     return dict(os.environ, FLYWHEEL_ADMIN_KEY=stack.key, FLYWHEEL_PROXY_URL=stack.proxy_url,
+                FLYWHEEL_MODEL_DIR=stack.vllm.model,
                 FLYWHEEL_SEED=str(config.get("seed", 0)), LITELLM_LOCAL_MODEL_COST_MAP="True",
                 PYTHONPATH=str(ROOT))
 
@@ -85,12 +86,14 @@ def _train(stack: Stack, config: dict[str, Any], run_dir: Path, deadline: float,
     trainer_cfg = config.get("trainer", {})
     workflow_cfg = config.get("workflow", {})
     env = _child_env(stack, config)
+    overrides = {"proxy_url": stack.proxy_url, "output_dir": str(run_dir / "trainer"),
+                 "seed": config.get("seed", 0), **trainer_cfg.get("overrides", {})}
     trainer = Child("trainer", [sys.executable, "-m", "trainer", "run", "--config",
                                 str(ROOT / trainer_cfg.get("config", "configs/trainer-local.yaml")),
-                                "--proxy-url", stack.proxy_url, "--output-dir", str(run_dir / "trainer"),
-                                *map(str, trainer_cfg.get("args", []))], stack.logs / "trainer.log", env)
+                                *(f"{k}={v}" for k, v in overrides.items())], stack.logs / "trainer.log", env)
     workflow = Child("workflow", [_agents_python(), "-m", "workflows", "run", workflow_cfg.get("name", "math"),
-                                  "--proxy", stack.proxy_url, "--loop", *map(str, workflow_cfg.get("args", []))],
+                                  "--proxy", stack.proxy_url, "--loop", "--seed", str(config.get("seed", 0)),
+                                  *map(str, workflow_cfg.get("args", []))],
                      stack.logs / "workflow.log", env)
     trainer.start()
     workflow.start()
@@ -105,7 +108,7 @@ def _train(stack: Stack, config: dict[str, Any], run_dir: Path, deadline: float,
                 m = step["metrics"]
                 log(f"step {last:>3}  reward {m.get('reward/mean', float('nan')):.3f}  "
                     f"pass {m.get('reward/pass_rate', float('nan')):.2f}  loss {m.get('loss/total', float('nan')):+.4f}"
-                    f"  policy v{m.get('policy/version', '?')}  {m.get('perf/tokens_per_s', 0):.0f} tok/s")
+                    f"  policy v{m.get('proxy/published_version', '?')}  {m.get('perf/tokens_per_s', 0):.0f} tok/s")
             if not trainer.alive():
                 code = trainer.proc.returncode if trainer.proc else "?"
                 if code != 0:
@@ -183,7 +186,7 @@ def run(config_path: str) -> None:
             "seed": config.get("seed", 0), "eval_before": before.get("accuracy"), "eval_after": after.get("accuracy"),
             "format_before": before.get("format_rate"), "format_after": after.get("format_rate"),
             "eval_n": after.get("n"), "steps": last + 1, "minutes": round((time.time() - started) / 60, 2),
-            "policy_version": after.get("policy_version"), "engine_restarts": stack.restarts,
+            "policy_versions_evaluated": after.get("policy_versions"), "engine_restarts": stack.restarts,
             "reward_first_steps": [s["metrics"].get("reward/mean") for s in steps[:5]],
             "reward_last_steps": [s["metrics"].get("reward/mean") for s in steps[-5:]],
         }
