@@ -122,10 +122,11 @@ class _Connection(asyncio.Protocol):
     async def next_chunk(self, read_timeout: float | None) -> bytes | None:
         """The next body bytes, or None at the end of the response."""
         while True:
-            if self.chunks:
-                chunk = self.chunks.popleft()
-                self.buffered -= len(chunk)
-                if self.paused and self.buffered <= HIGH_WATER // 2 and self.transport is not None:
+            if self.chunks:  # everything that has arrived, in one piece: the consumer writes it once
+                chunk = self.chunks.popleft() if len(self.chunks) == 1 else b"".join(self.chunks)
+                self.chunks.clear()
+                self.buffered = 0
+                if self.paused and self.transport is not None:
                     self.paused = False
                     self.transport.resume_reading()
                 return chunk
