@@ -81,6 +81,11 @@ def open_fds(pid: int) -> dict[int, int]:
     return out
 
 
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM (e.g. from ``timeout``) into SystemExit, so ``finally`` blocks stop the children."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 def load_average() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
@@ -129,8 +134,9 @@ class ProxyUnderTest:
     log_path: Path
 
     @classmethod
-    def start(cls, upstream_url: str, workdir: Path, *, workers: int = 1,
+    def start(cls, upstream_url: str, workdir: Path, *, workers: int = 1, source: Path = ROOT,
               extra_env: dict[str, str] | None = None, timeout_s: float = 60.0) -> ProxyUnderTest:
+        """``source``: the checkout whose ``proxy`` package runs (another one measures a before/after)."""
         port = free_port()
         admin_key = secrets.token_urlsafe(32)
         db_path = workdir / "flywheel.db"
@@ -140,7 +146,7 @@ class ProxyUnderTest:
             "FLYWHEEL_STORE__URL": f"sqlite+aiosqlite:///{db_path}",
             "FLYWHEEL_PORT": str(port),
             "FLYWHEEL_UPSTREAMS": f'[{{"name": "fake_upstream", "url": "{upstream_url}"}}]',
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": str(source),
         })
         env.update(extra_env or {})
         log_path = workdir / "proxy.log"
@@ -170,6 +176,15 @@ class ProxyUnderTest:
         if response.status_code != 201:
             raise RuntimeError(f"POST /groups answered {response.status_code}: {response.text}")
         return list(response.json()["episode_keys"])
+
+    def interrupted(self) -> str | None:
+        """Why the proxy stopped on its own during the run (a crash, or a signal from elsewhere), or None."""
+        if self.proc.poll() is not None:
+            return f"the proxy exited with code {self.proc.returncode} during the run"
+        log = self.log_path.read_text(errors="replace")
+        if "Shutting down" in log or ("Child process" in log and "died" in log):
+            return "the proxy shut down during the run (see proxy.log: a crash, or a signal from another process)"
+        return None
 
     def stop(self) -> None:
         _stop(self.proc)

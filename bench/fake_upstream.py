@@ -22,6 +22,7 @@ import asyncio
 import itertools
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -228,29 +229,35 @@ class SlowStream:
     shape: Shape
     ident: bytes
     ends_at: float
+    due: float
+    """When its next token event is due: streams keep the phase they started with, as real ones do."""
     position: int = 0
     keep_alive: bool = True
 
 
 @dataclass
 class Ticker:
-    """One timer for every slow stream: at 10,000 streams a timer each would cost more than the work."""
+    """One timer for every slow stream: at 10,000 streams a timer each would cost more than the work.
+
+    Every stream gets an event each ``interval_s`` counted from its own start, so the load is
+    spread over the interval instead of arriving in one burst. All intervals are equal, so the
+    queue stays in due order by appending at the back.
+    """
 
     interval_s: float
     canned: Canned
-    streams: list[SlowStream] = field(default_factory=list)
-    peak: int = 0
+    streams: deque[SlowStream] = field(default_factory=deque)
+    resolution_s: float = 0.02
 
     def add(self, stream: SlowStream) -> None:
         self.streams.append(stream)
-        self.peak = max(self.peak, len(self.streams))
 
     async def run(self) -> None:
         while True:
-            await asyncio.sleep(self.interval_s)
+            await asyncio.sleep(self.resolution_s)
             now = time.monotonic()
-            alive = []
-            for s in self.streams:
+            while self.streams and self.streams[0].due <= now:
+                s = self.streams.popleft()
                 if s.transport.is_closing():
                     continue
                 last = now >= s.ends_at
@@ -258,14 +265,13 @@ class Ticker:
                 s.position += 1
                 data = http_chunk(event.replace(ID_PLACEHOLDER, s.ident))
                 if last:
-                    data += http_chunk(DONE) + b"0\r\n\r\n"
-                    s.transport.write(data)
+                    s.transport.write(data + http_chunk(DONE) + b"0\r\n\r\n")
                     if not s.keep_alive:
                         s.transport.close()
-                else:
-                    s.transport.write(data)
-                    alive.append(s)
-            self.streams = alive
+                    continue
+                s.transport.write(data)
+                s.due += self.interval_s
+                self.streams.append(s)
 
 
 MODELS_BODY = orjson.dumps({"object": "list", "data": [
@@ -276,7 +282,7 @@ MODELS_BODY = orjson.dumps({"object": "list", "data": [
 class FakeUpstreamProtocol(asyncio.Protocol):
     """One HTTP/1.1 keep-alive connection."""
 
-    __slots__ = ("server", "transport", "parser", "url", "body", "busy_until")
+    __slots__ = ("server", "transport", "parser", "url", "body")
 
     def __init__(self, server: FakeUpstream) -> None:
         self.server = server
@@ -349,8 +355,9 @@ class FakeUpstreamProtocol(asyncio.Protocol):
             first = stream_head(shape, canned.created).replace(ID_PLACEHOLDER, ident)
             events = [e + b"\n\n" for e in first.split(b"\n\n") if e]
             self.transport.write(head + b"".join(http_chunk(e) for e in events))
-            duration = float(slow.get("duration_s", 10.0))
-            self.server.ticker.add(SlowStream(self.transport, shape, ident, time.monotonic() + duration,
+            now = time.monotonic()
+            self.server.ticker.add(SlowStream(self.transport, shape, ident, now + float(slow.get("duration_s", 10.0)),
+                                              now + self.server.ticker.interval_s,
                                               keep_alive=self.parser.should_keep_alive()))
             return False
         self.transport.write(head + canned.stream(shape))

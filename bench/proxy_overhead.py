@@ -31,7 +31,7 @@ import orjson
 import uvloop
 
 from bench._loadgen import CellResult, build_request, run_cell
-from bench._procs import FakeUpstreamProcess, ProxyUnderTest, cpu_seconds, load_average
+from bench._procs import ROOT, FakeUpstreamProcess, ProxyUnderTest, cpu_seconds, exit_on_sigterm, load_average
 
 MESSAGES = [
     {"role": "system", "content": "You are a careful coding agent. Think, then call one tool."},
@@ -99,7 +99,7 @@ def print_table(cells: list[Cell]) -> None:
 
 async def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
     upstream = FakeUpstreamProcess.start(tokens=args.tokens)
-    proxy = ProxyUnderTest.start(upstream.url, workdir, workers=args.workers)
+    proxy = ProxyUnderTest.start(upstream.url, workdir, workers=args.workers, source=args.proxy_src)
     try:
         most = max(args.concurrency)
         episodes = proxy.create_group(most, task_id="bench-proxy-overhead")
@@ -129,6 +129,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
                           f"p50 {result.percentile_ms(0.5):.2f} ms, errors {result.errors}", flush=True)
         load_after = load_average()
     finally:
+        interrupted = proxy.interrupted()
         proxy.stop()  # SIGTERM: drains the recorder
         upstream.stop()
     stored = recorded_ok(proxy.db_path)
@@ -162,11 +163,15 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
         "recorded_ok_total": sum(stored.values()),
         "recorded_missing": missing,
         "proxy_workers": args.workers,
+        "proxy_source": str(args.proxy_src),
+        "proxy_interrupted": interrupted,
         "completion_tokens": args.tokens,
         "seconds_per_cell": args.seconds,
         "load_avg_before": load_before,
         "load_avg_after": load_after,
     })
+    if interrupted:
+        print(f"\nWARNING: {interrupted}; these figures are not valid")
     print(f"\nstore check: {summary['proxied_ok_total']} successful proxied answers, "
           f"{summary['recorded_ok_total']} recorded with status 200, {missing} missing "
           f"({'OK' if missing == 0 else 'FAILED'})")
@@ -181,7 +186,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16, help="completion tokens per answer (fake_upstream)")
     parser.add_argument("--workers", type=int, default=1, help="proxy worker processes")
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (store, proxy log)")
+    parser.add_argument("--proxy-src", type=Path, default=ROOT,
+                        help="checkout whose proxy/ and migrations/ run (e.g. an older commit, for before/after)")
     args = parser.parse_args()
+    exit_on_sigterm()
     print(f"load average before: {load_average()} (2 cores; other engineers share them)", flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="flywheel-bench-"))
     summary = uvloop.run(run(args, workdir))

@@ -28,6 +28,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -35,7 +36,15 @@ import orjson
 import uvloop
 
 from bench._loadgen import DONE_TAIL, build_request
-from bench._procs import FakeUpstreamProcess, ProxyUnderTest, cpu_seconds, load_average, open_fds, rss_mb
+from bench._procs import (
+    FakeUpstreamProcess,
+    ProxyUnderTest,
+    cpu_seconds,
+    exit_on_sigterm,
+    load_average,
+    open_fds,
+    rss_mb,
+)
 
 GROUP_SIZE = 1000
 
@@ -79,10 +88,9 @@ class StreamClient(asyncio.Protocol):
         self.tail = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is no asyncio.Transport subclass
         self.sent = time.perf_counter()
-        transport.write(self.request)
+        self.transport.write(self.request)
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -205,6 +213,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
         cpu = {"proxy": cpu_seconds(proxy.proc.pid) - cpu0["proxy"],
                "fake_upstream": cpu_seconds(upstream.proc.pid) - cpu0["fake_upstream"]}
     finally:
+        interrupted = proxy.interrupted()
         proxy.stop()
         upstream.stop()
     recorded = recorded_ok(proxy.db_path)
@@ -217,6 +226,8 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
           f"p99 {percentile(tally.first_event_ms, 0.99):.1f} ms; {tally.events} events relayed")
     print(f"proxy ({args.workers} workers): peak RSS {peak_rss} MB, peak fds in one worker {peak_fds}, "
           f"CPU {cpu['proxy']:.1f} s; fake_upstream CPU {cpu['fake_upstream']:.1f} s; wall {seconds:.1f} s")
+    if interrupted:
+        print(f"WARNING: {interrupted}; these figures are not valid")
     print(f"store check: {recorded} streamed calls recorded with status 200 for {tally.ok} successful streams "
           f"({'OK' if recorded == tally.ok else 'MISMATCH'})")
     return {
@@ -226,7 +237,8 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
         "event_interval_s": args.interval, "events_relayed": tally.events,
         "first_event_p50_ms": round(percentile(tally.first_event_ms, 0.5), 1),
         "first_event_p99_ms": round(percentile(tally.first_event_ms, 0.99), 1),
-        "proxy_workers": args.workers, "proxy_rss_mb_peak": peak_rss, "proxy_fds_peak_per_worker": peak_fds,
+        "proxy_workers": args.workers, "proxy_interrupted": interrupted, "proxy_rss_mb_peak": peak_rss,
+        "proxy_fds_peak_per_worker": peak_fds,
         "proxy_cpu_s": round(cpu["proxy"], 1), "fake_upstream_cpu_s": round(cpu["fake_upstream"], 1),
         "load_avg_after": load_average(),
     }
@@ -241,11 +253,12 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="proxy worker processes")
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (store, proxy log)")
     args = parser.parse_args()
+    exit_on_sigterm()
     args.hold += args.streams / args.rate  # every stream is still open when the last one starts
     print(f"load average before: {load_average()} (2 cores; other engineers share them)", flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="flywheel-bench-streams-"))
     summary = uvloop.run(run(args, workdir))
-    if args.keep or summary["errors"]:
+    if args.keep or summary["errors"] or summary["proxy_interrupted"]:
         print(f"kept {workdir} (proxy.log, flywheel.db)")
     else:
         import shutil
