@@ -11,6 +11,7 @@ export LITELLM_LOCAL_MODEL_COST_MAP := True
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+export OPENHANDS_SUPPRESS_BANNER := 1
 export PYTHONPATH := $(CURDIR)
 
 ENGINE_PY := $(CURDIR)/.venv/bin/python
