@@ -66,6 +66,9 @@ class Upstreams:
             timeout=httpx.Timeout(connect=t.connect_s, read=t.read_s, write=t.write_s, pool=t.pool_s),
         )
         self._timeout = {"connect": t.connect_s, "read": t.read_s, "write": t.write_s, "pool": t.pool_s}
+        # Parsed once: httpx validates a URL string character by character, every request.
+        self._urls: dict[tuple[str, str], httpx.URL] = {}
+        self._headers: dict[tuple[str, bool], httpx.Headers] = {}
         self.replicas = [Replica(u) for u in settings.upstreams]
         self._rr = 0
 
@@ -87,10 +90,15 @@ class Upstreams:
                    stream: bool = False) -> httpx.Response:
         # Straight to the transport: the model calls need none of the client's cookies, auth flows,
         # redirects or header merging, which cost more CPU per call than the transport itself.
-        request = httpx.Request(
-            method, replica.url + path, content=content, extensions={"timeout": self._timeout},
-            headers={**_BASE_HEADERS, "content-type": "application/json", **replica.headers()}
-            if content is not None else {**_BASE_HEADERS, **replica.headers()})
+        url = self._urls.get((replica.url, path))
+        if url is None:
+            url = self._urls[(replica.url, path)] = httpx.URL(replica.url + path)
+        headers = self._headers.get((replica.name, content is not None))
+        if headers is None:
+            headers = self._headers[(replica.name, content is not None)] = httpx.Headers(
+                {**_BASE_HEADERS, "content-type": "application/json", **replica.headers()} if content is not None
+                else {**_BASE_HEADERS, **replica.headers()})
+        request = httpx.Request(method, url, content=content, headers=headers, extensions={"timeout": self._timeout})
         try:
             response = await self._transport.handle_async_request(request)
             response.request = request
