@@ -50,6 +50,7 @@ def preflight(config: TrainerConfig) -> ProxyClient:
 def run(ctx: typer.Context, config: ConfigOpt = None) -> None:
     """Train until max_steps or SIGTERM; resumes from output_dir's last checkpoint."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: idle OpenMP threads sleep, not spin
     try:
         cfg = load_config(config, list(ctx.args))
         client = preflight(cfg)

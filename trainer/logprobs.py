@@ -6,8 +6,11 @@ distribution, ``rows`` positions at a time: at most rows x V logits exist at onc
 in backward (which recomputes each chunk's logits instead of keeping N x V of them for autograd).
 
 Gradient: d logp_y / d z = onehot(y) - softmax(z), and z = h W^T / tau, so
-``grad_h = g * (onehot(y) - p) W / tau`` per row. W is the frozen (tied) embedding, so no grad for W.
-The matmul runs in the weights' dtype (bf16 logits, like vLLM's), the softmax in float32.
+``d logp / d h = (onehot(y) - p) W / tau``, an H-vector per row that the forward pass computes
+while it holds the chunk's probabilities; backward only scales it by the incoming gradient. So
+neither pass keeps N x V values, and the logits are never recomputed. W is the frozen (tied)
+embedding: no grad for W. The matmuls run in the weights' dtype (bf16 logits, like vLLM's), the
+softmax in float32.
 """
 
 from __future__ import annotations
@@ -26,32 +29,27 @@ class _SelectedLogProbs(torch.autograd.Function):
         n = hidden.shape[0]
         logps = hidden.new_empty(n, dtype=torch.float32)  # (N,)
         entropy = hidden.new_empty(n, dtype=torch.float32)  # (N,)
-        lse = hidden.new_empty(n, dtype=torch.float32)  # (N,)
+        need_grad = ctx.needs_input_grad[0]
+        dlogp_dh = torch.empty_like(hidden) if need_grad else None  # (N, H)
         for s in range(0, n, rows):
             e = min(s + rows, n)
             z = (hidden[s:e] @ weight.T).float() * inv_temp[s:e, None]  # (n, V)
-            lse[s:e] = torch.logsumexp(z, dim=-1)
-            logps[s:e] = z.gather(1, targets[s:e, None]).squeeze(1) - lse[s:e]
-            p = torch.exp(z - lse[s:e, None])
-            entropy[s:e] = lse[s:e] - (p * z).sum(-1)
-        ctx.save_for_backward(hidden, weight, targets, inv_temp, lse)
-        ctx.rows = rows
+            lse = torch.logsumexp(z, dim=-1)  # (n,)
+            logps[s:e] = z.gather(1, targets[s:e, None]).squeeze(1) - lse
+            p = torch.exp(z - lse[:, None])  # (n, V)
+            entropy[s:e] = lse - (p * z).sum(-1)
+            if dlogp_dh is not None:
+                g = p.neg_().scatter_add_(1, targets[s:e, None], torch.ones_like(lse[:, None]))  # onehot - p
+                g.mul_(inv_temp[s:e, None])
+                dlogp_dh[s:e] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
+        ctx.save_for_backward(dlogp_dh)
         ctx.mark_non_differentiable(entropy)
         return logps, entropy
 
     @staticmethod
     def backward(ctx: Any, grad_logps: Tensor, _grad_entropy: Tensor) -> tuple[Tensor | None, ...]:
-        hidden, weight, targets, inv_temp, lse = ctx.saved_tensors
-        grad_hidden = torch.empty_like(hidden)
-        n = hidden.shape[0]
-        for s in range(0, n, ctx.rows):
-            e = min(s + ctx.rows, n)
-            z = (hidden[s:e] @ weight.T).float() * inv_temp[s:e, None]  # (n, V)
-            g = torch.exp(z - lse[s:e, None]).mul_(-grad_logps[s:e, None])  # -g * p
-            g.scatter_add_(1, targets[s:e, None], grad_logps[s:e, None])  # + g * onehot(y)
-            g.mul_(inv_temp[s:e, None])
-            grad_hidden[s:e] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
-        return grad_hidden, None, None, None, None
+        (dlogp_dh,) = ctx.saved_tensors
+        return dlogp_dh * grad_logps[:, None].to(dlogp_dh.dtype), None, None, None, None
 
 
 def selected_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: Tensor,

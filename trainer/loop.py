@@ -80,7 +80,10 @@ class Trainer:
         metrics = dict(state.metrics)
         if state.step % self.config.publish_every == 0:
             metrics.update(self._publish(state.step))
-        self.client.report_step(state.step, finite(metrics))
+        try:
+            self.client.report_step(state.step, finite(metrics))
+        except ProxyError as exc:  # metrics are not worth a crash; they stay in TensorBoard and the checkpoint
+            self.reporter.log(f"[warning] reporting step {state.step} failed: {exc}")
         self.reporter.step(state.step, metrics)
 
     def _ack(self, lease: LeaseRecord, step: int) -> None:
@@ -92,8 +95,11 @@ class Trainer:
                 self.client.ack(lease_id=lease.lease_id, group_ids=ids, step=step, status=status,  # type: ignore[arg-type]
                                 note=note)
             except ProxyError as exc:
+                if exc.status == 404:
+                    raise ProxyError(404, f"the proxy does not know the groups of step {step} ({exc.message}); "
+                                     "this output_dir belongs to another store: use a fresh output_dir") from exc
                 if exc.status != 409:
-                    raise
+                    raise  # unacked groups would be offered again: stop, a restart re-acks from the checkpoint
                 self.reporter.log(f"[warning] ack of {len(ids)} {status} groups for step {step} refused: {exc.message}")
 
     def _publish(self, step: int) -> dict[str, Any]:
@@ -157,7 +163,7 @@ class Trainer:
         """Claim, train, checkpoint, ack, publish, report. False when stopped before anything was claimed."""
         wait_started = time.perf_counter()
         groups, leases, current, stale = self.collect()
-        if not groups:
+        if not groups or self.stop_requested:  # claimed leases stay in pending.json for the next run
             return False
         wait_s = time.perf_counter() - wait_started
         cfg = self.config
@@ -191,6 +197,10 @@ class Trainer:
         while not self.stop_requested and (self.config.max_steps is None or self.step < self.config.max_steps):
             if not self.run_once():
                 break
+        if self.step > 0 and self.step % self.config.publish_every:  # the last steps were not published yet
+            latest = self.checkpoints.latest()
+            if latest is not None and latest[1].step == self.step:
+                self.reporter.log(f"final step {self.step}: {self._publish(self.step)}")
         return self.step
 
     # -- signals and faults ----------------------------------------------------------------------
