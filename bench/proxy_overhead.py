@@ -11,8 +11,13 @@ fake upstream, then through the proxy, at concurrency 1, 64 and 256, non-streame
 After the run the proxy is stopped (SIGTERM drains it) and the store is read: every answer the
 client got as a success must be a recorded call of its episode with status 200.
 
-Run: ``python bench/proxy_overhead.py`` (about 2 minutes). The last line is one JSON object.
-Targets (2 cores): added p50 <= 1 ms at c=1; >= 1,000 recorded req/s at c=64.
+Each cell also reports the CPU of every process (from /proc) and "other" (the rest of the machine):
+on a shared box req/s follows the share of the cores the proxy gets, so "CPU/req" (proxy CPU
+seconds per successful answer) is the figure that carries over between runs.
+
+Run from the repo root: ``python -m bench.proxy_overhead`` (about 2 minutes; ``--workers 2`` runs
+two proxy processes, ``--proxy-src DIR`` another checkout for a before/after). The last line is
+one JSON object. Targets (2 cores): added p50 <= 1 ms at c=1; >= 1,000 recorded req/s at c=64.
 """
 
 from __future__ import annotations
@@ -59,10 +64,18 @@ class Cell:
     result: CellResult
     cpu: dict[str, float]
     """Percent of one core per process over the cell: proxy, fake_upstream, loadgen, other."""
+    proxy_cpu_s: float
+
+    @property
+    def proxy_cpu_ms_per_answer(self) -> float:
+        """Proxy CPU per successful answer over the whole cell: what a request costs the proxy,
+        whatever share of the cores the other tenants of the machine left it."""
+        answered = sum(self.result.ok_per_conn)
+        return 1000 * self.proxy_cpu_s / answered if answered and self.target == "proxy" else float("nan")
 
 
 async def measure(target: str, host: str, port: int, requests: list[bytes], *, stream: bool, warmup_s: float,
-                  measure_s: float, pids: dict[str, int]) -> tuple[CellResult, dict[str, float]]:
+                  measure_s: float, pids: dict[str, int]) -> tuple[CellResult, dict[str, float], float]:
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     own, busy = os.times(), busy_cpu_seconds()
     t0 = time.monotonic()
@@ -72,7 +85,7 @@ async def measure(target: str, host: str, port: int, requests: list[bytes], *, s
     after = os.times()
     used["loadgen"] = after.user + after.system - own.user - own.system
     used["other"] = max(0.0, busy_cpu_seconds() - busy - sum(used.values()))
-    return result, {name: 100 * seconds / wall for name, seconds in used.items()}
+    return result, {name: 100 * seconds / wall for name, seconds in used.items()}, used["proxy"]
 
 
 def recorded_ok(db_path: Path) -> dict[str, int]:
@@ -84,15 +97,16 @@ def recorded_ok(db_path: Path) -> dict[str, int]:
 
 def print_table(cells: list[Cell]) -> None:
     header = (f"{'target':<7} {'mode':<7} {'conc':>5} {'ok':>7} {'err':>5} {'req/s':>8} {'p50 ms':>8} "
-              f"{'p90 ms':>8} {'p99 ms':>8}   cpu% proxy/upstream/loadgen/other")
+              f"{'p90 ms':>8} {'p99 ms':>8} {'CPU/req':>9}   cpu% proxy/upstream/loadgen/other")
     print(header)
     print("-" * len(header))
     for cell in cells:
         r = cell.result
         cpu = "/".join(f"{cell.cpu.get(k, 0):.0f}" for k in ("proxy", "fake_upstream", "loadgen", "other"))
+        proxy_cpu = f"{cell.proxy_cpu_ms_per_answer:.2f}ms" if cell.target == "proxy" else "-"
         print(f"{cell.target:<7} {'stream' if cell.stream else 'plain':<7} {cell.concurrency:>5} {r.ok:>7} "
               f"{r.errors:>5} {r.rps:>8.0f} {r.percentile_ms(0.5):>8.2f} {r.percentile_ms(0.9):>8.2f} "
-              f"{r.percentile_ms(0.99):>8.2f}   {cpu}")
+              f"{r.percentile_ms(0.99):>8.2f} {proxy_cpu:>9}   {cpu}")
         if r.error_kinds:
             print(f"{'':>22}errors: {r.error_kinds}")
 
@@ -119,9 +133,9 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
                 for target in ("direct", "proxy"):
                     host, port = (up.hostname, up.port) if target == "direct" else (px.hostname, px.port)
                     requests = [direct_req] * concurrency if target == "direct" else proxy_reqs[:concurrency]
-                    result, cpu = await measure(target, host or "", port or 0, requests, stream=stream,
-                                                warmup_s=args.warmup, measure_s=args.seconds, pids=pids)
-                    cells.append(Cell(target, stream, concurrency, result, cpu))
+                    result, cpu, proxy_cpu_s = await measure(target, host or "", port or 0, requests, stream=stream,
+                                                             warmup_s=args.warmup, measure_s=args.seconds, pids=pids)
+                    cells.append(Cell(target, stream, concurrency, result, cpu, proxy_cpu_s))
                     if target == "proxy":
                         for ep, ok in zip(episodes, result.ok_per_conn, strict=False):
                             expected[ep["id"]] = expected.get(ep["id"], 0) + ok
@@ -157,6 +171,10 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
             summary[f"c{concurrency}_p50_ms_proxy{suffix}"] = round(
                 cell("proxy", stream, concurrency).percentile_ms(0.5), 2)
             summary[f"c{concurrency}_errors{suffix}"] = cell("proxy", stream, concurrency).errors
+        for concurrency in args.concurrency:
+            spent = next(c for c in cells if c.target == "proxy" and c.stream == stream
+                         and c.concurrency == concurrency).proxy_cpu_ms_per_answer
+            summary[f"c{concurrency}_proxy_cpu_ms_per_req{suffix}"] = round(spent, 3)
     summary.update({
         "errors_total": sum(c.result.errors for c in cells),
         "proxied_ok_total": sum(expected.values()),
@@ -169,6 +187,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
         "seconds_per_cell": args.seconds,
         "load_avg_before": load_before,
         "load_avg_after": load_after,
+        "other_cpu_pct_mean": round(sum(c.cpu["other"] for c in cells) / len(cells)),
     })
     if interrupted:
         print(f"\nWARNING: {interrupted}; these figures are not valid")
