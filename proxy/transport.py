@@ -9,7 +9,7 @@ parser (uvicorn's); bodies reach ``aiter_raw`` as the socket delivers them, with
 
 It plugs in below ``httpx.AsyncClient``, so the proxy's code, errors and tests (which swap in an
 ``httpx.MockTransport``) are unchanged. Failures raise httpx's own exceptions: ``ConnectError``,
-``ConnectTimeout``, ``ReadTimeout``, ``WriteTimeout``, ``RemoteProtocolError``, ``ReadError``.
+``ConnectTimeout``, ``ReadTimeout`` (no byte for the read timeout) and ``RemoteProtocolError``.
 """
 
 from __future__ import annotations
@@ -55,7 +55,10 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if self.parser is not None and not self.complete:
+        if self.parser is not None and not self.complete and self._delimited_by_close():
+            self.complete = True  # a body without length or chunking ends where the connection does
+            self._wake()
+        elif self.parser is not None and not self.complete:
             self._fail(httpx.RemoteProtocolError("upstream closed the connection before the response ended")
                        if self.head is not None and self.head.done()
                        else httpx.RemoteProtocolError("Server disconnected without sending a response."))
@@ -72,6 +75,13 @@ class _Connection(asyncio.Protocol):
             self._fail(httpx.RemoteProtocolError("unexpected protocol upgrade from upstream"))
         except httptools.HttpParserError as exc:
             self._fail(httpx.RemoteProtocolError(f"invalid HTTP from upstream: {exc}"))
+
+    def _delimited_by_close(self) -> bool:
+        head = self.head
+        if head is None or not head.done() or head.cancelled() or head.exception() is not None:
+            return False
+        names = {name.lower() for name, _ in self.headers}
+        return b"content-length" not in names and b"transfer-encoding" not in names
 
     # -- httptools callbacks ---------------------------------------------------------------------
 
