@@ -6,6 +6,7 @@ Adapters are published under a per-test name prefix (``policy.adapter_prefix``),
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,6 +19,10 @@ import pytest
 from tests.support.services import ADMIN_KEY, ProxyProcess
 
 ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
+
+# Before torch loads (the test modules import it after this conftest): idle OpenMP threads sleep
+# instead of spinning, which otherwise slows steps several times when vLLM shares the cores.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,10 +36,10 @@ def chat_sample(policy: Policy, question: str, answer: str, advantage: float, te
                   temperatures=[1.0] * len(prompt) + [temperature] * len(completion), advantage=advantage)
 
 
-def sequence_logprobs(policy: Policy, samples: list[Sample]) -> list[float]:
+def sequence_logprobs(policy: Policy, samples: list[Sample], *, reference: bool = False) -> list[float]:
     with torch.no_grad():
         mb = collate(samples)
-        table = mb.table(policy.logprobs(mb)[0])
+        table = mb.table(policy.logprobs(mb, reference=reference)[0])
     return (table * mb.mask).sum(-1).tolist()
 
 
@@ -74,10 +75,12 @@ def test_a_real_step_raises_positive_completions_relative_to_negative(policy: Po
     assert changed == [k for k in adapter_before if "lora_B" in k] and len(changed) == 210
     assert stats.grad_norm > 0 and stats.loss_tokens == sum(good.loss_mask) + sum(bad.loss_mask)
     assert (after[0] - before[0]) - (after[1] - before[1]) > 0.05, (before, after)
+    # the reference policy (adapter disabled) is still the base model, where the zero-initialised adapter started
+    assert sequence_logprobs(policy, [good, bad], reference=True) == pytest.approx(before, abs=1e-3)
 
 
 def test_checkpoint_round_trip_restores_the_adapter_and_optimizer(policy: Policy, tmp_path: Path) -> None:
-    learner = Learner(policy, policy.config)
+    learner = Learner(policy, dataclasses.replace(policy.config, beta=0.1))  # with the KL term to the base model
     pair = [chat_sample(policy, "Say hi.", "Hi!", advantage=1.0), chat_sample(policy, "Say hi.", "No.", advantage=-1.0)]
     learner.step(pair)
     checkpoints = Checkpoints(tmp_path, keep=1)
@@ -85,7 +88,7 @@ def test_checkpoint_round_trip_restores_the_adapter_and_optimizer(policy: Policy
                      state=CheckpointState(step=7, version_base=2, leases=[]))
     saved = sequence_logprobs(policy, pair)
 
-    learner.step(pair)  # move on past the checkpoint ...
+    assert learner.step(pair).kl > 0  # move on past the checkpoint (the adapter has moved: KL > 0) ...
     assert sequence_logprobs(policy, pair) != pytest.approx(saved, abs=1e-4)
     directory, state = checkpoints.latest() or (tmp_path, None)
     adapter, optimizer = checkpoints.load_tensors(directory)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.support.services import ADMIN_KEY
 from tests.trainer.conftest import ADMIN, TrainerProxy
@@ -19,6 +22,23 @@ FIXED = {"model": "policy", "messages": [{"role": "user", "content": "Tell me ab
          "temperature": 0.0, "logprobs": True}
 
 
+@pytest.fixture(scope="module")
+def policy(vllm_model_dir: str) -> Iterator[Policy]:
+    yield Policy(TrainerConfig(model=vllm_model_dir))
+
+
+def train(config: TrainerConfig, policy: Policy) -> int:
+    """``python -m trainer run`` in-process (resume, then steps until max_steps)."""
+    reporter = Reporter(config.out, tensorboard=config.tensorboard, progress=False, max_steps=config.max_steps,
+                        start_step=0)
+    with ProxyClient(config.proxy_url, ADMIN_KEY) as client:
+        trainer = Trainer(config, client, policy, reporter)
+        trainer.resume()
+        last = trainer.run()
+    reporter.close()
+    return last
+
+
 def served(url: str) -> tuple[str | None, list[float]]:
     reply = httpx.post(f"{url}/passthrough/v1/chat/completions", headers=ADMIN, json=FIXED, timeout=300)
     assert reply.status_code == 200, reply.text
@@ -27,19 +47,14 @@ def served(url: str) -> tuple[str | None, list[float]]:
 
 
 def test_publish_loads_the_adapter_on_vllm_and_switches_the_policy(trainer_proxy: TrainerProxy, tmp_path: Path,
-                                                                   vllm_model_dir: str) -> None:
+                                                                   policy: Policy, vllm_model_dir: str) -> None:
     version, base_logprobs = served(trainer_proxy.url)
     assert version == "0"
     group_id = trainer_proxy.record_group([1.0, 0.0])
 
     config = TrainerConfig(model=vllm_model_dir, proxy_url=trainer_proxy.url, output_dir=str(tmp_path / "run"),
                            groups_per_step=1, batch_wait_s=0, max_steps=1, learning_rate=2e-2, progress=False)
-    client = ProxyClient(config.proxy_url, ADMIN_KEY)
-    reporter = Reporter(config.out, tensorboard=True, progress=False, max_steps=1, start_step=0)
-    trainer = Trainer(config, client, Policy(config), reporter)
-    trainer.resume()
-    assert trainer.run() == 1
-    reporter.close()
+    assert train(config, policy) == 1
 
     policy = trainer_proxy.get("/policy")
     adapter_dir = config.out / "adapters" / "v1"
@@ -70,3 +85,26 @@ def test_publish_loads_the_adapter_on_vllm_and_switches_the_policy(trainer_proxy
     assert all(key in metrics for key in ("loss/total", "policy/entropy", "policy/clip_fraction", "policy/grad_norm",
                                           "policy/is_weight_mean", "staleness/mean", "perf/tokens_per_s"))
     assert list((config.out / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_sync_mode_drops_stale_groups_and_acks_equal_rewards_as_skipped(trainer_proxy: TrainerProxy, tmp_path: Path,
+                                                                        policy: Policy, vllm_model_dir: str) -> None:
+    first = trainer_proxy.record_group([1.0, 0.0], question="What is 5+5?")
+    behind = trainer_proxy.record_group([0.0, 1.0], question="What is 6+6?")
+    config = TrainerConfig(model=vllm_model_dir, proxy_url=trainer_proxy.url, output_dir=str(tmp_path / "run"),
+                           mode="sync", groups_per_step=1, batch_wait_s=0, max_steps=1, tensorboard=False)
+    assert train(config, policy) == 1  # trains the oldest group, publishes v1: `behind` is now a version old
+
+    fresh = trainer_proxy.record_group([1.0, 0.0], question="What is 7+7?")
+    equal = trainer_proxy.record_group([0.5, 0.5], question="What is 8+8?")
+    assert train(dataclasses.replace(config, max_steps=2, groups_per_step=2), policy) == 2
+
+    states = {name: trainer_proxy.get(f"/groups/{gid}") for name, gid in
+              (("first", first), ("behind", behind), ("fresh", fresh), ("equal", equal))}
+    assert {name: (g["train_status"], g["trained_step"]) for name, g in states.items()} == {
+        "first": ("trained", 1), "behind": ("stale", None), "fresh": ("trained", 2), "equal": ("skipped", 2)}
+    assert "equal" in (states["equal"]["train_note"] or "")
+    step2 = trainer_proxy.get("/trainer/steps", since_step=1)["data"][0]["metrics"]
+    assert (step2["proxy/stale_groups"], step2["data/groups_trained"], step2["data/groups_skipped_equal"]) == (1, 1, 1)
+    assert (step2["proxy/policy_version"], step2["staleness/max"]) == (1, 0)
+    assert trainer_proxy.get("/policy")["version"] == 2
