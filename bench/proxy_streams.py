@@ -62,7 +62,11 @@ class Sample:
 @dataclass
 class Tally:
     started: int = 0
+    connected: int = 0
+    """TCP connections to the proxy with a request sent and no end yet (streaming or waiting for headers)."""
+    connected_peak: int = 0
     open: int = 0
+    """Streams past their response headers and not ended: what "open streams" means here."""
     peak: int = 0
     ok: int = 0
     errors: dict[str, int] = field(default_factory=dict)
@@ -92,6 +96,8 @@ class StreamClient(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is no asyncio.Transport subclass
         self.sent = time.perf_counter()
         self.transport.write(self.request)
+        self.tally.connected += 1
+        self.tally.connected_peak = max(self.tally.connected_peak, self.tally.connected)
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -129,6 +135,8 @@ class StreamClient(asyncio.Protocol):
             return
         if self.is_open:
             self.tally.open -= 1
+        if self.sent:
+            self.tally.connected -= 1
         if error is None:
             self.tally.ok += 1
         else:
@@ -201,7 +209,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
                 now = Sample(round(time.monotonic() - t0, 1), tally.open, round(rss_mb(proxy.proc.pid)),
                              sorted(fds.values(), reverse=True))
                 samples.append(now)
-                print(f"  t={now.t}s open={tally.open} peak={tally.peak} ok={tally.ok} "
+                print(f"  t={now.t}s connected={tally.connected} open={tally.open} peak={tally.peak} ok={tally.ok} "
                       f"errors={sum(tally.errors.values())} events={tally.events} "
                       f"proxy_cpu={cpu_seconds(proxy.proc.pid) - cpu0['proxy']:.1f}s "
                       f"proxy_rss={now.proxy_rss_mb}MB proxy_fds={now.proxy_fds}", flush=True)
@@ -221,7 +229,8 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
     peak_rss = max((s.proxy_rss_mb for s in samples), default=0)
     peak_fds = max((max(s.proxy_fds) for s in samples if s.proxy_fds), default=0)
     errors = sum(tally.errors.values())
-    print(f"\nstreams: {args.streams} started, peak open {tally.peak}, {tally.ok} ended with [DONE], "
+    print(f"\nstreams: {args.streams} started, peak open {tally.peak} (peak connected {tally.connected_peak}), "
+          f"{tally.ok} ended with [DONE], "
           f"{errors} errors {tally.errors or ''}")
     print(f"first event after: p50 {percentile(tally.first_event_ms, 0.5):.1f} ms, "
           f"p99 {percentile(tally.first_event_ms, 0.99):.1f} ms; {tally.events} events relayed")
@@ -232,7 +241,8 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
     print(f"store check: {recorded} streamed calls recorded with status 200 for {tally.ok} successful streams "
           f"({'OK' if recorded == tally.ok else 'MISMATCH'})")
     return {
-        "streams": args.streams, "connections_open_peak": tally.peak, "ok": tally.ok, "errors": errors,
+        "streams": args.streams, "connections_open_peak": tally.peak, "connected_peak": tally.connected_peak,
+        "ok": tally.ok, "errors": errors,
         "error_kinds": tally.errors, "recorded": recorded, "recorded_missing": max(0, tally.ok - recorded),
         "seconds": round(seconds, 1), "ramp_seconds": round(ramp_s, 1), "hold_seconds": args.hold,
         "event_interval_s": args.interval, "events_relayed": tally.events,
