@@ -35,15 +35,14 @@ def preflight(config: TrainerConfig) -> ProxyClient:
     if not str(model) or not (model / "config.json").is_file():
         raise ConfigError(f"model directory not found or not a Hugging Face model: {str(model)!r}; set `model:` or "
                           "FLYWHEEL_MODEL_DIR (`python -m deploy.model path` prints the local SmolLM2)")
-    client = ProxyClient(config.proxy_url, config.admin_key(), timeout_s=config.request_timeout_s)
     try:
-        client.policy()
+        with ProxyClient(config.proxy_url, config.admin_key(), timeout_s=10.0, retries=3) as probe:
+            probe.policy()  # fail fast at start; the training client retries for longer
     except ProxyError as exc:
-        client.close()
         if exc.status == 401:
             raise ConfigError(f"the proxy at {config.proxy_url} rejected the admin key ({exc.message})") from exc
         raise ConfigError(exc.message if exc.status == 0 else f"proxy check failed: {exc}") from exc
-    return client
+    return ProxyClient(config.proxy_url, config.admin_key(), timeout_s=config.request_timeout_s)
 
 
 @cli.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

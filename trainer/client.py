@@ -15,8 +15,9 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
-RETRIES = 5
-"""Attempts for idempotent requests; waits between them double from 0.5 s."""
+RETRIES = 7
+"""Attempts for idempotent requests; waits between them double from 0.5 s up to 8 s (about 30 s in
+all: long enough for a proxy restart)."""
 
 
 class ProxyError(Exception):
@@ -84,9 +85,10 @@ class Policy(_Reply):
 class ProxyClient:
     """Synchronous client: the trainer's loop is compute-bound and sequential."""
 
-    def __init__(self, base_url: str, admin_key: str, *, timeout_s: float = 120.0,
+    def __init__(self, base_url: str, admin_key: str, *, timeout_s: float = 120.0, retries: int = RETRIES,
                  transport: httpx.BaseTransport | None = None) -> None:
         self.base_url = base_url.rstrip("/")
+        self.retries = retries
         self._http = httpx.Client(base_url=self.base_url, headers={"authorization": f"Bearer {admin_key}"},
                                   timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport)
 
@@ -103,8 +105,8 @@ class ProxyClient:
 
     def _send(self, method: str, path: str, *, idempotent: bool, **kwargs: Any) -> Any:
         delay = 0.5
-        for attempt in range(RETRIES):
-            last = attempt == RETRIES - 1
+        for attempt in range(self.retries):
+            last = attempt == self.retries - 1
             try:
                 response = self._http.request(method, path, **kwargs)
             except httpx.ConnectError as exc:
@@ -119,7 +121,7 @@ class ProxyClient:
                 if response.status_code < 500 or not idempotent or last:
                     raise _error(response)
             time.sleep(delay)
-            delay *= 2
+            delay = min(delay * 2, 8.0)
         raise AssertionError("unreachable")
 
     # -- API -------------------------------------------------------------------------------------

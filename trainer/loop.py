@@ -126,9 +126,16 @@ class Trainer:
         leases: list[LeaseRecord] = []
         current, stale, first_at = 0, 0, None
         while len(groups) < self.config.groups_per_step and not self.stop_requested:
-            claim = self.client.claim(trainer_id=self.config.trainer_id, lease_s=self.config.lease_s,
-                                      max_groups=self.config.groups_per_step - len(groups),
-                                      max_staleness=self.config.staleness_bound)
+            try:
+                claim = self.client.claim(trainer_id=self.config.trainer_id, lease_s=self.config.lease_s,
+                                          max_groups=self.config.groups_per_step - len(groups),
+                                          max_staleness=self.config.staleness_bound)
+            except ProxyError as exc:
+                if exc.status not in (0, 502, 503, 504):
+                    raise
+                self.reporter.log(f"[warning] claim failed, retrying: {exc.message}")  # proxy or store restarting
+                self._sleep(max(self.config.poll_interval_s, 5.0))
+                continue
             current, stale = claim.current_version, stale + claim.stale
             if claim.stale:
                 self.reporter.log(f"{claim.stale} groups dropped as stale: older than {self.config.staleness_bound} "

@@ -21,6 +21,8 @@ from trainer.report import Reporter
 FIXED = {"model": "policy", "messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 6,
          "temperature": 0.0, "logprobs": True}
 
+pytestmark = pytest.mark.vllm
+
 
 @pytest.fixture(scope="module")
 def policy(vllm_model_dir: str) -> Iterator[Policy]:

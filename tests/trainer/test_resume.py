@@ -14,8 +14,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.support.services import ADMIN_KEY, ROOT, engine_python
 from tests.trainer.conftest import TrainerProxy
+
+pytestmark = pytest.mark.vllm
 
 
 def run_trainer(proxy: TrainerProxy, out: Path, model: str, fault: str | None) -> subprocess.CompletedProcess[str]:
