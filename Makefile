@@ -60,8 +60,9 @@ run: setup
 	FLYWHEEL_AGENTS_PYTHON=$(AGENTS_PY) $(ENGINE_PY) -m deploy.local run --config $(RUN_CONFIG)
 
 bench: setup
-	$(ENGINE_PY) bench/proxy_overhead.py
-	$(ENGINE_PY) bench/trainer_step.py
+	$(ENGINE_PY) -m bench.proxy_overhead
+	$(ENGINE_PY) -m bench.proxy_streams
+	$(ENGINE_PY) -m bench.trainer_step
 
 clean:
 	rm -rf data runs .pytest_cache .ruff_cache

@@ -36,24 +36,34 @@ class Services:
     """Tasks that outlive their request (e.g. recording a disconnected stream); drained on shutdown."""
 
 
-def services(request: Request) -> Services:
+def services_of(request: Request) -> Services:
     return request.app.state.services  # type: ignore[no-any-return]
 
 
-def principal(request: Request) -> Principal:
+async def services(request: Request) -> Services:
+    """Dependency form of ``services_of`` (async: a sync dependency costs a thread hop per request)."""
+    return services_of(request)
+
+
+def identify(request: Request) -> Principal:
     """Any valid key (model routes); 401 for a missing or wrong key."""
     headers = request.headers
     key = bearer(headers.get("authorization"), headers.get("api-key") or headers.get("x-api-key"))
-    found = services(request).keys.identify(key)
+    found = services_of(request).keys.identify(key)
     if found is None:
         message = "missing API key (Authorization: Bearer <key>)" if not key else "invalid API key"
         raise AuthenticationFailed(message, code="invalid_api_key")
     return found
 
 
-def admin(request: Request) -> Principal:
+async def principal(request: Request) -> Principal:
+    """Dependency form of ``identify`` (async: a sync dependency would cost a thread hop per call)."""
+    return identify(request)
+
+
+async def admin(request: Request) -> Principal:
     """The admin key only: rewards, groups, publishing, the trainer API."""
-    found = principal(request)
+    found = identify(request)
     if found.role != "admin":
         raise PermissionDenied("this route needs the admin key; agent and episode keys reach the model only",
                                code="admin_only")

@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from proxy.capture import Captured, Kind, StreamCapture, Wants, capture_response, prepare, sampled, strip_for_client
-from proxy.deps import Services, json_body, principal, services
+from proxy.deps import Services, identify, json_body, services_of
 from proxy.errors import (
     FlywheelError,
     InvalidRequest,
@@ -322,8 +322,8 @@ def _spawn(svc: Services, coro: Any) -> None:
 
 
 async def _handle(request: Request, kind: Kind, path_episode: str | None, *, recorded: bool) -> Response:
-    who = principal(request)
-    svc = services(request)
+    who = identify(request)
+    svc = services_of(request)
     body = await json_body(request, svc.settings.max_body_bytes)
     _validate(body, kind)
     episode_id = None
@@ -337,7 +337,7 @@ async def _handle(request: Request, kind: Kind, path_episode: str | None, *, rec
 
 
 async def _models(request: Request) -> Response:
-    svc = services(request)
+    svc = services_of(request)
     replica = svc.upstreams.pick(None)
     models = await svc.upstreams.list_models(replica)
     current = svc.router.current
@@ -364,7 +364,7 @@ async def completions(request: Request) -> Response:
 
 @router.get("/v1/models")
 async def models(request: Request) -> Response:
-    principal(request)
+    identify(request)
     return await _models(request)
 
 
@@ -380,7 +380,7 @@ async def episode_completions(episode_id: str, request: Request) -> Response:
 
 @router.get("/episodes/{episode_id}/v1/models")
 async def episode_models(episode_id: str, request: Request) -> Response:
-    who = principal(request)
+    who = identify(request)
     identify_episode(request.headers, canonical_id(episode_id), who)
     return await _models(request)
 
@@ -397,5 +397,5 @@ async def passthrough_completions(request: Request) -> Response:
 
 @router.get("/passthrough/v1/models")
 async def passthrough_models(request: Request) -> Response:
-    principal(request)
+    identify(request)
     return await _models(request)

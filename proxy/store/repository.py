@@ -475,7 +475,7 @@ class Repository:
             .join(Call, Call.episode_id == Episode.id)
             .where(Episode.group_id.in_(group_ids), Call.policy_version.is_not(None))
             .group_by(Episode.group_id))
-        return {gid: v for gid, v in result.all() if v is not None}
+        return {gid: v for gid, v in result.all() if gid is not None and v is not None}
 
     async def ack_groups(self, *, lease_id: str, group_ids: Sequence[str], step: int,
                          status: str, note: str | None = None) -> list[GroupRecord]:
