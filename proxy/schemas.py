@@ -168,6 +168,13 @@ class ClaimIn(_In):
     lease_s: float = Field(600.0, gt=0, le=86400)
     max_staleness: int | None = Field(None, ge=0, description="skip groups whose oldest call is more than "
                                       "this many policy versions behind the current one")
+    lease_id: str | None = Field(None, min_length=8, max_length=36, description="client-chosen lease id: retrying "
+                                 "a claim whose answer was lost returns the same groups instead of leasing more")
+
+
+class ReleaseIn(_In):
+    lease_id: str = Field(min_length=1)
+    group_ids: list[str] | None = Field(None, description="default: every untrained group the lease holds")
 
 
 class ClaimOut(BaseModel):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Query
 
 from proxy.deps import AdminDep, ServicesDep
-from proxy.schemas import AckIn, ClaimIn, ClaimOut, GroupOut, ListOut, StepIn
+from proxy.schemas import AckIn, ClaimIn, ClaimOut, GroupOut, ListOut, ReleaseIn, StepIn
 
 router = APIRouter(prefix="/trainer", tags=["trainer"])
 
@@ -20,7 +20,8 @@ async def claim(body: ClaimIn, svc: ServicesDep, _: AdminDep) -> ClaimOut:
     await svc.router.refresh()
     current = svc.router.current.version if svc.router.current else 0
     result = await svc.repo.claim_groups(owner=body.trainer_id, max_groups=body.max_groups, lease_s=body.lease_s,
-                                         max_staleness=body.max_staleness, current_version=current)
+                                         max_staleness=body.max_staleness, current_version=current,
+                                         lease_id=body.lease_id)
     return ClaimOut(lease_id=result.lease_id, lease_expires_at=result.lease_expires_at, current_version=current,
                     stale=result.stale, groups=[GroupOut.model_validate(g) for g in result.groups])
 
@@ -30,6 +31,12 @@ async def ack(body: AckIn, svc: ServicesDep, _: AdminDep) -> ListOut:
     groups = await svc.repo.ack_groups(lease_id=body.lease_id, group_ids=body.group_ids, step=body.step,
                                        status=body.status, note=body.note)
     return ListOut(data=[GroupOut.model_validate(g) for g in groups])
+
+
+@router.post("/release")
+async def release(body: ReleaseIn, svc: ServicesDep, _: AdminDep) -> dict[str, int]:
+    """Give leased, untrained groups back now instead of when the lease expires."""
+    return {"released": await svc.repo.release_groups(lease_id=body.lease_id, group_ids=body.group_ids)}
 
 
 @router.post("/steps", status_code=201)

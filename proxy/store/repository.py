@@ -425,14 +425,24 @@ class Repository:
     # -- trainer: claim, ack, metrics ---------------------------------------------------------
 
     async def claim_groups(self, *, owner: str, max_groups: int, lease_s: float, max_staleness: int | None,
-                           current_version: int) -> Claim:
+                           current_version: int, lease_id: str | None = None) -> Claim:
         """Lease up to ``max_groups`` completed, untrained groups (oldest first).
 
         Groups whose oldest call is more than ``max_staleness`` versions behind ``current_version``
         are marked ``stale`` and never offered again. A lease that expires offers the group again.
+        A claim retried with the same client-chosen ``lease_id`` (its answer was lost) returns the
+        groups that lease already holds, with the lease renewed, instead of leasing more.
         """
         now = time.time()
-        lease_id = str(uuid.uuid4())
+        if lease_id is not None:
+            async with self._write() as session:
+                held = (await session.scalars(select(Group).where(
+                    Group.lease_id == lease_id, Group.train_status == "pending").order_by(Group.completed_at))).all()
+                for group in held:
+                    group.lease_owner, group.lease_expires_at = owner, now + lease_s
+            if held:
+                return await self._claimed(lease_id, now + lease_s, [g.id for g in held], stale=0)
+        lease_id = lease_id or str(uuid.uuid4())
         available = (select(Group).where(
             Group.status == "complete", Group.train_status == "pending",
             (Group.lease_id.is_(None)) | (Group.lease_expires_at < now),
@@ -442,12 +452,12 @@ class Repository:
         chosen: list[Group] = []
         stale = 0
         async with self._write() as session:
-            offset = 0
             while len(chosen) < max_groups:
-                batch = (await session.scalars(available.limit(max_groups * 2).offset(offset))).all()
+                # Every row looked at is leased or marked stale below, and autoflush makes the next
+                # query skip it: no offset needed (an offset would skip rows never looked at).
+                batch = (await session.scalars(available.limit(max_groups * 2))).all()
                 if not batch:
                     break
-                offset += len(batch)
                 versions = await self._min_versions(session, [g.id for g in batch])
                 for group in batch:
                     oldest = versions.get(group.id)
@@ -459,15 +469,29 @@ class Repository:
                         group.lease_id, group.lease_owner, group.lease_expires_at = lease_id, owner, now + lease_s
                         chosen.append(group)
             await session.flush()
-            ids = [g.id for g in chosen]
+        return await self._claimed(lease_id, now + lease_s, [g.id for g in chosen], stale=stale)
+
+    async def _claimed(self, lease_id: str, expires_at: float, group_ids: list[str], *, stale: int) -> Claim:
+        """The claim answer: the leased groups with their episodes and calls."""
+        async with self._read() as session:
+            groups = {g.id: g for g in (await session.scalars(select(Group).where(Group.id.in_(group_ids)))).all()}
             episodes = (await session.scalars(
-                select(Episode).where(Episode.group_id.in_(ids)).order_by(Episode.group_index, Episode.id))).all()
+                select(Episode).where(Episode.group_id.in_(group_ids)).order_by(Episode.group_index, Episode.id))).all()
             calls = await self._calls(session, [e.id for e in episodes])
-        by_group: dict[str, list[EpisodeRecord]] = {gid: [] for gid in ids}
+        by_group: dict[str, list[EpisodeRecord]] = {gid: [] for gid in group_ids}
         for episode in episodes:
             by_group[episode.group_id or ""].append(_episode(episode, calls[episode.id]))
-        return Claim(lease_id=lease_id, lease_expires_at=now + lease_s,
-                     groups=[_group(g, by_group[g.id]) for g in chosen], stale=stale)
+        return Claim(lease_id=lease_id, lease_expires_at=expires_at,
+                     groups=[_group(groups[gid], by_group[gid]) for gid in group_ids], stale=stale)
+
+    async def release_groups(self, *, lease_id: str, group_ids: Sequence[str] | None = None) -> int:
+        """Hand leased, untrained groups back at once (a trainer stopping before it trained them)."""
+        query = update(Group).where(Group.lease_id == lease_id, Group.train_status == "pending")
+        if group_ids:
+            query = query.where(Group.id.in_(list(group_ids)))
+        async with self._write() as session:
+            result = await session.execute(query.values(lease_id=None, lease_owner=None, lease_expires_at=None))
+        return int(result.rowcount or 0)  # type: ignore[attr-defined]
 
     async def _min_versions(self, session: AsyncSession, group_ids: list[str]) -> dict[str, int]:
         result = await session.execute(

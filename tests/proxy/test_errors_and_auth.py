@@ -80,6 +80,7 @@ async def test_episode_key_reaches_only_its_own_episode(client: httpx.AsyncClien
     ("POST", "/policy/publish", {"adapter_path": "/tmp/x"}),
     ("POST", "/trainer/claim", {}),
     ("POST", "/trainer/ack", {"lease_id": "l", "group_ids": ["g"], "step": 1}),
+    ("POST", "/trainer/release", {"lease_id": "l"}),
     ("POST", "/trainer/steps", {"step": 1, "metrics": {}}),
     ("GET", "/trainer/steps", None),
 ])
@@ -249,6 +250,11 @@ async def test_bad_list_filters_are_400(client: httpx.AsyncClient, query: str) -
 async def test_trainer_api_input(client: httpx.AsyncClient) -> None:
     assert_error(await client.post("/trainer/claim", json={"max_groups": 0}, headers=ADMIN), 400,
                  "invalid_request_error")
+    assert_error(await client.post("/trainer/claim", json={"lease_id": "x"}, headers=ADMIN), 400,
+                 "invalid_request_error")
+    assert_error(await client.post("/trainer/release", json={}, headers=ADMIN), 400, "invalid_request_error")
+    released = await client.post("/trainer/release", json={"lease_id": "nobody-holds-this"}, headers=ADMIN)
+    assert released.status_code == 200 and released.json() == {"released": 0}
     assert_error(await client.post("/trainer/ack", json={"lease_id": "l", "group_ids": [], "step": 1},
                                    headers=ADMIN), 400, "invalid_request_error")
     assert_error(await client.post("/trainer/ack", json={"lease_id": "l", "group_ids": [str(uuid.uuid4())],

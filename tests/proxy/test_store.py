@@ -196,3 +196,26 @@ async def test_group_commit_batches_concurrent_calls(repo: Repository) -> None:
     await recorder.close()
     assert sum(batches) == 200 and len(batches) < 200
     assert sorted(c.ordinal for c in (await repo.get_episode(episode.id)).calls or []) == list(range(200))
+
+
+async def test_staleness_scan_looks_at_every_group(repo: Repository) -> None:
+    stale = [await _complete_group(repo, version=0) for _ in range(5)]
+    fresh = [await _complete_group(repo, version=3) for _ in range(3)]
+    claim = await repo.claim_groups(owner="t", max_groups=2, lease_s=60, max_staleness=1, current_version=3)
+    assert claim.stale == 5 and [g.id for g in claim.groups] == fresh[:2]
+    assert [(await repo.get_group(g)).train_status for g in stale] == ["stale"] * 5
+
+
+async def test_a_retried_claim_returns_the_same_groups_and_release_hands_them_back(repo: Repository) -> None:
+    first, second = await _complete_group(repo), await _complete_group(repo)
+    lease = "11111111-2222-3333-4444-555555555555"
+    claim = await repo.claim_groups(owner="t", max_groups=1, lease_s=60, max_staleness=None, current_version=0,
+                                    lease_id=lease)
+    retry = await repo.claim_groups(owner="t", max_groups=1, lease_s=60, max_staleness=None, current_version=0,
+                                    lease_id=lease)
+    assert [g.id for g in claim.groups] == [g.id for g in retry.groups] == [first]
+    assert retry.lease_id == lease and len(retry.groups[0].episodes or []) == 2
+    assert await repo.release_groups(lease_id=lease) == 1
+    again = await repo.claim_groups(owner="u", max_groups=2, lease_s=60, max_staleness=None, current_version=0)
+    assert [g.id for g in again.groups] == [first, second]
+    assert await repo.release_groups(lease_id=lease) == 0  # no longer held by that lease
