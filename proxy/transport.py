@@ -3,13 +3,20 @@
 Why not httpx's default (httpcore): its pool scans every pooled connection on each request and
 each response close (and polls each idle socket), so its cost per request grows with the number
 of connections; at 64-256 concurrent calls that scan was most of the proxy's CPU. Here idle
-connections wait in a stack per origin: taking one is O(1), and a connection the server closed
-is known from the event loop (``connection_lost``), not from a poll. Parsing is httptools' C
-parser (uvicorn's); bodies reach ``aiter_raw`` as the socket delivers them, with flow control.
+connections wait in a deque per origin: taking the newest is O(1), expired ones are dropped from
+the old end, and a connection the server closed is known from the event loop (``eof_received``,
+``connection_lost``), not from a poll. Parsing is httptools' C parser (uvicorn's); bodies reach
+``aiter_raw`` as the socket delivers them, with flow control (reading pauses past ``HIGH_WATER``).
+
+A server may close an idle keep-alive connection just as a request is written to it (its idle
+timer fired first). When a reused connection ends without a single byte of response, the request
+goes once more on a fresh connection, as it never reached a handler that answered.
 
 It plugs in below ``httpx.AsyncClient``, so the proxy's code, errors and tests (which swap in an
 ``httpx.MockTransport``) are unchanged. Failures raise httpx's own exceptions: ``ConnectError``,
-``ConnectTimeout``, ``ReadTimeout`` (no byte for the read timeout) and ``RemoteProtocolError``.
+``ConnectTimeout``, ``ReadTimeout`` (no byte within the read timeout) and ``RemoteProtocolError``
+(a response cut short, a server that closed without answering, bytes that are not HTTP). Writes
+are buffered by the event loop; a server that stops reading is caught by the read timeout.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator
+from typing import cast
 
 import httptools
 import httpx
@@ -28,6 +36,13 @@ Origin = tuple[str, str, int]
 
 HIGH_WATER = 512 * 1024
 """Buffered response bytes at which reading from the socket pauses until the consumer catches up."""
+
+_ONE_WRITE = 64 * 1024
+"""Bodies up to this size go out in one write with the head (one TCP segment for a small call)."""
+
+
+class _Disconnected(httpx.RemoteProtocolError):
+    """The server closed the connection before sending any byte of the response."""
 
 
 class _Connection(asyncio.Protocol):
@@ -47,28 +62,39 @@ class _Connection(asyncio.Protocol):
         self.error: Exception | None = None
         self.wake: asyncio.Future[None] | None = None
         self.keep_alive = True
+        self.received = False
+        self.informational = False
+        self.head_only = False
 
     # -- asyncio.Protocol ----------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # create_connection makes a stream transport
+
+    def eof_received(self) -> bool | None:
+        self.closed = True  # before connection_lost (scheduled later): never hand this one out again
+        return None  # close our side too; connection_lost ends or fails the response
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if self.parser is not None and not self.complete and self._delimited_by_close():
+        if self.parser is None or self.complete:
+            return
+        if self._delimited_by_close():
             self.complete = True  # a body without length or chunking ends where the connection does
             self._wake()
-        elif self.parser is not None and not self.complete:
-            self._fail(httpx.RemoteProtocolError("upstream closed the connection before the response ended")
-                       if self.head is not None and self.head.done()
-                       else httpx.RemoteProtocolError("Server disconnected without sending a response."))
+        elif not self.received:
+            self._fail(_Disconnected("Server disconnected without sending a response."))
+        else:
+            self._fail(httpx.RemoteProtocolError("upstream closed the connection before the response ended"))
 
     def data_received(self, data: bytes) -> None:
         if self.parser is None:  # bytes while idle: the server is closing or misbehaving
-            self.closed = True
-            if self.transport is not None:
-                self.transport.close()
+            self.close()
             return
+        if self.complete:  # bytes after the response: the connection's framing is lost
+            self.keep_alive = False
+            return
+        self.received = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -83,18 +109,35 @@ class _Connection(asyncio.Protocol):
         names = {name.lower() for name, _ in self.headers}
         return b"content-length" not in names and b"transfer-encoding" not in names
 
-    # -- httptools callbacks ---------------------------------------------------------------------
+    # -- httptools callbacks (after ``complete`` the parser may be reading a next message that
+    #    nobody asked for: it is ignored and the connection is not reused) -------------------
+
+    def on_message_begin(self) -> None:
+        if self.complete:
+            self.keep_alive = False
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))  # httptools hands over whole names and values
+        if not self.complete:
+            self.headers.append((name, value))  # httptools hands over whole names and values
 
     def on_headers_complete(self) -> None:
         assert self.parser is not None
+        if self.complete:
+            return
+        if self.parser.get_status_code() < 200:  # 1xx (101 raises HttpParserUpgrade): the answer follows
+            self.headers = []
+            self.informational = True
+            return
         self.keep_alive = self.parser.should_keep_alive()
         if self.head is not None and not self.head.done():
             self.head.set_result(None)
+        if self.head_only:  # a HEAD response has headers only, whatever its Content-Length says
+            self.complete = True
+            self._wake()
 
     def on_body(self, body: bytes) -> None:
+        if self.complete:
+            return
         self.chunks.append(body)
         self.buffered += len(body)
         if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
@@ -103,6 +146,9 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self.informational:
+            self.informational = False
+            return
         self.complete = True
         self._wake()
 
@@ -122,12 +168,24 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
-    def start(self, data: bytes) -> None:
+    def usable(self) -> bool:
+        """Open as far as the event loop knows (an idle connection's close shows up as EOF)."""
+        return not self.closed and self.transport is not None and not self.transport.is_closing()
+
+    def start(self, head: bytes, body: bytes, *, head_only: bool) -> None:
+        if not self.usable():
+            raise _Disconnected("Server disconnected without sending a response.")
         assert self.transport is not None
         self.parser = httptools.HttpResponseParser(self)
-        self.headers, self.chunks, self.buffered, self.complete, self.error = [], deque(), 0, False, None
+        self.headers, self.chunks, self.buffered, self.error = [], deque(), 0, None
+        self.complete = self.received = self.informational = False
+        self.keep_alive, self.head_only = True, head_only
         self.head = asyncio.get_running_loop().create_future()
-        self.transport.write(data)
+        if len(body) <= _ONE_WRITE:
+            self.transport.write(head + body)
+        else:  # no copy of a large body; TCP_NODELAY is on, so the head leaves at once either way
+            self.transport.write(head)
+            self.transport.write(body)
 
     async def next_chunk(self, read_timeout: float | None) -> bytes | None:
         """The next body bytes, or None at the end of the response."""
@@ -136,9 +194,7 @@ class _Connection(asyncio.Protocol):
                 chunk = self.chunks.popleft() if len(self.chunks) == 1 else b"".join(self.chunks)
                 self.chunks.clear()
                 self.buffered = 0
-                if self.paused and self.transport is not None:
-                    self.paused = False
-                    self.transport.resume_reading()
+                self._resume()
                 return chunk
             if self.complete:
                 return None
@@ -146,13 +202,19 @@ class _Connection(asyncio.Protocol):
                 raise self.error
             loop = asyncio.get_running_loop()
             self.wake = loop.create_future()
-            timer = loop.call_later(read_timeout, self._timed_out, "sent nothing") if read_timeout else None
+            timer = (loop.call_later(read_timeout, self._timed_out, "sent nothing")
+                     if read_timeout is not None else None)
             try:
                 await self.wake
             finally:
                 self.wake = None
                 if timer is not None:
                     timer.cancel()
+
+    def _resume(self) -> None:
+        if self.paused and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
 
     def _timed_out(self, what: str) -> None:
         self._fail(httpx.ReadTimeout(f"upstream {what} within the read timeout"))
@@ -161,7 +223,7 @@ class _Connection(asyncio.Protocol):
         """Wait for the status line and headers."""
         assert self.head is not None
         timer = (asyncio.get_running_loop().call_later(read_timeout, self._timed_out, "sent no response headers")
-                 if read_timeout else None)
+                 if read_timeout is not None else None)
         try:
             await self.head
         finally:
@@ -169,7 +231,12 @@ class _Connection(asyncio.Protocol):
                 timer.cancel()
 
     def reusable(self) -> bool:
-        return self.complete and self.keep_alive and not self.closed and self.error is None
+        return self.complete and self.keep_alive and self.error is None and self.usable()
+
+    def release(self) -> None:
+        """Back to idle: a response the consumer left unread may have paused reading."""
+        self.parser = None
+        self._resume()
 
     def close(self) -> None:
         self.closed = True
@@ -197,12 +264,30 @@ class _Body(httpx.AsyncByteStream):
             self._pool._release(self._origin, self._conn)
 
 
+def _encode(request: httpx.Request, body: bytes) -> bytes:
+    """The request line and headers. A body always goes with its length: a streamed request body
+    (``Transfer-Encoding: chunked`` from httpx) has been read whole by now."""
+    headers = request.headers
+    raw = headers.raw
+    if "transfer-encoding" in headers or (body and "content-length" not in headers):
+        raw = [(n, v) for n, v in raw if n.lower() not in (b"transfer-encoding", b"content-length")]
+        raw.append((b"Content-Length", b"%d" % len(body)))
+    lines = [b"%s %s HTTP/1.1" % (request.method.encode(), request.url.raw_path)]
+    lines += [b"%s: %s" % (name, value) for name, value in raw]
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
 class Http1Transport(httpx.AsyncBaseTransport):
-    """HTTP/1.1 with keep-alive connection reuse; plain TCP or TLS; no HTTP/2, no proxies."""
+    """HTTP/1.1 with keep-alive connection reuse; plain TCP or TLS; no HTTP/2, no proxies.
+
+    Connections in use are not capped (every open stream holds one); ``max_keepalive`` bounds the
+    idle ones, and an idle one older than ``keepalive_expiry_s`` (keep it below the server's own
+    keep-alive timeout, 5 s for uvicorn) is closed instead of reused.
+    """
 
     def __init__(self, *, max_keepalive: int = 512, keepalive_expiry_s: float = 4.0,
                  ssl_context: ssl.SSLContext | None = None) -> None:
-        self._idle: dict[Origin, list[_Connection]] = {}
+        self._idle: dict[Origin, deque[_Connection]] = {}  # oldest left, newest right
         self._idle_count = 0
         self._max_keepalive = max_keepalive
         self._expiry = keepalive_expiry_s
@@ -225,25 +310,38 @@ class Http1Transport(httpx.AsyncBaseTransport):
             raise httpx.ConnectError(f"cannot connect to {host}:{port}: {exc}") from exc
         return conn
 
-    def _checkout(self, origin: Origin) -> _Connection | None:
-        stack = self._idle.get(origin)
-        now = time.monotonic()
-        while stack:
-            conn = stack.pop()
+    def _prune(self, idle: deque[_Connection], now: float) -> None:
+        """Close idle connections that expired or were closed, from the old end: O(1) per call, amortised."""
+        while idle and (idle[0].closed or now - idle[0].idle_since >= self._expiry):
+            idle.popleft().close()
             self._idle_count -= 1
-            if not conn.closed and now - conn.idle_since < self._expiry:
+
+    def _checkout(self, origin: Origin) -> _Connection | None:
+        idle = self._idle.get(origin)
+        if not idle:
+            return None
+        self._prune(idle, time.monotonic())
+        while idle:  # what is left has not expired; the newest is the most likely to be open
+            conn = idle.pop()
+            self._idle_count -= 1
+            if conn.usable():
                 return conn
             conn.close()
         return None
 
     def _release(self, origin: Origin, conn: _Connection) -> None:
-        conn.parser = None
+        conn.release()
+        idle = self._idle.get(origin)
+        if idle is None:
+            idle = self._idle[origin] = deque()
+        now = time.monotonic()
+        self._prune(idle, now)
         if not conn.reusable() or self._idle_count >= self._max_keepalive:
             conn.close()
             self._open.discard(conn)
             return
-        conn.idle_since = time.monotonic()
-        self._idle.setdefault(origin, []).append(conn)
+        conn.idle_since = now
+        idle.append(conn)
         self._idle_count += 1
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
@@ -252,30 +350,36 @@ class Http1Transport(httpx.AsyncBaseTransport):
         origin: Origin = (scheme, url.host, url.port or (443 if scheme == "https" else 80))
         timeouts = request.extensions.get("timeout", {})
         body = request.content if isinstance(request.stream, httpx.ByteStream) else await request.aread()
-        headers = request.headers
-        lines = [b"%s %s HTTP/1.1" % (request.method.encode(), url.raw_path)]
-        lines += [b"%s: %s" % (name, value) for name, value in headers.raw]
-        if body and "content-length" not in headers and "transfer-encoding" not in headers:
-            lines.append(b"content-length: %d" % len(body))
-        data = b"\r\n".join(lines) + b"\r\n\r\n" + body
+        head = _encode(request, body)
+        conn = self._checkout(origin)
+        if conn is not None:
+            try:
+                return await self._exchange(origin, conn, request, head, body, timeouts)
+            except _Disconnected:
+                pass  # the server dropped this idle connection as we reused it: once more, on a new one
+        conn = await self._connect(origin, timeouts.get("connect"))
+        return await self._exchange(origin, conn, request, head, body, timeouts)
 
-        conn = self._checkout(origin) or await self._connect(origin, timeouts.get("connect"))
+    async def _exchange(self, origin: Origin, conn: _Connection, request: httpx.Request, head: bytes,
+                        body: bytes, timeouts: dict[str, float | None]) -> httpx.Response:
+        """Send the request on ``conn`` and wait for the response head; the body streams after."""
         self._open.add(conn)
         try:
-            conn.start(data)
+            conn.start(head, body, head_only=request.method == "HEAD")
             await conn.response_head(timeouts.get("read"))
         except BaseException:
             conn.close()
             self._open.discard(conn)
             raise
         assert conn.parser is not None
-        response = httpx.Response(conn.parser.get_status_code(), headers=conn.headers,
-                                  stream=_Body(self, origin, conn, timeouts.get("read")),
-                                  extensions={"http_version": b"HTTP/1.1"}, request=request)
-        return response
+        version = conn.parser.get_http_version()
+        return httpx.Response(
+            conn.parser.get_status_code(), headers=conn.headers,
+            stream=_Body(self, origin, conn, timeouts.get("read")), request=request,
+            extensions={"http_version": b"HTTP/1.1" if version == "1.1" else f"HTTP/{version}".encode()})
 
     async def aclose(self) -> None:
-        for conn in list(self._open) + [c for stack in self._idle.values() for c in stack]:
+        for conn in list(self._open) + [c for idle in self._idle.values() for c in idle]:
             conn.close()
         self._open.clear()
         self._idle.clear()
