@@ -8,18 +8,16 @@ reached through asyncpg. The schema is created and upgraded only by Alembic (``m
 from __future__ import annotations
 
 import asyncio
-import sqlite3
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from sqlalchemy import event
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from proxy.store.rows import json_text
+
 MIGRATIONS = Path(__file__).resolve().parents[2] / "migrations"
-T = TypeVar("T")
 
 
 def is_sqlite(url: str) -> bool:
@@ -32,18 +30,19 @@ def make_engine(url: str, *, synchronous: str = "NORMAL", pool_size: int = 10,
 
     ``immediate`` makes every SQLite transaction ``BEGIN IMMEDIATE``: it takes the write lock up
     front, so a read-then-write transaction waits its turn (busy timeout) instead of failing with
-    SQLITE_BUSY when another writer committed after its read.
+    SQLITE_BUSY when another writer committed after its read. JSON columns are written by
+    ``json_text``, the same text the SQLite fast path writes.
     """
     if not is_sqlite(url):
-        return create_async_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
-    database = make_url(url).database
+        return create_async_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True,
+                                   json_serializer=json_text)
     pool: dict[str, Any] = {}
-    if sqlite_file(url):
-        Path(database).parent.mkdir(parents=True, exist_ok=True)  # type: ignore[arg-type]
+    if database := sqlite_file(url):
+        Path(database).parent.mkdir(parents=True, exist_ok=True)
         # A fixed pool: overflow connections would be opened and closed again on every burst of
         # reads (each a thread, a file open and four pragmas); SQLite reads gain nothing from more.
         pool = {"pool_size": pool_size, "max_overflow": 0}
-    engine = create_async_engine(url, connect_args={"timeout": 30}, **pool)
+    engine = create_async_engine(url, connect_args={"timeout": 30}, json_serializer=json_text, **pool)
     begin = "BEGIN IMMEDIATE" if immediate else "BEGIN"
 
     @event.listens_for(engine.sync_engine, "connect")
@@ -69,45 +68,6 @@ def sqlite_file(url: str) -> str | None:
         return None
     database = make_url(url).database
     return database if database and database != ":memory:" and not database.startswith("file:") else None
-
-
-class SqliteWorker:
-    """One plain ``sqlite3`` connection on its own thread, for the proxy's hot path.
-
-    Through aiosqlite every statement, cursor and commit is a hop to its thread and back (a dozen
-    for a group commit, half a dozen for a one-row read, plus the ORM); here a whole job is one
-    hop, about ten times less CPU and latency. Same pragmas as the engine's connections, so
-    ``synchronous`` keeps its meaning. Jobs run one at a time, in order.
-    """
-
-    def __init__(self, path: str, *, synchronous: str = "NORMAL", name: str = "worker") -> None:
-        self._path = path
-        self._synchronous = synchronous
-        self._conn: sqlite3.Connection | None = None
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"flywheel-sqlite-{name}")
-
-    def _connection(self) -> sqlite3.Connection:
-        if self._conn is None:
-            conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False, timeout=30)
-            for pragma in ("journal_mode=WAL", f"synchronous={self._synchronous}", "busy_timeout=30000",
-                           "foreign_keys=ON"):
-                conn.execute(f"PRAGMA {pragma}")
-            self._conn = conn
-        return self._conn
-
-    async def run(self, job: Callable[[sqlite3.Connection], T]) -> T:
-        """Run ``job(connection)`` on this worker's thread."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._thread, lambda: job(self._connection()))
-
-    async def close(self) -> None:
-        def _close() -> None:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
-
-        await asyncio.get_running_loop().run_in_executor(self._thread, _close)
-        self._thread.shutdown(wait=True)
 
 
 def alembic_config(url: str) -> Any:

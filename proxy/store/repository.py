@@ -4,25 +4,24 @@ Every public method is one transaction: it either happens whole or not at all, s
 leave a half-written group, episode or reward behind. Writes that must not interleave take locks
 in one order (group row, then episode rows sorted by id) so PostgreSQL replicas never deadlock;
 SQLite writers (the writer engine, and the recorder's own connection) are serialised by ``BEGIN IMMEDIATE``.
+On a SQLite file the recorder's group commit and the episode check take the fast path
+(``sqlite_fast``), which writes the very rows the engine path writes (``rows``).
 """
 
 from __future__ import annotations
 
-import sqlite3
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import fields
 from typing import Any
 
-import orjson
-from sqlalchemy import JSON, func, insert, select, update
+from sqlalchemy import Select, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, async_sessionmaker
 
 from proxy.errors import Conflict, InvalidRequest, NotFound
-from proxy.store.db import SqliteWorker, is_sqlite, make_engine, sqlite_file
+from proxy.store.db import is_sqlite, make_engine, sqlite_file
 from proxy.store.models import Call, Episode, Group, PolicyVersion, TrainerStep
 from proxy.store.records import (
     CallRecord,
@@ -33,6 +32,8 @@ from proxy.store.records import (
     PolicyVersionRecord,
     TrainerStepRecord,
 )
+from proxy.store.rows import CALL_FIELDS, call_values, with_ordinals
+from proxy.store.sqlite_fast import SqliteFastPath
 
 OPEN, REWARDED, ABANDONED = "open", "rewarded", "abandoned"
 FINISHED = (REWARDED, ABANDONED)
@@ -65,57 +66,12 @@ def _call(row: Any) -> CallRecord:
     return CallRecord(**{name: getattr(row, name) for name in _CALL_COLUMNS})
 
 
-_NEW_CALL_FIELDS = [f.name for f in fields(NewCall)]
-_JSON_FIELDS = frozenset(c.name for c in Call.__table__.columns if isinstance(c.type, JSON))
-_INSERT_CALL_SQL = "INSERT INTO {} (ordinal, {}) VALUES ({})".format(
-    Call.__tablename__, ", ".join(f'"{name}"' for name in _NEW_CALL_FIELDS),
-    ", ".join("?" * (len(_NEW_CALL_FIELDS) + 1)))
-
-
-_EPISODE_STATE_SQL = f"SELECT status, group_id FROM {Episode.__tablename__} WHERE id = ?"
-
-# One max() per episode (an index seek) instead of GROUP BY over every call of the episodes.
-_LAST_ORDINALS_SQL = (f"SELECT id, (SELECT max(ordinal) FROM {Call.__tablename__} WHERE episode_id = "
-                      f"{Episode.__tablename__}.id) FROM {Episode.__tablename__} WHERE id IN ({{}})")
-
-
-def _last_ordinals(episode_ids: list[str]) -> Any:
-    """The highest stored ordinal of each episode (None for one without calls), as a query."""
+def _last_ordinals(episode_ids: list[str]) -> Select[str, int | None]:
+    """The highest stored ordinal of each episode (None for one without calls), as a query:
+    one max() per episode (an index seek) instead of GROUP BY over every call of the episodes."""
     last = (select(func.max(Call.ordinal)).where(Call.episode_id == Episode.id).correlate(Episode)
             .scalar_subquery())
     return select(Episode.id, last).where(Episode.id.in_(episode_ids))
-
-
-def _with_ordinals(calls: Sequence[NewCall], stored_max: dict[str, int]) -> list[tuple[int, NewCall]]:
-    """Ordinals continue per episode from the stored maximum, in start order."""
-    next_ordinal = {c.episode_id: stored_max.get(c.episode_id, -1) for c in calls}
-    out = []
-    for call in sorted(calls, key=lambda c: c.started_at):
-        next_ordinal[call.episode_id] += 1
-        out.append((next_ordinal[call.episode_id], call))
-    return out
-
-
-def _sqlite_value(name: str, value: Any) -> Any:
-    # What SQLAlchemy's JSON type writes (None becomes the JSON text 'null'); the data came from
-    # orjson.loads or the proxy itself, so orjson's output is the same JSON.
-    return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode() if name in _JSON_FIELDS else value
-
-
-def _insert_sqlite(conn: sqlite3.Connection, calls: Sequence[NewCall]) -> None:
-    """``insert_calls``' transaction on the SQLite writer thread: the same rows as the engine path."""
-    episode_ids = sorted({c.episode_id for c in calls})
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        stored = conn.execute(_LAST_ORDINALS_SQL.format(", ".join("?" * len(episode_ids))), episode_ids).fetchall()
-        conn.executemany(_INSERT_CALL_SQL, [
-            (ordinal, *(_sqlite_value(name, getattr(call, name)) for name in _NEW_CALL_FIELDS))
-            for ordinal, call in _with_ordinals(calls, {eid: m for eid, m in stored if m is not None})])
-        conn.execute("COMMIT")
-    except BaseException:
-        if conn.in_transaction:
-            conn.execute("ROLLBACK")
-        raise
 
 
 def _policy(row: PolicyVersion) -> PolicyVersionRecord:
@@ -127,7 +83,7 @@ class Repository:
     """Async data access for the proxy: episodes, groups, calls, policy versions, trainer steps."""
 
     def __init__(self, url: str, *, synchronous: str = "NORMAL", pool_size: int = 10,
-                 min_rewarded: int = 2) -> None:
+                 min_rewarded: int = 2, sqlite_fast_path: bool = True) -> None:
         self.url = url
         self.sqlite = is_sqlite(url)
         self.min_rewarded = min_rewarded
@@ -138,15 +94,13 @@ class Repository:
         self._read_sessions = async_sessionmaker(self._reader, expire_on_commit=False)
         self._write_sessions = async_sessionmaker(self._writer, expire_on_commit=False)
         # SQLite files: the recorder's group commits and the model routes' episode check each get
-        # a plain connection on a thread of their own (see SqliteWorker); the rest uses the engines.
-        path = sqlite_file(url)
-        self._call_writer = SqliteWorker(path, synchronous=synchronous, name="recorder") if path else None
-        self._state_reader = SqliteWorker(path, synchronous=synchronous, name="gate") if path else None
+        # a plain connection on a thread of their own (see sqlite_fast); the rest uses the engines.
+        path = sqlite_file(url) if sqlite_fast_path else None
+        self._fast = SqliteFastPath(path, synchronous=synchronous) if path else None
 
     async def close(self) -> None:
-        for worker in (self._call_writer, self._state_reader):
-            if worker is not None:
-                await worker.close()
+        if self._fast is not None:
+            await self._fast.close()
         await self._reader.dispose()
         if self._writer is not self._reader:
             await self._writer.dispose()
@@ -192,12 +146,11 @@ class Repository:
 
     async def episode_state(self, episode_id: str) -> tuple[str, str | None] | None:
         """(status, group_id) of an episode, or None: the model routes' existence check."""
-        if self._state_reader is not None:
-            row = await self._state_reader.run(lambda conn: conn.execute(_EPISODE_STATE_SQL, (episode_id,)).fetchone())
-        else:
-            async with self._read() as session:
-                row = (await session.execute(
-                    select(Episode.status, Episode.group_id).where(Episode.id == episode_id))).first()
+        if self._fast is not None:
+            return await self._fast.episode_state(episode_id)
+        async with self._read() as session:
+            row = (await session.execute(
+                select(Episode.status, Episode.group_id).where(Episode.id == episode_id))).first()
         return (row[0], row[1]) if row else None
 
     async def get_episode(self, episode_id: str, *, with_calls: bool = True) -> EpisodeRecord:
@@ -365,11 +318,8 @@ class Repository:
                 await self._insert_batch([call])
 
     async def _insert_batch(self, calls: Sequence[NewCall]) -> None:
-        if self._call_writer is not None:
-            try:
-                await self._call_writer.run(lambda conn: _insert_sqlite(conn, calls))
-            except sqlite3.IntegrityError as exc:
-                raise IntegrityError(_INSERT_CALL_SQL, None, exc) from exc
+        if self._fast is not None:
+            await self._fast.insert_calls(calls)
             return
         async with self._writer.begin() as conn:
             await self._insert(conn, calls)
@@ -380,8 +330,8 @@ class Repository:
             await conn.execute(select(Episode.id).where(Episode.id.in_(episode_ids))
                                .order_by(Episode.id).with_for_update())
         stored = {eid: m for eid, m in (await conn.execute(_last_ordinals(episode_ids))).all() if m is not None}
-        rows = [{name: getattr(call, name) for name in _NEW_CALL_FIELDS} | {"ordinal": ordinal}
-                for ordinal, call in _with_ordinals(calls, stored)]
+        rows = [dict(zip(CALL_FIELDS, call_values(call), strict=True)) | {"ordinal": ordinal}
+                for ordinal, call in with_ordinals(calls, stored)]
         await conn.execute(insert(Call), rows)
 
     async def count_calls(self, episode_id: str | None = None) -> int:

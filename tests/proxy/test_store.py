@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+import sqlite3
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from proxy.errors import Conflict, InvalidRequest, NotFound
 from proxy.recorder import Recorder
-from proxy.store.records import NewCall
+from proxy.store.db import is_sqlite, migrate_async, sqlite_file
+from proxy.store.records import CallRecord, NewCall
 from proxy.store.repository import Repository
+from proxy.store.rows import CALL_FIELDS
 
 
 @pytest.fixture
@@ -66,6 +73,83 @@ async def test_a_bad_record_does_not_sink_its_batch(repo: Repository) -> None:
     with pytest.raises(Exception):  # noqa: B017
         await repo.insert_calls([call(episode.id), call("00000000-0000-0000-0000-000000000000")])
     assert await repo.count_calls(episode.id) == 1
+
+
+def varied_calls(episode_id: str, other_id: str, t0: float) -> list[list[NewCall]]:
+    """Two batches whose values exercise every column's encoding: JSON None and empty containers,
+    non-ASCII text, extreme floats, integer keys, an integer past 64 bits, ints given for floats,
+    both booleans; out-of-order and tied start times for the ordinals."""
+    def variant(eid: str, started_at: float, **changes: Any) -> NewCall:
+        return dataclasses.replace(call(eid, started_at=started_at), **changes)
+
+    first = [
+        variant(episode_id, t0 + 2, request={"model": "policy", "messages": [{"role": "user", "content": "héllo ✓"}],
+                                             "temperature": 0.7, "n": 1, "stop": [], "extra": {}},
+                response=None, error={"message": "upstream failed", "code": None}, prompt_token_ids=None,
+                choices=[], exact_ids=False, policy_version=None, replica=None, ttft_ms=None,
+                prompt_tokens=None, completion_tokens=None, notes=None),
+        variant(episode_id, t0, stream=True, latency_ms=3, ttft_ms=1,  # ints where the columns are floats
+                choices=[{"index": 0, "token_ids": [0, 49151], "logprobs": [-1e-05, -9999.0, -0.0, 1e16],
+                          "finish_reason": "length", "text": "", "tool_calls": None}],
+                notes={"dropped": ["seed"], 7: "int key", "big": 2**70}),
+        variant(other_id, t0 + 1, model_served=None, notes={}),
+        variant(episode_id, t0 + 2, response={"choices": [], "usage": {"prompt_tokens": 3}}),  # tie: batch order
+    ]
+    return [first, [variant(episode_id, t0 - 5, policy_version=7, response={})]]  # continues the ordinals
+
+
+def typed(value: Any) -> Any:
+    """``value`` with the type of every scalar made explicit: 1 and 1.0 and True differ."""
+    if isinstance(value, dict):
+        return {key: typed(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [typed(item) for item in value]
+    return (type(value).__name__, value)
+
+
+async def _store_and_read(url: str, *, sqlite_fast_path: bool) -> tuple[list[CallRecord], list[CallRecord]]:
+    repository = Repository(url, sqlite_fast_path=sqlite_fast_path)
+    try:
+        episode = await repository.create_episode(task_id="t", metadata={})
+        other = await repository.create_episode(task_id="t", metadata={})
+        for batch in varied_calls(episode.id, other.id, 1_700_000_000.25):
+            await repository.insert_calls(batch)
+        assert await repository.episode_state(episode.id) == ("open", None)
+        assert await repository.episode_state("00000000-0000-0000-0000-000000000000") is None
+        return ((await repository.get_episode(episode.id)).calls or [],
+                (await repository.get_episode(other.id)).calls or [])
+    finally:
+        await repository.close()
+
+
+def _raw_calls(url: str) -> list[tuple[Any, ...]]:
+    """Every stored column of every call with SQLite's own type for it, episode ids left out."""
+    path = sqlite_file(url)
+    assert path is not None
+    columns = [name for name in CALL_FIELDS if name != "episode_id"] + ["ordinal"]
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        select_list = ", ".join(f'typeof("{name}"), "{name}"' for name in columns)
+        return conn.execute(f"SELECT id, {select_list} FROM calls ORDER BY id").fetchall()
+
+
+async def test_the_sqlite_fast_path_and_the_engine_path_store_identical_calls(store_url: str, tmp_path: Path) -> None:
+    """The same calls through the SQLite fast path and through SQLAlchemy (on SQLite, and on
+    PostgreSQL) read back equal field by field and type for type; on SQLite the stored rows
+    themselves are equal, JSON text included."""
+    fast_url = f"sqlite+aiosqlite:///{tmp_path / 'fast-path.db'}"
+    await migrate_async(fast_url)
+    fast = await _store_and_read(fast_url, sqlite_fast_path=True)
+    engine = await _store_and_read(store_url, sqlite_fast_path=False)
+    assert [c.ordinal for c in fast[0]] == [0, 1, 2, 3] and [c.ordinal for c in fast[1]] == [0]
+    assert fast[0][0].latency_ms == 3.0 and fast[0][1].response is None and fast[0][3].policy_version == 7
+    for fast_calls, engine_calls in zip(fast, engine, strict=True):
+        assert len(fast_calls) == len(engine_calls)
+        for fast_call, engine_call in zip(fast_calls, engine_calls, strict=True):
+            for name in CALL_FIELDS + ["id", "ordinal"]:
+                if name != "episode_id":
+                    assert typed(getattr(fast_call, name)) == typed(getattr(engine_call, name)), name
+    if is_sqlite(store_url):
+        assert _raw_calls(fast_url) == _raw_calls(store_url)
 
 
 async def test_reward_completes_the_group_once_all_are_finished(repo: Repository) -> None:

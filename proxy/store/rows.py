@@ -1,0 +1,63 @@
+"""How a ``NewCall`` becomes a ``calls`` row, for both writers: the SQLAlchemy engines (SQLite or
+PostgreSQL) and the SQLite fast path (``sqlite_fast``).
+
+One place decides the ordinals, each column's Python type and the JSON text (the engines are
+built with ``json_text`` as their serializer), so a call reads back the same, type for type,
+whichever writer stored it and on either database.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import fields
+from typing import Any
+
+import orjson
+from sqlalchemy import JSON, Boolean, Float
+
+from proxy.store.models import Call
+from proxy.store.records import NewCall
+
+CALL_FIELDS = [f.name for f in fields(NewCall)]
+"""The columns a ``NewCall`` fills, in ``NewCall`` order (the store adds ``id`` and ``ordinal``)."""
+
+_COLUMN_TYPES = {c.name: c.type for c in Call.__table__.columns}
+JSON_COLUMNS = frozenset(name for name in CALL_FIELDS if isinstance(_COLUMN_TYPES[name], JSON))
+_FLOAT_AT = [i for i, name in enumerate(CALL_FIELDS) if isinstance(_COLUMN_TYPES[name], Float)]
+_BOOL_AT = [i for i, name in enumerate(CALL_FIELDS) if isinstance(_COLUMN_TYPES[name], Boolean)]
+
+
+def json_text(value: Any) -> str:
+    """The JSON text every writer stores: compact UTF-8 from orjson (None is the JSON ``null``).
+
+    Integers past 64 bits, which orjson refuses, fall back to the standard library in the same
+    compact form. NaN and infinity never get here: the HTTP edge refuses them.
+    """
+    try:
+        return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+    except TypeError:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def with_ordinals(calls: Sequence[NewCall], stored_max: dict[str, int]) -> list[tuple[int, NewCall]]:
+    """Ordinals continue per episode from the stored maximum, in start order (ties keep batch order)."""
+    next_ordinal = {c.episode_id: stored_max.get(c.episode_id, -1) for c in calls}
+    out = []
+    for call in sorted(calls, key=lambda c: c.started_at):
+        next_ordinal[call.episode_id] += 1
+        out.append((next_ordinal[call.episode_id], call))
+    return out
+
+
+def call_values(call: NewCall) -> list[Any]:
+    """The column values of ``call`` in ``CALL_FIELDS`` order, as the column types read back
+    (an int latency is a float on PostgreSQL, so it is written as one everywhere)."""
+    values = [getattr(call, name) for name in CALL_FIELDS]
+    for i in _FLOAT_AT:
+        if values[i] is not None:
+            values[i] = float(values[i])
+    for i in _BOOL_AT:
+        if values[i] is not None:
+            values[i] = bool(values[i])
+    return values
