@@ -37,7 +37,8 @@ class Services:
 
 
 def services_of(request: Request) -> Services:
-    return request.app.state.services  # type: ignore[no-any-return]
+    services: Services = request.app.state.services  # Starlette's State holds Any
+    return services
 
 
 async def services(request: Request) -> Services:

@@ -70,7 +70,7 @@ def _protect(body: dict[str, Any], replica: Replica) -> dict[str, Any] | None:
     return None
 
 
-def _upstream_error(response_status: int, text: bytes, replica: Replica) -> FlywheelError:
+def _upstream_error(response_status: int, text: bytes, replica: Replica | None) -> FlywheelError:
     """Turn a vLLM error answer into ours: 4xx keep their status, 5xx become 502."""
     try:
         err = orjson.loads(text).get("error") or {}
@@ -84,7 +84,8 @@ def _upstream_error(response_status: int, text: bytes, replica: Replica) -> Flyw
         error = InvalidRequest(message, code="upstream_rejected")
         error.status_code = response_status if response_status != 401 else 502
         return error
-    return UpstreamError(f"upstream {replica.name} failed ({response_status}): {message}", code="upstream_error")
+    return UpstreamError(f"upstream {replica.name if replica else '?'} failed ({response_status}): {message}",
+                         code="upstream_error")
 
 
 class ModelCall:
@@ -179,7 +180,7 @@ class ModelCall:
             self._observe(exc.status_code, None)
             raise
         if response.status_code >= 400:
-            error = _upstream_error(response.status_code, response.content, self.replica)  # type: ignore[arg-type]
+            error = _upstream_error(response.status_code, response.content, self.replica)
             await self.record_error(error)
             self._observe(error.status_code, None)
             raise error
@@ -214,7 +215,7 @@ class ModelCall:
         if response.status_code >= 400:
             text = await response.aread()
             await response.aclose()
-            error = _upstream_error(response.status_code, text, self.replica)  # type: ignore[arg-type]
+            error = _upstream_error(response.status_code, text, self.replica)
             await self.record_error(error)
             self._observe(error.status_code, None)
             raise error

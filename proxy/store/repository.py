@@ -440,8 +440,9 @@ class Repository:
         if group_ids:
             query = query.where(Group.id.in_(list(group_ids)))
         async with self._write() as session:
-            result = await session.execute(query.values(lease_id=None, lease_owner=None, lease_expires_at=None))
-        return int(result.rowcount or 0)  # type: ignore[attr-defined]
+            released = (await session.scalars(query.values(lease_id=None, lease_owner=None, lease_expires_at=None)
+                                              .returning(Group.id))).all()
+        return len(released)
 
     async def _min_versions(self, session: AsyncSession, group_ids: list[str]) -> dict[str, int]:
         result = await session.execute(
