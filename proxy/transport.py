@@ -112,17 +112,14 @@ class _Connection(asyncio.Protocol):
     # -- httptools callbacks (after ``complete`` the parser may be reading a next message that
     #    nobody asked for: it is ignored and the connection is not reused) -------------------
 
-    def on_message_begin(self) -> None:
-        if self.complete:
-            self.keep_alive = False
-
     def on_header(self, name: bytes, value: bytes) -> None:
         if not self.complete:
             self.headers.append((name, value))  # httptools hands over whole names and values
 
     def on_headers_complete(self) -> None:
         assert self.parser is not None
-        if self.complete:
+        if self.complete:  # a second response to one request: the server is confused
+            self.keep_alive = False
             return
         if self.parser.get_status_code() < 200:  # 1xx (101 raises HttpParserUpgrade): the answer follows
             self.headers = []
