@@ -65,6 +65,7 @@ class _Connection(asyncio.Protocol):
         self.received = False
         self.informational = False
         self.head_only = False
+        self.aborted = False
 
     # -- asyncio.Protocol ----------------------------------------------------------------------
 
@@ -77,10 +78,12 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if self.parser is None or self.complete:
+        if self.parser is None or self.complete or self.error is not None:
             return
-        if self._delimited_by_close():
-            self.complete = True  # a body without length or chunking ends where the connection does
+        if self.aborted:  # closed on our side (the transport shut down) with the response still coming
+            self._fail(httpx.RemoteProtocolError("connection closed before the response ended"))
+        elif exc is None and self._delimited_by_close():
+            self.complete = True  # a body without length or chunking ends where the server closes
             self._wake()
         elif not self.received:
             self._fail(_Disconnected("Server disconnected without sending a response."))
@@ -157,7 +160,7 @@ class _Connection(asyncio.Protocol):
 
     def _fail(self, error: Exception) -> None:
         self.error = error
-        self.closed = True
+        self.closed = self.aborted = True
         if self.head is not None and not self.head.done():
             self.head.set_exception(error)
             self.head.exception()  # marked retrieved: nobody may be waiting any more
@@ -236,7 +239,7 @@ class _Connection(asyncio.Protocol):
         self._resume()
 
     def close(self) -> None:
-        self.closed = True
+        self.closed = self.aborted = True
         if self.transport is not None:
             self.transport.close()
 

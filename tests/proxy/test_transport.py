@@ -282,6 +282,21 @@ async def test_a_body_without_length_ends_with_the_connection() -> None:
         assert server.accepted == 2
 
 
+async def test_a_body_without_length_cut_by_our_own_close_is_an_error_not_a_short_body() -> None:
+    async def close_delimited_then_waits(conn: Conn) -> None:
+        await conn.request()
+        await conn.send(b"HTTP/1.1 200 OK\r\n\r\npart one")
+        await conn.request()
+
+    async with serving(close_delimited_then_waits) as (_, client):
+        async with client.stream("GET", "/") as response:
+            chunks = response.aiter_raw()
+            assert await chunks.__anext__() == b"part one"
+            await client.aclose()  # shuts the transport down under the open stream
+            with pytest.raises(httpx.RemoteProtocolError, match="closed before the response ended"):
+                await chunks.__anext__()
+
+
 async def test_head_responses_have_no_body_and_keep_the_connection() -> None:
     async def heads(conn: Conn) -> None:
         while (request := await conn.request()) is not None:
