@@ -9,6 +9,7 @@ orphans behind.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -90,26 +91,40 @@ class Stack:
         engine = config.get("engine", {})
         self.proxy_config = ROOT / config.get("proxy_config", "configs/local.yaml")
         proxy_settings = (yaml.safe_load(self.proxy_config.read_text()) or {}).get("proxy", {})
-        self.proxy_url = f"http://{proxy_settings.get('host', '127.0.0.1')}:{proxy_settings.get('port', 8100)}"
-        upstream_url = proxy_settings["upstreams"][0]["url"]
-        self.vllm = VLLMServer(
-            model=engine.get("model") or self._model(), served_name=engine.get("served_name", "policy-base"),
-            port=int(upstream_url.rsplit(":", 1)[1].split("/")[0]), device=engine.get("device", "cpu"),
-            max_lora_rank=engine.get("max_lora_rank", 16), max_loras=engine.get("max_loras", 4),
-            max_model_len=engine.get("max_model_len", 8192), cpu_kv_cache_gib=engine.get("cpu_kv_cache_gib", 4),
-            chat_template=engine.get("chat_template", str(DEFAULT_TEMPLATE)) or None,
-            tool_call_parser=engine.get("tool_call_parser", "hermes") or None,
-            gpu_memory_utilization=engine.get("gpu_memory_utilization", 0.85),
-            log_path=self.logs / "vllm.log", extra_args=list(engine.get("extra_args", [])))
-        self.restarts: list[str] = []
-        self.supervisor = Supervisor(self.vllm, on_restart=self._on_restart)
+        port = config.get("proxy_port") or proxy_settings.get("port", 8100)
+        self.proxy_url = f"http://{proxy_settings.get('host', '127.0.0.1')}:{port}"
+        self.model_dir = engine.get("model") or self._model()
         self.key = admin_key(data_dir)
-        env = dict(os.environ, FLYWHEEL_ADMIN_KEY=self.key)
+        env = dict(os.environ, FLYWHEEL_ADMIN_KEY=self.key, FLYWHEEL_PORT=str(port))
         store_url = proxy_settings.get("store", {}).get("url", "")
         if store_url.startswith("sqlite") and "///data/" in store_url:  # keep the store beside this run's data
             env["FLYWHEEL_STORE__URL"] = store_url.replace("///data/", f"///{data_dir.resolve()}/")
+        self.vllm: VLLMServer | None = None
+        self.restarts: list[str] = []
+        if engine.get("url"):  # an engine someone else runs (and supervises): route to it, start nothing
+            env["FLYWHEEL_UPSTREAMS"] = json.dumps([{"name": "vllm-0", "url": engine["url"],
+                                                     "seed_policy": engine.get("seed_policy", "drop")}])
+        else:
+            upstream_url = proxy_settings["upstreams"][0]["url"]
+            self.vllm = VLLMServer(
+                model=self.model_dir, served_name=engine.get("served_name", "policy-base"),
+                port=int(upstream_url.rsplit(":", 1)[1].split("/")[0]), device=engine.get("device", "cpu"),
+                max_lora_rank=engine.get("max_lora_rank", 16), max_loras=engine.get("max_loras", 4),
+                max_model_len=engine.get("max_model_len", 8192), cpu_kv_cache_gib=engine.get("cpu_kv_cache_gib", 4),
+                chat_template=engine.get("chat_template", str(DEFAULT_TEMPLATE)) or None,
+                tool_call_parser=engine.get("tool_call_parser", "hermes") or None,
+                gpu_memory_utilization=engine.get("gpu_memory_utilization", 0.85),
+                log_path=self.logs / "vllm.log", extra_args=list(engine.get("extra_args", [])))
+            self.supervisor = Supervisor(self.vllm, on_restart=self._on_restart)
         self.proxy = Child("proxy", [sys.executable, "-m", "proxy", "serve", "--config", str(self.proxy_config)],
                            self.logs / "proxy.log", env)
+        self.children: list[Child] = []
+        """Processes started on top of the stack (trainer, workflow, evaluation): stopped first."""
+
+    def spawn(self, child: Child) -> Child:
+        self.children.append(child)
+        child.start()
+        return child
 
     @staticmethod
     def _model() -> str:
@@ -122,11 +137,12 @@ class Stack:
         log(f"vLLM restarted ({reason}); the proxy reloads the current adapter before routing to it")
 
     def start(self) -> None:
-        log(f"starting vLLM (log: {self.vllm.log_path}); about a minute on CPU")
-        self.vllm.start()
-        self.vllm.wait_healthy(timeout=900)
-        self.supervisor.start()
-        log(f"vLLM healthy at {self.vllm.url}")
+        if self.vllm is not None:
+            log(f"starting vLLM (log: {self.vllm.log_path}); about a minute on CPU")
+            self.vllm.start()
+            self.vllm.wait_healthy(timeout=900)
+            self.supervisor.start()
+            log(f"vLLM healthy at {self.vllm.url}")
         self.proxy.start()
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -143,10 +159,14 @@ class Stack:
         log(f"proxy healthy at {self.proxy_url} (log: {self.proxy.log_path})")
 
     def stop(self) -> None:
-        self.supervisor.stop()
+        for child in reversed(self.children):
+            child.stop()
+        if self.vllm is not None:
+            self.supervisor.stop()
         self.proxy.stop()
-        self.vllm.stop()
-        log("stopped vLLM and the proxy")
+        if self.vllm is not None:
+            self.vllm.stop()
+        log("stopped the proxy" + (" and vLLM" if self.vllm is not None else ""))
 
 
 def serve(config_path: str) -> None:
@@ -183,13 +203,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m deploy.local")
     parser.add_argument("command", choices=["serve", "run"])
     parser.add_argument("--config", default="configs/run-local.yaml")
+    parser.add_argument("--seed", type=int, help="override the config's seed (run: a new run with this seed)")
     args = parser.parse_args(argv)
     if args.command == "serve":
         serve(args.config)
     else:
         from deploy.loop import run
 
-        run(args.config)
+        run(args.config, seed=args.seed)
 
 
 if __name__ == "__main__":

@@ -54,8 +54,7 @@ def _evaluate(stack: Stack, config: dict[str, Any], run_dir: Path, label: str) -
     argv = [_agents_python(), "-m", "workflows", "eval", config.get("workflow", {}).get("name", "math"),
             "--proxy", stack.proxy_url, "--output", str(out), *map(str, config.get("eval", {}).get("args", []))]
     log(f"evaluating the {label} policy on the held-out split")
-    child = Child(f"eval-{label}", argv, stack.logs / f"eval_{label}.log", _child_env(stack, config))
-    child.start()
+    child = stack.spawn(Child(f"eval-{label}", argv, stack.logs / f"eval_{label}.log", _child_env(stack, config)))
     assert child.proc is not None
     if child.proc.wait() != 0 or not out.exists():
         raise SystemExit(f"evaluation failed; see {child.log_path}")
@@ -67,7 +66,7 @@ def _evaluate(stack: Stack, config: dict[str, Any], run_dir: Path, label: str) -
 
 def _child_env(stack: Stack, config: dict[str, Any]) -> dict[str, str]:
     return dict(os.environ, FLYWHEEL_ADMIN_KEY=stack.key, FLYWHEEL_PROXY_URL=stack.proxy_url,
-                FLYWHEEL_MODEL_DIR=stack.vllm.model,
+                FLYWHEEL_MODEL_DIR=stack.model_dir,
                 FLYWHEEL_SEED=str(config.get("seed", 0)), LITELLM_LOCAL_MODEL_COST_MAP="True",
                 PYTHONPATH=str(ROOT))
 
@@ -95,8 +94,8 @@ def _train(stack: Stack, config: dict[str, Any], run_dir: Path, deadline: float,
                                   "--proxy", stack.proxy_url, "--loop", "--seed", str(config.get("seed", 0)),
                                   *map(str, workflow_cfg.get("args", []))],
                      stack.logs / "workflow.log", env)
-    trainer.start()
-    workflow.start()
+    stack.spawn(trainer)
+    stack.spawn(workflow)
     log(f"training until {time.strftime('%H:%M:%S', time.localtime(deadline))} "
         f"(logs: {trainer.log_path}, {workflow.log_path})")
     last = -1
@@ -154,8 +153,10 @@ def _plot(run_dir: Path, steps: list[dict[str, Any]], before: dict[str, Any], af
     return path
 
 
-def run(config_path: str) -> None:
+def run(config_path: str, *, seed: int | None = None) -> None:
     config = load_run_config(config_path)
+    if seed is not None and seed != config.get("seed"):
+        config["seed"], config["resume"] = seed, False  # another seed is another run
     run_dir, resumed = _run_dir(config)
     started = time.time()
     budget_s = float(config.get("budget_minutes", 30)) * 60
@@ -166,7 +167,8 @@ def run(config_path: str) -> None:
         if stop[0]:
             raise Interrupted
         stop[0] = True
-        log("stopping (Ctrl-C again to stop at once)")
+        log("stopping training early: evaluating and writing the report next "
+            "(Ctrl-C again stops at once; `make run` then resumes this run)")
 
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)

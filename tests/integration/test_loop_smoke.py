@@ -1,0 +1,57 @@
+"""`make run` in miniature: the whole loop closes on the real engine in a few minutes.
+
+The launcher runs exactly as ``make run`` does (proxy, trainer and math workflow as processes,
+evaluation before and after, report and plot), but with a tiny budget, routed to the session's
+vLLM instead of starting its own. The loop has closed when a published adapter served later
+episodes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.support.services import ROOT, free_port
+
+pytestmark = pytest.mark.vllm
+
+
+def test_two_short_steps_publish_an_adapter_that_serves_later_episodes(vllm_url: str, vllm_model_dir: str,
+                                                                       tmp_path: Path) -> None:
+    config = {
+        "data_dir": str(tmp_path), "proxy_config": "configs/local.yaml", "proxy_port": free_port(),
+        "engine": {"url": vllm_url, "model": vllm_model_dir}, "seed": 3, "budget_minutes": 12, "resume": False,
+        "trainer": {"config": "configs/trainer-local.yaml",
+                    "overrides": {"max_steps": 2, "groups_per_step": 1, "batch_wait_s": 1, "learning_rate": 1e-3}},
+        "workflow": {"name": "math", "args": ["--group-size", "4", "--concurrency", "4", "--max-pending", "1",
+                                              "-o", "max_tokens=24"]},
+        "eval": {"args": ["--split", "test", "--limit", "8", "--concurrency", "8"]},
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), FLYWHEEL_POLICY__ADAPTER_PREFIX=f"smoke-{uuid.uuid4().hex[:6]}-v")
+    env.pop("FLYWHEEL_ADMIN_KEY", None)
+    done = subprocess.run([sys.executable, "-m", "deploy.local", "run", "--config", str(path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    [run_dir] = (tmp_path / "runs").iterdir()
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["steps"] == 2 and report["seed"] == 3 and report["model"] == "SmolLM2-135M-Instruct"
+    assert 0 <= report["eval_before"] <= 1 and 0 <= report["eval_after"] <= 1 and report["eval_n"] == 8
+    assert (run_dir / "learning_curve.png").stat().st_size > 10_000
+    with sqlite3.connect(run_dir / "flywheel.db") as db:
+        published = [v for (v,) in db.execute("select version from policy_versions order by version")]
+        served = {v for (v,) in db.execute("select distinct policy_version from calls where status_code = 200")}
+        trained = db.execute("select count(*) from groups where train_status = 'trained'").fetchone()[0]
+    assert published[:2] == [1, 2], published
+    assert 0 in served and 1 in served, f"no episode was served by the first published adapter: {served}"
+    assert trained >= 2
+    assert report["eval_after"] is not None and "2" in report["policy_versions_evaluated"]
