@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -18,8 +19,21 @@ pytestmark = pytest.mark.vllm
 ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
 
 
-async def _agent(client: httpx.AsyncClient, episode: dict[str, Any], acked: list[tuple[str, str]],
-                 stream: bool) -> None:
+class Acked(list[tuple[str, str]]):
+    """Responses the clients fully received; ``enough`` is set once ``target`` of them are in."""
+
+    def __init__(self, target: int) -> None:
+        super().__init__()
+        self.target = target
+        self.enough = asyncio.Event()
+
+    def add(self, episode_id: str, response_id: str) -> None:
+        self.append((episode_id, response_id))
+        if len(self) >= self.target:
+            self.enough.set()
+
+
+async def _agent(client: httpx.AsyncClient, episode: dict[str, Any], acked: Acked, stream: bool) -> None:
     """Call the model until the proxy dies; remember every response the client fully received."""
     auth = {"authorization": f"Bearer {episode['api_key']}"}
     body = {"model": "policy", "messages": [{"role": "user", "content": "Say one word."}], "max_tokens": 3,
@@ -31,24 +45,27 @@ async def _agent(client: httpx.AsyncClient, episode: dict[str, Any], acked: list
                 response = await client.post(url, json=body, headers=auth)
                 if response.status_code != 200:
                     return
-                acked.append((episode["id"], response.json()["id"]))
+                acked.add(episode["id"], response.json()["id"])
                 continue
             async with client.stream("POST", url, json=body, headers=auth) as response:
                 lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
             if response.status_code == 200 and lines and lines[-1] == "data: [DONE]":
                 import json
 
-                acked.append((episode["id"], json.loads(lines[0][6:])["id"]))
+                acked.add(episode["id"], json.loads(lines[0][6:])["id"])
         except httpx.HTTPError:
             return
 
 
-async def _run_until_killed(proxy: ProxyProcess, episodes: list[dict[str, Any]], seconds: float,
+async def _run_until_killed(proxy: ProxyProcess, episodes: list[dict[str, Any]], calls: int,
                             kill: Any) -> list[tuple[str, str]]:
-    acked: list[tuple[str, str]] = []
+    """Run the agents until ``calls`` responses were acknowledged (at most 5 minutes on a busy box),
+    then ``kill`` while every agent still has a call in flight."""
+    acked = Acked(calls)
     async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=200)) as client:
         agents = [asyncio.create_task(_agent(client, e, acked, stream=i % 2 == 1)) for i, e in enumerate(episodes)]
-        await asyncio.sleep(seconds)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(acked.enough.wait(), timeout=300)
         kill()
         await asyncio.wait_for(asyncio.gather(*agents), timeout=120)
     return acked
@@ -69,7 +86,7 @@ def test_kill9_loses_no_acknowledged_call(vllm_url: str, tmp_path: Path) -> None
     proxy = ProxyProcess(upstream_url=vllm_url, store_url=store, workdir=tmp_path)
     proxy.start()
     episodes = _make_episodes(proxy, 50)
-    acked = asyncio.run(_run_until_killed(proxy, episodes, seconds=12, kill=proxy.kill9))
+    acked = asyncio.run(_run_until_killed(proxy, episodes, calls=100, kill=proxy.kill9))
     assert len(acked) >= 50, "too few calls completed before the kill to mean anything"
     restarted = ProxyProcess(upstream_url=vllm_url, store_url=store, workdir=tmp_path, port=proxy.port)
     restarted.start()
@@ -91,7 +108,8 @@ def test_sigterm_finishes_in_flight_calls_and_records_them(vllm_url: str, tmp_pa
     assert proxy.proc is not None
     pid = proxy.proc.pid
     started = time.monotonic()
-    acked = asyncio.run(_run_until_killed(proxy, episodes, seconds=6, kill=lambda: os.kill(pid, signal.SIGTERM)))
+    acked = asyncio.run(_run_until_killed(proxy, episodes, calls=40,
+                                            kill=lambda: os.kill(pid, signal.SIGTERM)))
     # uvicorn re-raises the signal after a graceful shutdown, so the exit code is -15 either way;
     # the lifespan's last log line is what proves the drain ran to the end.
     assert proxy.proc.wait(timeout=90) in (0, -signal.SIGTERM)
