@@ -32,30 +32,12 @@ class NewCall:
     notes: dict[str, Any] | None = None
 
 
-@dataclass(slots=True)
-class CallRecord:
+@dataclass(slots=True, kw_only=True)
+class CallRecord(NewCall):
+    """A stored call: what was written, plus the row id and the per-episode ordinal (0-based)."""
+
     id: int
-    episode_id: str
     ordinal: int
-    kind: str
-    stream: bool
-    request: dict[str, Any]
-    response: dict[str, Any] | None
-    status_code: int
-    error: dict[str, Any] | None
-    prompt_token_ids: list[int] | None
-    choices: list[dict[str, Any]]
-    exact_ids: bool
-    model_requested: str
-    model_served: str | None
-    policy_version: int | None
-    replica: str | None
-    started_at: float
-    latency_ms: float
-    ttft_ms: float | None
-    prompt_tokens: int | None
-    completion_tokens: int | None
-    notes: dict[str, Any] | None
 
 
 @dataclass(slots=True)
