@@ -203,7 +203,7 @@ def test_gpu_config_loads_in_the_proxy_and_trainer_as_compose_runs_them(gpu_conf
     settings = load_settings(config_arg, environ=services["proxy"]["environment"])
     assert [(u.name, u.url, u.seed_policy) for u in settings.upstreams] == [("vllm-0", "http://vllm-0:8000", "pass")]
     assert settings.store.url == f"postgresql+asyncpg://flywheel:{PG_SENTINEL}@postgres:5432/flywheel"
-    assert (settings.host, settings.port, settings.base_url) == ("0.0.0.0", 8100, "http://proxy:8100")
+    assert (settings.host, settings.port, settings.public_url) == ("0.0.0.0", 8100, "http://proxy:8100")
     assert settings.auth.admin_key.get_secret_value() == ADMIN_SENTINEL
 
     trainer_cmd = services["trainer"]["command"]
