@@ -1,5 +1,8 @@
 """``python -m trainer run --config configs/trainer-local.yaml [key=value ...]``: GRPO on completed groups.
 
+On several GPUs: ``torchrun --nproc-per-node N -m trainer run ...`` (or ``accelerate launch -m``);
+rank 0 talks to the proxy and writes, every rank trains its share of each step.
+
 Overrides use the config's field names, e.g. ``max_steps=20 learning_rate=1e-4 mode=sync``
 (``--key=value`` works too). ``python -m trainer config`` prints every field with its default.
 Everything is checked before the model loads: the config, the model directory, the proxy and the
@@ -50,26 +53,34 @@ def run(ctx: typer.Context, config: ConfigOpt = None) -> None:
     """Train until max_steps or SIGTERM; resumes from output_dir's last checkpoint."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: idle OpenMP threads sleep, not spin
+    from trainer.distributed import init_world
+
     try:
         cfg = load_config(config, list(ctx.args))
-        client = preflight(cfg)
+        world = init_world(cfg.distributed_timeout_s)
+        client = preflight(cfg) if world.leader else None
     except ConfigError as exc:
         _fail(str(exc))
         return
-    from trainer.loop import Trainer
+    from trainer.loop import Trainer, follow
     from trainer.lora import Policy
     from trainer.report import Reporter
 
-    cfg.out.mkdir(parents=True, exist_ok=True)
-    (cfg.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
     try:
         policy = Policy(cfg)
     except ConfigError as exc:
         _fail(str(exc))
         return
+    if client is None:
+        steps = follow(cfg, policy, world)
+        world.close()
+        typer.echo(json.dumps({"rank": world.rank, "steps": steps}))
+        return
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    (cfg.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
     reporter = Reporter(cfg.out, tensorboard=cfg.tensorboard, progress=cfg.progress, max_steps=cfg.max_steps,
                         start_step=0)
-    trainer = Trainer(cfg, client, policy, reporter)
+    trainer = Trainer(cfg, client, policy, reporter, world)
     trainer.install_signals()
     try:
         trainer.resume()
@@ -77,7 +88,8 @@ def run(ctx: typer.Context, config: ConfigOpt = None) -> None:
     finally:
         reporter.close()
         client.close()
-    typer.echo(json.dumps({"last_step": last, "output_dir": str(cfg.out)}))
+    world.close()
+    typer.echo(json.dumps({"last_step": last, "output_dir": str(cfg.out), "ranks": world.size}))
 
 
 @cli.command("config")

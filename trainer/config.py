@@ -160,6 +160,9 @@ class TrainerConfig:
     """Wait between claims when no completed group is available (s)."""
     request_timeout_s: float = 120.0
     """Timeout of one proxy request (s); publishing loads the adapter on every replica."""
+    distributed_timeout_s: float = 7200.0
+    """Under torchrun: how long ranks wait at a collective (s). Followers wait there while the
+    leader waits for rewarded groups, so this bounds the longest wait for a step's groups."""
     output_dir: str = "runs/trainer"
     """Checkpoints, published adapters, TensorBoard events and the step journal."""
     tensorboard: bool = True
@@ -206,6 +209,7 @@ class TrainerConfig:
             (self.lease_s > 0 and self.poll_interval_s > 0 and self.batch_wait_s >= 0,
              "lease_s and poll_interval_s must be > 0, batch_wait_s >= 0"),
             (self.request_timeout_s > 0, "request_timeout_s must be > 0"),
+            (self.distributed_timeout_s > 0, "distributed_timeout_s must be > 0"),
             (self.proxy_url.startswith(("http://", "https://")),
              f"proxy_url must be an http(s) URL, got {self.proxy_url!r}"),
             (self.threads is None or self.threads >= 1, "threads must be >= 1 (or null for torch's default)"),

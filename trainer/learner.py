@@ -17,11 +17,15 @@ import torch
 
 from trainer.config import TrainerConfig
 from trainer.data import Sample
+from trainer.distributed import World
 from trainer.lora import Policy
 from trainer.loss import Totals, grpo_loss
 from trainer.packing import MicroBatch, pack
 
 Tensor = torch.Tensor
+SUMS = ("loss", "policy_loss", "kl", "entropy", "clip_low", "clip_high", "is_weight", "is_capped", "ratio", "mismatch",
+        "known")
+"""The statistics a step sums over micro-batches (and over ranks)."""
 
 
 @dataclass
@@ -51,9 +55,10 @@ class StepStats:
 
 
 class Learner:
-    def __init__(self, policy: Policy, config: TrainerConfig) -> None:
+    def __init__(self, policy: Policy, config: TrainerConfig, world: World | None = None) -> None:
         self.policy = policy
         self.config = config
+        self.world = world or World()
         self.optimizer = torch.optim.AdamW(list(policy.parameters()), lr=config.learning_rate,
                                            betas=(config.adam_beta1, config.adam_beta2),
                                            weight_decay=config.weight_decay)
@@ -65,7 +70,11 @@ class Learner:
             return [mb.table(self.policy.logprobs(mb)[0]) for mb in micro]
 
     def step(self, samples: Sequence[Sample]) -> StepStats:
-        """Train on ``samples`` (advantages set): ``num_iterations`` optimizer steps, one pass each."""
+        """Train on ``samples`` (advantages set): ``num_iterations`` optimizer steps, one pass each.
+
+        Under data parallelism every rank gets all of the step's samples and works on its share of
+        the micro-batches; the totals that normalise the loss are the whole step's.
+        """
         if not samples:
             raise ValueError("no samples to train on")
         cfg = self.config
@@ -73,12 +82,15 @@ class Learner:
         micro = pack(samples, cfg.micro_batch_tokens)
         totals = Totals(sequences=len(samples), tokens=sum(mb.num_loss_tokens for mb in micro),
                         micro_batches=len(micro), max_completion_length=cfg.max_completion_length)
-        olds = self._old_logps(micro)
+        mine = self.world.share(micro)
+        olds = self._old_logps(mine)
         sums: dict[str, float] = {}
         for _ in range(cfg.num_iterations):
             sums = {}
-            for mb, old in zip(micro, olds, strict=True):
+            for mb, old in zip(mine, olds, strict=True):
                 self._accumulate(mb, old, totals, sums)
+            self.world.sum_gradients(self.policy.parameters())
+            sums = self.world.sum_values(sums, SUMS, self.policy.device)
             sums["grad_norm"] = self._apply()
         stats = _summarise(sums, totals, tokens=sum(mb.num_tokens for mb in micro))
         stats.seconds = time.perf_counter() - started

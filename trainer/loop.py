@@ -7,6 +7,9 @@ kill -9 between checkpoint and ack loses nothing and trains nothing twice. Lease
 the checkpoint are journalled (``pending.json``); a restart trains their groups under the same
 lease if it is still valid, otherwise the proxy offers them again when it expires.
 
+Under torchrun only rank 0 (the leader) runs this loop; the other ranks run ``follow``: they
+receive each step's samples from the leader and take their share of the step (``trainer.distributed``).
+
 Sync mode claims with staleness 0 (only groups from the current policy version); async mode
 accepts groups up to ``max_staleness`` versions old, and the truncated importance weights correct
 for the lag.
@@ -23,7 +26,8 @@ from typing import Any
 from trainer.checkpoint import Checkpoints, CheckpointState, LeaseRecord
 from trainer.client import Group, ProxyClient, ProxyError
 from trainer.config import TrainerConfig
-from trainer.data import Batch, ChatRetokenizer, build_batch, staleness
+from trainer.data import Batch, ChatRetokenizer, Sample, build_batch, staleness
+from trainer.distributed import World
 from trainer.learner import Learner, StepStats
 from trainer.lora import Policy
 from trainer.publish import Publisher
@@ -35,11 +39,13 @@ itself there, so crash recovery is tested at exact instants."""
 
 
 class Trainer:
-    def __init__(self, config: TrainerConfig, client: ProxyClient, policy: Policy, reporter: Reporter) -> None:
+    def __init__(self, config: TrainerConfig, client: ProxyClient, policy: Policy, reporter: Reporter,
+                 world: World | None = None) -> None:
         self.config = config
         self.client = client
         self.policy = policy
-        self.learner = Learner(policy, config)
+        self.world = world or World()
+        self.learner = Learner(policy, config, self.world)
         self.reporter = reporter
         self.checkpoints = Checkpoints(config.out, config.keep_checkpoints)
         self.publisher = Publisher(client, config.out, config.keep_adapters)
@@ -65,6 +71,8 @@ class Trainer:
             self.step, self.version_base = state.step, state.version_base
             self.reporter.log(f"resumed from {directory.name}: step {self.step}")
             self._finish(state)
+        if self.world.distributed:  # followers start from the leader's adapter and optimizer state
+            self.world.broadcast((self.policy.adapter_state(), _to_cpu(self.learner.optimizer.state_dict())))
         done = {lease.lease_id for lease in latest[1].leases} if latest else set()
         horizon = time.time() + 30.0
         self._resumable = [lease for lease in self.checkpoints.pending()
@@ -187,6 +195,7 @@ class Trainer:
             self.reporter.log(f"{len(batch.skipped)} groups skipped ({'; '.join(sorted(set(batch.skipped.values())))})")
             return True
         self.reporter.status(f"step {step}: training on {len(batch.samples)} samples")
+        self.world.broadcast(batch.samples)  # the followers' cue: they train their share of this step
         stats = self.learner.step(batch.samples)
         metrics = step_metrics(batch, groups, stats, current=current, stale=stale, wait_s=wait_s,
                                pass_threshold=cfg.pass_threshold)
@@ -204,6 +213,7 @@ class Trainer:
         while not self.stop_requested and (self.config.max_steps is None or self.step < self.config.max_steps):
             if not self.run_once():
                 break
+        self.world.broadcast(None)  # followers stop (on an error the leader exits and torchrun stops them)
         if self.step > 0 and self.step % self.config.publish_every:  # the last steps were not published yet
             latest = self.checkpoints.latest()
             if latest is not None and latest[1].step == self.step:
@@ -231,6 +241,41 @@ class Trainer:
     def _fault(point: str, step: int) -> None:
         if os.environ.get(FAULT_ENV) == f"{point}:{step}":
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def follow(config: TrainerConfig, policy: Policy, world: World) -> int:
+    """A follower rank: load the leader's start state, then train its share of each step the leader sends.
+
+    Signals are the leader's to act on (torchrun sends them to every rank): a first one is ignored
+    here, so the step in flight completes on all ranks; a second stops at once.
+    """
+    def stop_now(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    def second_signal_stops(signum: int, _frame: Any) -> None:
+        signal.signal(signum, stop_now)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, second_signal_stops)
+    learner = Learner(policy, config, world)
+    adapter, optimizer = world.broadcast(None)
+    policy.load_adapter_state(adapter)
+    learner.optimizer.load_state_dict(optimizer)
+    steps = 0
+    while (samples := world.broadcast(None)) is not None:
+        assert isinstance(samples, list) and all(isinstance(s, Sample) for s in samples)
+        learner.step(samples)
+        steps += 1
+    return steps
+
+
+def _to_cpu(value: Any) -> Any:
+    """A state dict with every tensor on the CPU (so another rank does not unpickle it onto this GPU)."""
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_to_cpu(v) for v in value)
+    return value.cpu() if hasattr(value, "cpu") else value
 
 
 def _template(config: TrainerConfig) -> str | None:
