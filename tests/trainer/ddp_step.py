@@ -8,26 +8,16 @@ from pathlib import Path
 
 import torch
 
+from tests.trainer.samples import chat_sample
 from trainer.config import TrainerConfig
-from trainer.data import Sample
 from trainer.distributed import init_world
 from trainer.learner import Learner
 from trainer.lora import Policy
+from trainer.packing import pack
 
 QUESTIONS = [("What is 2+3?", "5", 1.0), ("What is 7+1?", "The answer is 8.", -0.5),
              ("Name a colour.", "Blue, like the sky on a clear day.", 0.7), ("What is 9+9?", "18", -1.2),
              ("Say hi.", "Hi! How can I help you today?", 0.4), ("What is 4+4?", "It is eight, I think.", -0.4)]
-
-
-def sample(policy: Policy, question: str, answer: str, advantage: float) -> Sample:
-    tok = policy.tokenizer
-    prompt = list(tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                          tokenize=True)["input_ids"])
-    completion = tok.encode(answer, add_special_tokens=False) + [tok.eos_token_id]
-    n = len(prompt) + len(completion)
-    return Sample(group_id="g", episode_id=answer, input_ids=prompt + completion,
-                  loss_mask=[0] * len(prompt) + [1] * len(completion), behaviour_logprobs=[float("nan")] * n,
-                  temperatures=[1.0] * n, advantage=advantage)
 
 
 def main(model_dir: str, out: Path) -> None:
@@ -36,10 +26,8 @@ def main(model_dir: str, out: Path) -> None:
                            max_seq_len=128, micro_batch_tokens=128, threads=1)
     policy = Policy(config)
     learner = Learner(policy, config, world)
-    samples = [sample(policy, *q) for q in QUESTIONS]
+    samples = [chat_sample(policy, *q) for q in QUESTIONS]
     stats = [learner.step(samples[i:] + samples[:i]) for i in range(3)]
-    from trainer.packing import pack
-
     torch.save({"adapter": policy.adapter_state(), "loss": [s.loss for s in stats],
                 "grad_norm": [s.grad_norm for s in stats], "entropy": [s.entropy for s in stats],
                 "share": len(world.share(pack(samples, config.micro_batch_tokens))),

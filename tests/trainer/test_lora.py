@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.trainer.samples import chat_sample
 from trainer.checkpoint import Checkpoints, CheckpointState
 from trainer.config import TrainerConfig
 from trainer.data import Sample
@@ -23,17 +24,6 @@ NAN = float("nan")
 def policy(vllm_model_dir: str) -> Iterator[Policy]:
     yield Policy(TrainerConfig(model=vllm_model_dir, learning_rate=1e-3, micro_batch_tokens=512, max_seq_len=512,
                                logprob_chunk_rows=7))
-
-
-def chat_sample(policy: Policy, question: str, answer: str, advantage: float, temperature: float = 1.0) -> Sample:
-    tok = policy.tokenizer
-    prompt = list(tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                          tokenize=True)["input_ids"])
-    completion = tok.encode(answer, add_special_tokens=False) + [tok.eos_token_id]
-    n = len(prompt) + len(completion)
-    return Sample(group_id="g", episode_id=answer, input_ids=prompt + completion,
-                  loss_mask=[0] * len(prompt) + [1] * len(completion), behaviour_logprobs=[NAN] * n,
-                  temperatures=[1.0] * len(prompt) + [temperature] * len(completion), advantage=advantage)
 
 
 def sequence_logprobs(policy: Policy, samples: list[Sample], *, reference: bool = False) -> list[float]:
