@@ -1,4 +1,7 @@
-"""Tokens/s of one GRPO step on SmolLM2-135M (CPU, bf16), against TRL and a plain padded baseline; publish time.
+"""Tokens/s of one GRPO step on SmolLM2-135M (CPU), against TRL and a plain padded baseline; publish time.
+
+All three run in the trainer's dtype (``dtype: auto``: bf16 on CPUs with native bf16, else float32;
+emulated bf16 would handicap whichever side used it).
 
 What is measured, all in this run, on the same recorded batch and the same model:
 
@@ -7,10 +10,10 @@ What is measured, all in this run, on the same recorded batch and the same model
    workflow's system prompt, ``--max-tokens`` tokens at temperature 1.0). Rewards alternate 1/0
    within each group (throughput does not depend on their values; they only need to differ so no
    group is skipped). The trainer claims the groups and builds its samples from the exact token ids.
-2. **flywheel**: ``trainer.learner.Learner.step`` with the local config (bf16, LoRA r=8 on all
+2. **flywheel**: ``trainer.learner.Learner.step`` with the local config (LoRA r=8 on all
    projections, dapo, token-level truncated importance sampling against vLLM's log-probs): packed
    micro-batches of ``--micro-batch-tokens`` tokens, log-probs of the sampled tokens only.
-3. **trl**: TRL's ``GRPOTrainer`` on the same model (bf16 weights, same LoRA config, same loss
+3. **trl**: TRL's ``GRPOTrainer`` on the same model (same weights and dtype, same LoRA config, same loss
    settings), ``per_device_train_batch_size`` sequences per micro-batch, gradient accumulation over
    the batch. Honest injection: TRL cannot take a recorded batch, so generation is replaced through
    TRL's own ``rollout_func`` hook, which returns the recorded prompt ids, completion ids and vLLM
@@ -70,7 +73,7 @@ from trainer.client import ProxyClient  # noqa: E402
 from trainer.config import TrainerConfig, load_config  # noqa: E402
 from trainer.data import Sample, build_batch  # noqa: E402
 from trainer.learner import Learner  # noqa: E402
-from trainer.lora import Policy  # noqa: E402
+from trainer.lora import Policy, resolve_dtype  # noqa: E402
 from trainer.loss import Totals, grpo_loss  # noqa: E402
 from trainer.publish import Publisher  # noqa: E402
 
@@ -154,7 +157,8 @@ def naive_step(config: TrainerConfig, samples: list[Sample], micro: int) -> Call
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(str(config.model_dir), dtype=torch.bfloat16, attn_implementation="sdpa")
+    base = AutoModelForCausalLM.from_pretrained(str(config.model_dir), dtype=resolve_dtype(config.dtype, "cpu"),
+                                                attn_implementation="sdpa")
     model = get_peft_model(base, LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=0.0,
                                             target_modules=list(config.lora_target_modules), task_type="CAUSAL_LM"))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.learning_rate)
@@ -238,7 +242,7 @@ def time_trl(config: TrainerConfig, samples: list[Sample], reps: int, micro: int
         scale_rewards=config.scale_rewards, max_grad_norm=config.max_grad_norm, temperature=1.0,
         max_steps=1 + reps, logging_steps=10_000, save_strategy="no", report_to=[], use_cpu=True, bf16=False,
         gradient_checkpointing=False, disable_tqdm=True, seed=0, shuffle_dataset=False)
-    model = AutoModelForCausalLM.from_pretrained(str(config.model_dir), dtype=torch.bfloat16,
+    model = AutoModelForCausalLM.from_pretrained(str(config.model_dir), dtype=resolve_dtype(config.dtype, "cpu"),
                                                  attn_implementation="sdpa")
     timer = StepTimer()
     trainer = GRPOTrainer(
