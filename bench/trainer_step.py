@@ -68,7 +68,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from bench._procs import ProxyUnderTest, load_average  # noqa: E402
+from bench._procs import ProxyUnderTest, exit_on_sigterm, load_average  # noqa: E402
 from trainer.client import ProxyClient  # noqa: E402
 from trainer.config import TrainerConfig, load_config  # noqa: E402
 from trainer.data import Sample, build_batch  # noqa: E402
@@ -280,6 +280,7 @@ def main() -> None:
     parser.add_argument("--publishes", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads for all three implementations")
     opts = parser.parse_args()
+    exit_on_sigterm()  # SIGTERM runs the finally blocks that stop vLLM and the proxy
     torch.set_num_threads(opts.threads)
     from deploy.model import fetch
 
