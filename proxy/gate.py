@@ -3,7 +3,9 @@
 An agent names its episode in one of four ways, so any agent works unchanged: the episode-scoped
 base URL (``/episodes/<id>/v1``), ``X-Episode-Id``, OpenHands' ``x-litellm-session-id``
 (conversation id = episode id), or its per-episode API key. The open/closed check is cached
-briefly: it sits on the hot path, and a reward racing a last call is harmless (the call is kept).
+briefly: it sits on the hot path, and it is only a first filter. The store checks again inside the
+transaction that writes the call, so a call that finishes after its episode was rewarded (in flight
+meanwhile, or let in by this cache or another proxy's) is refused there, never stored.
 """
 
 from __future__ import annotations

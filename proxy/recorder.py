@@ -4,6 +4,9 @@ A request hands its finished ``NewCall`` to ``record()`` and is acknowledged to 
 after the batch holding it has committed, so a response the client received is never lost, even
 to kill -9. While one batch commits, the next accumulates: at low load a batch is one call (the
 latency is one commit), at high load hundreds (the throughput of one commit each).
+
+Outcomes are per call: the store refuses, inside the inserting transaction, a call whose episode
+was rewarded or abandoned meanwhile (``EpisodeClosed``, 409) while the rest of its batch commits.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from proxy.errors import RecordingFailed
+from proxy.errors import FlywheelError, RecordingFailed
 from proxy.store.records import NewCall
 from proxy.store.repository import Repository
 
@@ -38,7 +41,8 @@ class Recorder:
         self._task = asyncio.create_task(self._run(), name="flywheel-recorder")
 
     async def record(self, call: NewCall) -> None:
-        """Return once ``call`` is committed; raise ``RecordingFailed`` if the store refused it."""
+        """Return once ``call`` is committed. Raises ``EpisodeClosed`` if its episode was finished
+        before the record was written (the call is not stored), ``RecordingFailed`` if the store failed."""
         if self._closing and self._task is None:
             raise RecordingFailed("the proxy is shutting down; the call was not recorded")
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -61,7 +65,7 @@ class Recorder:
             del self._pending[: len(batch)]
             started = loop.time()
             try:
-                await self._repo.insert_calls([call for call, _ in batch])
+                outcomes: list[FlywheelError | None] = await self._repo.insert_calls([call for call, _ in batch])
             except Exception as exc:  # the store is down or refused: every waiter gets a clear error
                 log.error("recording failed", extra={"calls": len(batch), "error": repr(exc)})
                 error = RecordingFailed(f"the call could not be recorded ({type(exc).__name__}); retry it")
@@ -69,9 +73,13 @@ class Recorder:
                     if not future.done():
                         future.set_exception(error)
                 continue
-            for _, future in batch:
-                if not future.done():
+            for (_, future), outcome in zip(batch, outcomes, strict=True):
+                if future.done():
+                    continue
+                if outcome is None:
                     future.set_result(None)
+                else:
+                    future.set_exception(outcome)
             if self._on_batch:
                 self._on_batch(len(batch), loop.time() - started)
 

@@ -185,6 +185,17 @@ class ClaimOut(BaseModel):
     groups: list[GroupOut]
 
 
+class RenewIn(_In):
+    lease_id: str = Field(min_length=1)
+    group_ids: list[str] = Field(min_length=1, description="the lease's groups the trainer is still training")
+    lease_s: float = Field(600.0, gt=0, le=86400)
+
+
+class RenewOut(BaseModel):
+    lease_id: str
+    lease_expires_at: float
+
+
 class AckIn(_In):
     lease_id: str = Field(min_length=1)
     group_ids: list[str] = Field(min_length=1)

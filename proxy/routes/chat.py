@@ -22,6 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 from proxy.capture import Captured, Kind, StreamCapture, Wants, capture_response, prepare, sampled, strip_for_client
 from proxy.deps import Services, identify, json_body, services_of
 from proxy.errors import (
+    EpisodeClosed,
     FlywheelError,
     InvalidRequest,
     NotFound,
@@ -159,7 +160,7 @@ class ModelCall:
             call = self._new_call(status=error.status_code, captured=None, error=error.body()["error"], ttft_ms=None)
             try:
                 await self.svc.recorder.record(call)
-            except RecordingFailed:
+            except (RecordingFailed, EpisodeClosed):
                 log.error("could not record a failed call", extra={"episode": self.episode_id})
 
     def _observe(self, status: int, captured: Captured | None) -> None:
@@ -267,7 +268,7 @@ class ModelCall:
                 call = self._new_call(status=200, captured=captured, error=None, ttft_ms=ttft_ms)
                 try:
                     await self.svc.recorder.record(call)
-                except RecordingFailed as exc:
+                except (RecordingFailed, EpisodeClosed) as exc:  # a refused record is an error event, no [DONE]
                     self._observe(exc.status_code, captured)
                     yield b"data: " + exc.json() + b"\n\n"
                     finished = True

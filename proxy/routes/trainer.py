@@ -1,8 +1,10 @@
 """Trainer API: lease completed groups, acknowledge them with the step that used them, report metrics.
 
-Exactly once: a group is offered only while untrained and unleased (or its lease expired); an ack
-needs the lease that holds it, and acking the same step again is a no-op, so a trainer that
-crashed after its checkpoint can re-ack safely.
+Exactly once: a group is offered only while untrained and unleased (or its lease expired). A
+trainer renews its lease while a step runs and once more before it commits the step, and drops the
+step if the lease was lost. An ack needs the live lease that holds the group; acking the same step
+again is a no-op, so a trainer that crashed after its checkpoint can re-ack safely (renewing
+first if the lease lapsed meanwhile; see ``Repository.ack_groups``).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Query
 
 from proxy.deps import AdminDep, ServicesDep
-from proxy.schemas import AckIn, ClaimIn, ClaimOut, GroupOut, ListOut, ReleaseIn, StepIn
+from proxy.schemas import AckIn, ClaimIn, ClaimOut, GroupOut, ListOut, ReleaseIn, RenewIn, RenewOut, StepIn
 
 router = APIRouter(prefix="/trainer", tags=["trainer"])
 
@@ -24,6 +26,13 @@ async def claim(body: ClaimIn, svc: ServicesDep, _: AdminDep) -> ClaimOut:
                                          lease_id=body.lease_id)
     return ClaimOut(lease_id=result.lease_id, lease_expires_at=result.lease_expires_at, current_version=current,
                     stale=result.stale, groups=[GroupOut.model_validate(g) for g in result.groups])
+
+
+@router.post("/renew", response_model=RenewOut)
+async def renew(body: RenewIn, svc: ServicesDep, _: AdminDep) -> RenewOut:
+    """Extend a lease while its step trains; 409 ``lease_lost`` if any of its groups was claimed again."""
+    expires = await svc.repo.renew_lease(lease_id=body.lease_id, group_ids=body.group_ids, lease_s=body.lease_s)
+    return RenewOut(lease_id=body.lease_id, lease_expires_at=expires)
 
 
 @router.post("/ack", response_model=ListOut)

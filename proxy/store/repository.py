@@ -1,15 +1,18 @@
 """The only place that opens transactions and commits.
 
 Every public method is one transaction: it either happens whole or not at all, so no route can
-leave a half-written group, episode or reward behind. Writes that must not interleave take locks
-in one order (group row, then episode rows sorted by id) so PostgreSQL replicas never deadlock;
-SQLite writers (the writer engine, and the recorder's own connection) are serialised by ``BEGIN IMMEDIATE``.
+leave a half-written group, episode or reward behind. Writes that must not interleave take row
+locks in one fixed order on PostgreSQL, so replicas never deadlock: group rows sorted by id, then
+episode rows sorted by id (rewards, abandons, the idle sweep, the recorder's inserts; the trainer
+routes lock group rows only). SQLite writers (the writer engine, and the recorder's own
+connection) are serialised by ``BEGIN IMMEDIATE``.
 On a SQLite file the recorder's group commit and the episode check take the fast path
 (``sqlite_fast``), which writes the very rows the engine path writes (``rows``).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -20,7 +23,7 @@ from sqlalchemy import Select, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, async_sessionmaker
 
-from proxy.errors import Conflict, InvalidRequest, NotFound
+from proxy.errors import Conflict, EpisodeClosed, FlywheelError, InvalidRequest, NotFound, RecordingFailed
 from proxy.store.db import is_sqlite, make_engine, sqlite_file
 from proxy.store.models import Call, Episode, Group, PolicyVersion, TrainerStep
 from proxy.store.records import (
@@ -32,8 +35,10 @@ from proxy.store.records import (
     PolicyVersionRecord,
     TrainerStepRecord,
 )
-from proxy.store.rows import CALL_FIELDS, call_values, with_ordinals
+from proxy.store.rows import CALL_FIELDS, admit, call_values
 from proxy.store.sqlite_fast import SqliteFastPath
+
+log = logging.getLogger("flywheel.store")
 
 OPEN, REWARDED, ABANDONED = "open", "rewarded", "abandoned"
 FINISHED = (REWARDED, ABANDONED)
@@ -66,12 +71,19 @@ def _call(row: Any) -> CallRecord:
     return CallRecord(**{name: getattr(row, name) for name in _CALL_COLUMNS})
 
 
-def _last_ordinals(episode_ids: list[str]) -> Select[str, int | None]:
-    """The highest stored ordinal of each episode (None for one without calls), as a query:
+def _episode_states(episode_ids: list[str]) -> Select[str, str, int | None]:
+    """Each episode's status and highest stored ordinal (None for one without calls), as a query:
     one max() per episode (an index seek) instead of GROUP BY over every call of the episodes."""
     last = (select(func.max(Call.ordinal)).where(Call.episode_id == Episode.id).correlate(Episode)
             .scalar_subquery())
-    return select(Episode.id, last).where(Episode.id.in_(episode_ids))
+    return select(Episode.id, Episode.status, last).where(Episode.id.in_(episode_ids))
+
+
+def _refusal(episode_id: str, status: str | None) -> FlywheelError:
+    if status is None:
+        return NotFound(f"episode {episode_id} not found", param="episode_id", code="episode_not_found")
+    return EpisodeClosed(f"episode {episode_id} was {status} before this call's record was written; the call "
+                         "was not recorded", code="episode_closed")
 
 
 def _policy(row: PolicyVersion) -> PolicyVersionRecord:
@@ -216,6 +228,11 @@ class Repository:
         if group_id is not None:
             await session.execute(select(Group.id).where(Group.id == group_id).with_for_update())
 
+    @staticmethod
+    def _locked_groups(*where: Any) -> Select[Group]:
+        """Group rows matching ``where``, locked in id order (the one lock order; a no-op on SQLite)."""
+        return select(Group).where(*where).order_by(Group.id).with_for_update()
+
     async def _complete_group(self, session: AsyncSession, group_id: str | None, now: float) -> None:
         if group_id is None:
             return
@@ -288,51 +305,70 @@ class Repository:
             Episode.status == OPEN, func.coalesce(last_call, Episode.created_at) < now - idle_s)
         async with self._write() as session:
             expired = (await session.execute(idle)).all()
-            for group_id in sorted({g for _, g in expired if g}):
-                await self._lock_group(session, group_id)
-            ids = sorted(e for e, _ in expired)
+            if not expired:
+                return 0
+            groups = sorted({g for _, g in expired if g})
+            if groups:  # the lock order: group rows, then episode rows, each sorted by id
+                await session.execute(select(Group.id).where(Group.id.in_(groups)).order_by(Group.id).with_for_update())
+            # Locked, the episodes are checked again: a call or a reward may have come in since the scan.
+            ids = list((await session.scalars(idle.with_only_columns(Episode.id).where(
+                Episode.id.in_(sorted(e for e, _ in expired))).order_by(Episode.id).with_for_update())).all())
             if not ids:
                 return 0
-            await session.execute(update(Episode).where(Episode.id.in_(ids), Episode.status == OPEN).values(
+            await session.execute(update(Episode).where(Episode.id.in_(ids)).values(
                 status=ABANDONED, abandon_reason=f"no reward within {idle_s:.0f}s", finished_at=now))
-            for group_id in sorted({g for _, g in expired if g}):
+            for group_id in groups:
                 await self._complete_group(session, group_id, now)
         return len(ids)
 
     # -- calls: the recorder's hot path ---------------------------------------------------------
 
-    async def insert_calls(self, calls: Sequence[NewCall]) -> None:
-        """Write a batch of calls in one transaction (group commit), assigning per-episode ordinals.
+    async def insert_calls(self, calls: Sequence[NewCall]) -> list[FlywheelError | None]:
+        """Write a batch of calls in one transaction (group commit); per call, None (stored) or why not.
 
-        Ordinals continue from the stored maximum; the episode rows are locked first so two proxy
-        replicas writing one episode on PostgreSQL take turns instead of colliding.
+        A call is stored only if its episode is still open inside this very transaction, so a call
+        that arrives after its episode was rewarded or abandoned (in flight meanwhile, or let in by
+        another proxy's gate cache) is refused (``EpisodeClosed``), never stored after its group may
+        have been claimed. Ordinals continue from the stored maximum. On PostgreSQL the group rows,
+        then the episode rows, are locked in id order (the order rewards take them), so a reward
+        either commits first (the call is refused) or waits for this insert; on SQLite ``BEGIN
+        IMMEDIATE`` serialises the two.
         """
         if not calls:
-            return
+            return []
         try:
-            await self._insert_batch(calls)
-        except IntegrityError:
+            refused = await self._insert_batch(calls)
+        except IntegrityError as exc:
             if len(calls) == 1:
-                raise
-            for call in calls:  # one bad record (say, a deleted episode) must not sink the batch
-                await self._insert_batch([call])
+                log.error("a call record was refused by the store", extra={"error": repr(exc)})
+                return [RecordingFailed("the store refused the call's record (IntegrityError)")]
+            outcomes: list[FlywheelError | None] = []
+            for call in calls:  # one bad record must not sink the batch
+                outcomes += await self.insert_calls([call])
+            return outcomes
+        if not refused:
+            return [None] * len(calls)
+        return [_refusal(c.episode_id, refused[c.episode_id]) if c.episode_id in refused else None for c in calls]
 
-    async def _insert_batch(self, calls: Sequence[NewCall]) -> None:
+    async def _insert_batch(self, calls: Sequence[NewCall]) -> dict[str, str | None]:
         if self._fast is not None:
-            await self._fast.insert_calls(calls)
-            return
+            return await self._fast.insert_calls(calls)
         async with self._writer.begin() as conn:
-            await self._insert(conn, calls)
+            return await self._insert(conn, calls)
 
-    async def _insert(self, conn: AsyncConnection, calls: Sequence[NewCall]) -> None:
+    async def _insert(self, conn: AsyncConnection, calls: Sequence[NewCall]) -> dict[str, str | None]:
         episode_ids = sorted({c.episode_id for c in calls})
-        if not self.sqlite:
-            await conn.execute(select(Episode.id).where(Episode.id.in_(episode_ids))
-                               .order_by(Episode.id).with_for_update())
-        stored = {eid: m for eid, m in (await conn.execute(_last_ordinals(episode_ids))).all() if m is not None}
-        rows = [dict(zip(CALL_FIELDS, call_values(call), strict=True)) | {"ordinal": ordinal}
-                for ordinal, call in with_ordinals(calls, stored)]
-        await conn.execute(insert(Call), rows)
+        states = _episode_states(episode_ids)
+        if not self.sqlite:  # the lock order: group rows, then episode rows, each sorted by id
+            groups = select(Episode.group_id).where(Episode.id.in_(episode_ids), Episode.group_id.is_not(None))
+            await conn.execute(select(Group.id).where(Group.id.in_(groups)).order_by(Group.id).with_for_update())
+            states = states.order_by(Episode.id).with_for_update(of=Episode)
+        found = {eid: (status, last) for eid, status, last in (await conn.execute(states)).all()}
+        admitted, refused = admit(calls, found)
+        if admitted:
+            await conn.execute(insert(Call), [dict(zip(CALL_FIELDS, call_values(call), strict=True))
+                                              | {"ordinal": ordinal} for ordinal, call in admitted])
+        return refused
 
     async def count_calls(self, episode_id: str | None = None) -> int:
         query = select(func.count()).select_from(Call)
@@ -386,8 +422,9 @@ class Repository:
         now = time.time()
         if lease_id is not None:
             async with self._write() as session:
-                held = (await session.scalars(select(Group).where(
-                    Group.lease_id == lease_id, Group.train_status == "pending").order_by(Group.completed_at))).all()
+                held = sorted((await session.scalars(self._locked_groups(
+                    Group.lease_id == lease_id, Group.train_status == "pending"))).all(),
+                    key=lambda g: (g.completed_at or 0.0, g.id))
                 for group in held:
                     group.lease_owner, group.lease_expires_at = owner, now + lease_s
             if held:
@@ -436,12 +473,13 @@ class Repository:
 
     async def release_groups(self, *, lease_id: str, group_ids: Sequence[str] | None = None) -> int:
         """Hand leased, untrained groups back at once (a trainer stopping before it trained them)."""
-        query = update(Group).where(Group.lease_id == lease_id, Group.train_status == "pending")
+        where = [Group.lease_id == lease_id, Group.train_status == "pending"]
         if group_ids:
-            query = query.where(Group.id.in_(list(group_ids)))
+            where.append(Group.id.in_(list(group_ids)))
         async with self._write() as session:
-            released = (await session.scalars(query.values(lease_id=None, lease_owner=None, lease_expires_at=None)
-                                              .returning(Group.id))).all()
+            released = (await session.scalars(self._locked_groups(*where))).all()
+            for group in released:
+                group.lease_id, group.lease_owner, group.lease_expires_at = None, None, None
         return len(released)
 
     async def _min_versions(self, session: AsyncSession, group_ids: list[str]) -> dict[str, int]:
@@ -452,26 +490,73 @@ class Repository:
             .group_by(Episode.group_id))
         return {gid: v for gid, v in result.all() if gid is not None and v is not None}
 
+    async def _held(self, session: AsyncSession, lease_id: str, group_ids: Sequence[str]) -> dict[str, Group]:
+        """The groups, locked in id order; ``NotFound`` if one does not exist."""
+        rows = {g.id: g for g in (await session.scalars(self._locked_groups(Group.id.in_(sorted(set(group_ids))))))}
+        missing = [gid for gid in group_ids if gid not in rows]
+        if missing:
+            raise NotFound(f"groups not found: {missing}", param="group_ids")
+        return rows
+
+    @staticmethod
+    def _lease_lost(group: Group, lease_id: str) -> Conflict:
+        return Conflict(f"group {group.id} is no longer held by lease {lease_id} (it expired and the group was "
+                        "claimed again, or it was released)", code="lease_lost")
+
+    async def renew_lease(self, *, lease_id: str, group_ids: Sequence[str], lease_s: float) -> float:
+        """Extend a lease on the groups a trainer is training; returns the new expiry.
+
+        All or nothing: if any of ``group_ids`` is no longer held by ``lease_id`` (it was re-leased
+        or released after the lease expired) the answer is ``Conflict`` ``lease_lost`` and nothing
+        changes, so the trainer must drop the step. A lease that expired but whose groups nobody
+        claimed since is revived: no one else can have trained them. Groups this lease already
+        acked are left as they are.
+        """
+        now = time.time()
+        async with self._write() as session:
+            rows = await self._held(session, lease_id, group_ids)
+            for group in rows.values():
+                if group.lease_id != lease_id or group.train_status not in ("pending", "trained", "skipped"):
+                    raise self._lease_lost(group, lease_id)
+            for group in rows.values():
+                if group.train_status == "pending":
+                    group.lease_expires_at = now + lease_s
+        return now + lease_s
+
     async def ack_groups(self, *, lease_id: str, group_ids: Sequence[str], step: int,
                          status: str, note: str | None = None) -> list[GroupRecord]:
-        """Mark leased groups ``trained`` (or ``skipped``) by ``step``. Idempotent for the same step;
-        a group leased to someone else since, or trained by another step, is a ``Conflict``."""
+        """Mark leased groups ``trained`` (or ``skipped``) by ``step``; all or nothing.
+
+        The rule: an ack needs a live lease. Acking the same groups again with the same lease and
+        step is a no-op (a retry, or a restarted trainer finishing its checkpoint). Otherwise a
+        group must be pending and held by ``lease_id`` (``Conflict`` ``already_acked`` /
+        ``lease_lost``), and the lease must not have expired (``Conflict`` ``lease_expired``): a
+        trainer whose lease lapsed cannot know whether another claimed the group meanwhile, so it
+        must first renew it (``renew_lease``), which succeeds only if nobody did. That is the path
+        of a trainer restarted after a crash between checkpoint and ack: its checkpoint holds the
+        update, so renew-then-ack is right when the group is still its own, and ``lease_lost``
+        (the group was claimed again and may be trained twice) is reported to it, never hidden.
+        """
+        now = time.time()
         async with self._write() as session:
-            query = select(Group).where(Group.id.in_(sorted(set(group_ids)))).order_by(Group.id)
-            rows = {g.id: g for g in (await session.scalars(query.with_for_update())).all()}
-            missing = [gid for gid in group_ids if gid not in rows]
-            if missing:
-                raise NotFound(f"groups not found: {missing}", param="group_ids")
+            rows = await self._held(session, lease_id, group_ids)
+            todo = []
             for group in rows.values():
-                if group.train_status in ("trained", "skipped") and group.trained_step == step:
+                if (group.train_status in ("trained", "skipped") and group.trained_step == step
+                        and group.lease_id == lease_id):
                     continue
                 if group.train_status != "pending":
                     raise Conflict(f"group {group.id} is already {group.train_status}"
                                    + (f" by step {group.trained_step}" if group.trained_step is not None else ""),
                                    code="already_acked")
                 if group.lease_id != lease_id:
-                    raise Conflict(f"group {group.id} is not held by lease {lease_id} (lease expired and "
-                                   "the group was claimed again)", code="lease_lost")
+                    raise self._lease_lost(group, lease_id)
+                if group.lease_expires_at is None or group.lease_expires_at < now:
+                    raise Conflict(f"lease {lease_id} on group {group.id} expired "
+                                   f"{now - (group.lease_expires_at or now):.1f}s ago; renew it before acking "
+                                   "(the renewal fails if the group was claimed again)", code="lease_expired")
+                todo.append(group)
+            for group in todo:
                 group.train_status, group.trained_step, group.train_note = status, step, note
                 group.lease_expires_at = None
         return [_group(g) for g in rows.values()]

@@ -1,9 +1,10 @@
 """How a ``NewCall`` becomes a ``calls`` row, for both writers: the SQLAlchemy engines (SQLite or
 PostgreSQL) and the SQLite fast path (``sqlite_fast``).
 
-One place decides the ordinals, each column's Python type and the JSON text (the engines are
-built with ``json_text`` as their serializer), so a call reads back the same, type for type,
-whichever writer stored it and on either database.
+One place decides which calls are admitted (their episode is still open inside the inserting
+transaction), the ordinals, each column's Python type and the JSON text (the engines are built
+with ``json_text`` as their serializer), so a call reads back the same, type for type, whichever
+writer stored it and on either database.
 """
 
 from __future__ import annotations
@@ -38,6 +39,25 @@ def json_text(value: Any) -> str:
         return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
     except TypeError:
         return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def admit(calls: Sequence[NewCall], states: dict[str, tuple[str, int | None]]
+          ) -> tuple[list[tuple[int, NewCall]], dict[str, str | None]]:
+    """Split a batch by its episodes' state as read inside the inserting transaction.
+
+    ``states`` maps episode id -> (status, highest stored ordinal or None). Calls of open episodes
+    come back with their ordinals; the others are refused, as episode id -> its status (None: no
+    such episode). A call that reaches the store after its episode was rewarded or abandoned is
+    never stored: its group may already be complete and claimed for training.
+    """
+    refused: dict[str, str | None] = {}
+    for episode_id in {c.episode_id for c in calls}:
+        state = states.get(episode_id)
+        if state is None or state[0] != "open":
+            refused[episode_id] = state[0] if state is not None else None
+    admitted = [c for c in calls if c.episode_id not in refused] if refused else calls
+    stored_max = {eid: last for eid, (_, last) in states.items() if last is not None}
+    return with_ordinals(admitted, stored_max), refused
 
 
 def with_ordinals(calls: Sequence[NewCall], stored_max: dict[str, int]) -> list[tuple[int, NewCall]]:

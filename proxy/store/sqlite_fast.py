@@ -3,9 +3,10 @@ plain ``sqlite3`` connection with a thread of its own.
 
 Through aiosqlite every statement, cursor and commit is a hop to its thread and back (a dozen for
 a group commit, half a dozen for a one-row read, plus the ORM); here a whole job is one hop, about
-ten times less CPU and latency. It writes the rows the engine path writes (``rows`` decides
-ordinals, types and JSON text) and commits with ``BEGIN IMMEDIATE`` like the writer engine, so the
-two take turns on SQLite's write lock. Everything else goes through the SQLAlchemy engines.
+ten times less CPU and latency. It writes the rows the engine path writes (``rows`` decides which
+calls are admitted, ordinals, types and JSON text) and commits with ``BEGIN IMMEDIATE`` like the
+writer engine, so the two take turns on SQLite's write lock: the episode states it reads inside
+that transaction cannot change before it commits. Everything else goes through the SQLAlchemy engines.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from sqlalchemy.exc import IntegrityError
 
 from proxy.store.models import Call, Episode
 from proxy.store.records import NewCall
-from proxy.store.rows import CALL_FIELDS, JSON_COLUMNS, call_values, json_text, with_ordinals
+from proxy.store.rows import CALL_FIELDS, JSON_COLUMNS, admit, call_values, json_text
 
 T = TypeVar("T")
 
@@ -28,9 +29,10 @@ _INSERT_CALL_SQL = "INSERT INTO {} (ordinal, {}) VALUES ({})".format(
     Call.__tablename__, ", ".join(f'"{name}"' for name in CALL_FIELDS), ", ".join("?" * (len(CALL_FIELDS) + 1)))
 _JSON_AT = [i for i, name in enumerate(CALL_FIELDS) if name in JSON_COLUMNS]
 _EPISODE_STATE_SQL = f"SELECT status, group_id FROM {Episode.__tablename__} WHERE id = ?"
-# One max() per episode (an index seek) instead of GROUP BY over every call of the episodes.
-_LAST_ORDINALS_SQL = (f"SELECT id, (SELECT max(ordinal) FROM {Call.__tablename__} WHERE episode_id = "
-                      f"{Episode.__tablename__}.id) FROM {Episode.__tablename__} WHERE id IN ({{}})")
+# Each episode's status and highest ordinal: one max() per episode (an index seek) instead of
+# GROUP BY over every call of the episodes.
+_EPISODE_STATES_SQL = (f"SELECT id, status, (SELECT max(ordinal) FROM {Call.__tablename__} WHERE episode_id = "
+                       f"{Episode.__tablename__}.id) FROM {Episode.__tablename__} WHERE id IN ({{}})")
 
 
 class SqliteWorker:
@@ -76,15 +78,18 @@ def _row(ordinal: int, call: NewCall) -> tuple[object, ...]:
     return (ordinal, *values)
 
 
-def _insert_calls(conn: sqlite3.Connection, calls: Sequence[NewCall]) -> None:
-    """``Repository.insert_calls``' transaction, on the writer thread."""
+def _insert_calls(conn: sqlite3.Connection, calls: Sequence[NewCall]) -> dict[str, str | None]:
+    """``Repository.insert_calls``' transaction, on the writer thread; returns the refused episodes
+    (id -> status, None if missing), whose calls were not written."""
     episode_ids = sorted({c.episode_id for c in calls})
     conn.execute("BEGIN IMMEDIATE")
     try:
-        stored = conn.execute(_LAST_ORDINALS_SQL.format(", ".join("?" * len(episode_ids))), episode_ids).fetchall()
-        stored_max = {eid: last for eid, last in stored if last is not None}
-        conn.executemany(_INSERT_CALL_SQL, [_row(ordinal, call) for ordinal, call in with_ordinals(calls, stored_max)])
+        found = conn.execute(_EPISODE_STATES_SQL.format(", ".join("?" * len(episode_ids))), episode_ids).fetchall()
+        rows, refused = admit(calls, {eid: (status, last) for eid, status, last in found})
+        if rows:
+            conn.executemany(_INSERT_CALL_SQL, [_row(ordinal, call) for ordinal, call in rows])
         conn.execute("COMMIT")
+        return refused
     except BaseException:
         if conn.in_transaction:
             conn.execute("ROLLBACK")
@@ -104,11 +109,12 @@ class SqliteFastPath:
         self._writer = SqliteWorker(path, synchronous=synchronous, name="recorder")
         self._reader = SqliteWorker(path, synchronous=synchronous, name="gate")
 
-    async def insert_calls(self, calls: Sequence[NewCall]) -> None:
-        """Write a batch in one transaction; a constraint failure is SQLAlchemy's ``IntegrityError``,
-        as on the engine path, so the repository handles both alike."""
+    async def insert_calls(self, calls: Sequence[NewCall]) -> dict[str, str | None]:
+        """Write a batch in one transaction; returns the refused episodes as ``rows.admit`` does. A
+        constraint failure is SQLAlchemy's ``IntegrityError``, as on the engine path, so the
+        repository handles both alike."""
         try:
-            await self._writer.run(lambda conn: _insert_calls(conn, calls))
+            return await self._writer.run(lambda conn: _insert_calls(conn, calls))
         except sqlite3.IntegrityError as exc:
             raise IntegrityError(_INSERT_CALL_SQL, None, exc) from exc
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from proxy.errors import Conflict, InvalidRequest, NotFound
+from proxy.errors import Conflict, EpisodeClosed, InvalidRequest, NotFound
 from proxy.recorder import Recorder
 from proxy.store.db import is_sqlite, migrate_async, sqlite_file
 from proxy.store.records import CallRecord, NewCall
@@ -68,11 +68,12 @@ async def test_calls_get_ordinals_in_start_order_and_round_trip_exactly(repo: Re
 
 async def test_a_bad_record_does_not_sink_its_batch(repo: Repository) -> None:
     episode = await repo.create_episode(task_id="t", metadata={})
-    with pytest.raises(Exception):  # noqa: B017 - the driver's IntegrityError type differs per store
-        await repo.insert_calls([call("00000000-0000-0000-0000-000000000000")])
-    with pytest.raises(Exception):  # noqa: B017
-        await repo.insert_calls([call(episode.id), call("00000000-0000-0000-0000-000000000000")])
-    assert await repo.count_calls(episode.id) == 1
+    missing = "00000000-0000-0000-0000-000000000000"
+    [alone] = await repo.insert_calls([call(missing)])
+    assert isinstance(alone, NotFound) and alone.code == "episode_not_found"
+    stored, refused = await repo.insert_calls([call(episode.id), call(missing)])
+    assert stored is None and isinstance(refused, NotFound)
+    assert await repo.count_calls(episode.id) == 1 and await repo.count_calls() == 1
 
 
 def varied_calls(episode_id: str, other_id: str, t0: float) -> list[list[NewCall]]:
@@ -303,3 +304,225 @@ async def test_a_retried_claim_returns_the_same_groups_and_release_hands_them_ba
     again = await repo.claim_groups(owner="u", max_groups=2, lease_s=60, max_staleness=None, current_version=0)
     assert [g.id for g in again.groups] == [first, second]
     assert await repo.release_groups(lease_id=lease) == 0  # no longer held by that lease
+
+
+# -- late calls, leases and lock order ----------------------------------------------------------
+
+def _pg_dsn(url: str) -> str:
+    return url.replace("postgresql+asyncpg://", "postgresql://")
+
+
+async def _wait_for_lock_wait(dsn: str, bound_s: float = 10.0) -> None:
+    """Until some backend of this database waits for a row lock (bounded)."""
+    import asyncpg
+
+    conn = await asyncpg.connect(dsn)
+    try:
+        deadline = time.monotonic() + bound_s
+        while time.monotonic() < deadline:
+            waiting = await conn.fetchval("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                                          "AND wait_event_type = 'Lock'")
+            if waiting:
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"nothing waited for a row lock within {bound_s}s")
+    finally:
+        await conn.close()
+
+
+async def _try_lock_episode(dsn: str, episode_id: str) -> bool:
+    """Whether another transaction can lock the episode row right now (FOR UPDATE NOWAIT)."""
+    import asyncpg
+
+    conn = await asyncpg.connect(dsn)
+    try:
+        async with conn.transaction():
+            await conn.execute("SELECT id FROM episodes WHERE id = $1 FOR UPDATE NOWAIT", episode_id)
+        return True
+    except asyncpg.exceptions.LockNotAvailableError:
+        return False
+    finally:
+        await conn.close()
+
+
+class OtherWriter:
+    """Another proxy's transaction, held open: it rewards an episode and completes its group, and
+    commits only when told (what ``set_reward`` does on another replica)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.sqlite = is_sqlite(url)
+        self._pg: Any = None
+        self._sqlite: sqlite3.Connection | None = None
+
+    async def reward(self, episode_id: str, group_id: str) -> None:
+        now = time.time()
+        if self.sqlite:
+            path = sqlite_file(self.url)
+            assert path is not None
+            self._sqlite = sqlite3.connect(path, isolation_level=None)
+            self._sqlite.execute("BEGIN IMMEDIATE")
+            self._sqlite.execute("UPDATE episodes SET status = 'rewarded', reward = 1.0, finished_at = ? WHERE id = ?",
+                                 (now, episode_id))
+            self._sqlite.execute("UPDATE groups SET status = 'complete', completed_at = ? WHERE id = ?",
+                                 (now, group_id))
+            return
+        import asyncpg
+
+        self._pg = await asyncpg.connect(_pg_dsn(self.url))
+        await self._pg.execute("BEGIN")
+        await self._pg.execute("SELECT id FROM groups WHERE id = $1 FOR UPDATE", group_id)
+        await self._pg.execute("UPDATE episodes SET status = 'rewarded', reward = 1.0, finished_at = $1 WHERE id = $2",
+                               now, episode_id)
+        await self._pg.execute("UPDATE groups SET status = 'complete', completed_at = $1 WHERE id = $2", now, group_id)
+
+    async def commit(self) -> None:
+        if self._sqlite is not None:
+            self._sqlite.execute("COMMIT")
+            self._sqlite.close()
+        else:
+            await self._pg.execute("COMMIT")
+            await self._pg.close()
+
+
+async def test_a_call_of_a_finished_episode_is_refused_and_the_rest_of_its_batch_commits(repo: Repository) -> None:
+    """Per-call outcomes: a batch keeps its open episodes' calls and refuses the finished one's
+    with 409 conflict_error / episode_closed, which the recorder hands to that call alone."""
+    finished = await repo.create_episode(task_id="t", metadata={})
+    live = await repo.create_episode(task_id="t", metadata={})
+    await repo.set_reward(finished.id, reward=1.0, call_rewards=None, metadata=None)
+    batches: list[int] = []
+    recorder = Recorder(repo, on_batch=lambda n, _s: batches.append(n))
+    recorder.start()
+    try:
+        late, kept = await asyncio.gather(recorder.record(call(finished.id)), recorder.record(call(live.id)),
+                                          return_exceptions=True)
+    finally:
+        await recorder.close()
+    assert batches == [2]  # one transaction held both
+    assert isinstance(late, EpisodeClosed) and late.code == "episode_closed"
+    assert (late.status_code, late.type) == (409, "conflict_error")
+    assert kept is None
+    assert await repo.count_calls(finished.id) == 0 and await repo.count_calls(live.id) == 1
+
+
+async def test_a_reward_committing_during_an_insert_refuses_the_late_call(repo: Repository, store_url: str) -> None:
+    """A reward another proxy commits while a call's record is being written: the insert waits for
+    it and refuses the call inside its own transaction, so nothing is added to the completed group."""
+    group = await repo.create_group(task_id="t", size=2, metadata={})
+    a, b = (e.id for e in group.episodes or [])
+    lone = await repo.create_episode(task_id="t", metadata={})
+    await repo.insert_calls([call(a), call(b)])
+    await repo.set_reward(a, reward=0.0, call_rewards=None, metadata=None)
+    other = OtherWriter(store_url)
+    await other.reward(b, group.id)  # the gate saw b open; this reward is mid-commit
+    insert = asyncio.create_task(repo.insert_calls([call(b), call(lone.id)]))
+    if not other.sqlite:
+        await _wait_for_lock_wait(_pg_dsn(store_url))
+        assert not insert.done()
+    await other.commit()
+    late, kept = await asyncio.wait_for(insert, 30)
+    assert isinstance(late, EpisodeClosed) and kept is None
+    assert await repo.count_calls(b) == 1 and await repo.count_calls(lone.id) == 1
+    done = await repo.get_group(group.id)
+    assert done.status == "complete" and done.counts == {"rewarded": 2}
+
+
+async def test_an_insert_locks_the_group_row_before_its_episode_rows(repo: Repository, store_url: str) -> None:
+    """The one lock order (group row, then episode rows by id), as rewards take them: while the
+    group is locked by another transaction, an insert waits for it holding no episode row."""
+    if is_sqlite(store_url):
+        pytest.skip("row locks are PostgreSQL's; SQLite serialises writers with BEGIN IMMEDIATE")
+    import asyncpg
+
+    group = await repo.create_group(task_id="t", size=2, metadata={})
+    a = (group.episodes or [])[0].id
+    dsn = _pg_dsn(store_url)
+    holder = await asyncpg.connect(dsn)
+    try:
+        await holder.execute("BEGIN")
+        await holder.execute("SELECT id FROM groups WHERE id = $1 FOR UPDATE", group.id)
+        insert = asyncio.create_task(repo.insert_calls([call(a)]))
+        await _wait_for_lock_wait(dsn)
+        assert await _try_lock_episode(dsn, a)  # waiting for the group, it holds no episode row
+        await holder.execute("ROLLBACK")
+    finally:
+        await holder.close()
+    assert await asyncio.wait_for(insert, 30) == [None]
+
+
+async def test_the_idle_sweep_locks_episode_rows_in_id_order(repo: Repository, store_url: str) -> None:
+    """``abandon_expired`` takes episode rows sorted by id, as inserts do, whatever their order on
+    disk: blocked on the higher id, it already holds the lower one (so the two never deadlock)."""
+    if is_sqlite(store_url):
+        pytest.skip("row locks are PostgreSQL's; SQLite serialises writers with BEGIN IMMEDIATE")
+    import asyncpg
+
+    for _ in range(20):  # stored first, the higher id: a scan in storage order would take it first
+        first = await repo.create_episode(task_id="t", metadata={})
+        second = await repo.create_episode(task_id="t", metadata={})
+        if first.id > second.id:
+            break
+        await repo.abandon(first.id, reason="not this pair")
+        await repo.abandon(second.id, reason="not this pair")
+    high, low = first.id, second.id
+    assert high > low
+    await asyncio.sleep(0.05)
+    dsn = _pg_dsn(store_url)
+    holder = await asyncpg.connect(dsn)
+    try:
+        await holder.execute("BEGIN")
+        await holder.execute("SELECT id FROM episodes WHERE id = $1 FOR UPDATE", high)
+        sweep = asyncio.create_task(repo.abandon_expired(idle_s=0.01))
+        await _wait_for_lock_wait(dsn)
+        assert not await _try_lock_episode(dsn, low)  # taken before the wait for the higher id
+        await holder.execute("ROLLBACK")
+    finally:
+        await holder.close()
+    assert await asyncio.wait_for(sweep, 30) == 2
+
+
+async def test_an_expired_lease_acks_only_after_a_renewal(repo: Repository) -> None:
+    """An ack needs a live lease; a lapsed lease nobody took over is revived by renewing it; the
+    same ack again (a restarted trainer finishing its checkpoint) is a no-op even long after."""
+    group_id = await _complete_group(repo)
+    claim = await repo.claim_groups(owner="a", max_groups=1, lease_s=0.05, max_staleness=None, current_version=0)
+    await asyncio.sleep(0.1)
+    with pytest.raises(Conflict) as refused:
+        await repo.ack_groups(lease_id=claim.lease_id, group_ids=[group_id], step=1, status="trained")
+    assert refused.value.code == "lease_expired" and refused.value.status_code == 409
+    assert (await repo.get_group(group_id)).train_status == "pending"
+    before = time.time()
+    expires = await repo.renew_lease(lease_id=claim.lease_id, group_ids=[group_id], lease_s=60)
+    assert before + 59 < expires <= time.time() + 60
+    later = await repo.renew_lease(lease_id=claim.lease_id, group_ids=[group_id], lease_s=120)
+    assert later > expires
+    await repo.ack_groups(lease_id=claim.lease_id, group_ids=[group_id], step=1, status="trained")
+    await repo.ack_groups(lease_id=claim.lease_id, group_ids=[group_id], step=1, status="trained")
+    await repo.renew_lease(lease_id=claim.lease_id, group_ids=[group_id], lease_s=60)  # acked: left as it is
+    assert (await repo.get_group(group_id)).trained_step == 1
+
+
+async def test_a_lease_claimed_again_is_lost_for_renewals_and_acks(repo: Repository) -> None:
+    first, second = await _complete_group(repo), await _complete_group(repo)
+    a = await repo.claim_groups(owner="a", max_groups=2, lease_s=0.05, max_staleness=None, current_version=0)
+    assert [g.id for g in a.groups] == [first, second]
+    await asyncio.sleep(0.1)
+    b = await repo.claim_groups(owner="b", max_groups=1, lease_s=60, max_staleness=None, current_version=0)
+    assert [g.id for g in b.groups] == [first]
+    with pytest.raises(Conflict) as lost:
+        await repo.renew_lease(lease_id=a.lease_id, group_ids=[first, second], lease_s=60)
+    assert lost.value.code == "lease_lost"
+    with pytest.raises(Conflict) as expired:  # all or nothing: the renewal extended no group
+        await repo.ack_groups(lease_id=a.lease_id, group_ids=[second], step=1, status="trained")
+    assert expired.value.code == "lease_expired"
+    with pytest.raises(Conflict) as lost_ack:
+        await repo.ack_groups(lease_id=a.lease_id, group_ids=[first], step=1, status="trained")
+    assert lost_ack.value.code == "lease_lost"
+    await repo.ack_groups(lease_id=b.lease_id, group_ids=[first], step=1, status="trained")
+    with pytest.raises(Conflict) as other_step:  # b's step 1, not a's: no idempotent pass for another lease
+        await repo.ack_groups(lease_id=a.lease_id, group_ids=[first], step=1, status="trained")
+    assert other_step.value.code == "already_acked"
+    await repo.renew_lease(lease_id=a.lease_id, group_ids=[second], lease_s=60)
+    await repo.ack_groups(lease_id=a.lease_id, group_ids=[second], step=1, status="trained")
+    assert [(await repo.get_group(g)).train_status for g in (first, second)] == ["trained", "trained"]
