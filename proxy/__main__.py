@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import tempfile
 from pathlib import Path
 from typing import Annotated
 
@@ -21,12 +22,45 @@ def ensure_admin_key(path: Path) -> None:
     """Use FLYWHEEL_ADMIN_KEY if set; else read (or create, mode 0600) ``path`` and export it."""
     if os.environ.get("FLYWHEEL_ADMIN_KEY"):
         return
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(secrets.token_urlsafe(32) + "\n")
-        path.chmod(0o600)
+    if not path.exists() and _create_key(path):
         typer.echo(f"created an admin key in {path} (clients read it from there or FLYWHEEL_ADMIN_KEY)", err=True)
-    os.environ["FLYWHEEL_ADMIN_KEY"] = path.read_text().strip()
+    os.environ["FLYWHEEL_ADMIN_KEY"] = _read_key(path)
+
+
+def _create_key(path: Path) -> bool:
+    """Write a new key to ``path`` unless one is there; True if this process created it.
+
+    The key is complete and mode 0600 before it has its name: written to a temporary file that
+    ``mkstemp`` creates 0600, fsynced, then hard-linked to ``path``, which fails if ``path`` exists.
+    Of several proxies starting at once, one creates the key and the others read that one.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(secrets.token_urlsafe(32) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+    finally:
+        os.unlink(tmp)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return True
+
+
+def _read_key(path: Path) -> str:
+    key = path.read_text().strip()
+    if not key:
+        raise typer.BadParameter(f"the admin key file {path} is empty: delete it (a new key is created) or set "
+                                 "FLYWHEEL_ADMIN_KEY")
+    return key
 
 
 @cli.command()
