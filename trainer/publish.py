@@ -7,6 +7,11 @@ call is idempotent here: if the proxy already has version N from this very direc
 a restart after a crash between publish and checkpoint), that counts as done. The last
 ``keep_adapters`` directories stay on disk: the proxy reloads its kept versions from them when a
 vLLM replica restarts.
+
+An ``adapters/vN`` that already exists is reused only if it holds exactly the adapter being
+published (the same tensors): that is the restart case, where the checkpoint restores the adapter
+that was saved there. Anything else there (left by another run, or another model) is refused, never
+published as version N.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import shutil
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from trainer.client import Policy as PolicyInfo
 from trainer.client import ProxyClient, ProxyError
@@ -37,7 +44,12 @@ class Publisher:
     def save(self, policy: Policy, version: int) -> Path:
         final = self.path(version)
         if final.exists():
-            return final
+            problem = _differs(final, policy.adapter_state())
+            if problem is None:
+                return final
+            raise PublishError(f"{final} already exists but does not hold this trainer's adapter for version "
+                               f"{version} ({problem}): it is left from another run. Use a fresh output_dir, or "
+                               "move that directory away if nothing serves it any more")
         tmp = self.root / f".tmp-v{version}"
         shutil.rmtree(tmp, ignore_errors=True)
         policy.save_adapter(tmp)
@@ -70,3 +82,18 @@ class Publisher:
         for old in versions[:-self.keep]:
             if old != current:
                 shutil.rmtree(self.path(old), ignore_errors=True)
+
+
+def _differs(directory: Path, state: dict[str, torch.Tensor]) -> str | None:
+    """Why the adapter saved in ``directory`` is not ``state``, or None when it is exactly it."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        saved = load_file(str(directory / "adapter_model.safetensors"))
+    except (OSError, SafetensorError) as exc:
+        return f"unreadable adapter_model.safetensors: {exc}"
+    if saved.keys() != state.keys():
+        return "different tensor names"
+    changed = [k for k, v in state.items() if v.dtype != saved[k].dtype or not torch.equal(v, saved[k])]
+    return f"different values in {len(changed)} of {len(state)} tensors" if changed else None
