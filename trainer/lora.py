@@ -3,17 +3,25 @@
 Packing without padding needs attention that stays inside each sample. transformers lets a model
 use a registered attention function; ``packed_sdpa`` runs PyTorch SDPA causally on each sample's
 slice of the packed row (boundaries from ``cu_seq_lens_q``), so no (L x L) block mask is built
-and no attention is computed across samples. Positions restart at 0 per sample (RoPE).
+and no attention is computed across samples. Positions restart at 0 per sample (RoPE). Should
+the boundaries stop arriving (a transformers release that no longer forwards ``cu_seq_lens_q`` to
+the attention function, or a model that does not use it), samples would silently attend across
+each other: a packed forward therefore counts the attention calls that saw them and fails loudly.
+Attention features this function does not implement (soft-capping, sinks, a sliding window shorter
+than a sample) fail the same way instead of being ignored.
 
 Log-probs come from the backbone's hidden states through ``selected_logprobs``: only rows that
 predict a loss token go through the vocabulary projection, a chunk at a time. The reference
 policy for the KL term is the same model with the adapter disabled (no second model in memory).
+That skips whatever the model's own head does to its logits (soft-capping, scaling, a bias): such
+models are refused at start (``check_logit_head``) until the log-prob path applies the same transform.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,18 +30,41 @@ import torch
 import torch.nn.functional as F
 
 from trainer.config import ConfigError, TrainerConfig
-from trainer.logprobs import selected_logprobs
+from trainer.logprobs import LogProbs, Truncation, selected_logprobs
 from trainer.packing import MicroBatch
 
 Tensor = torch.Tensor
 ATTENTION = "flywheel_packed"
 
 
+class PackingError(RuntimeError):
+    """Packed samples would attend across each other, or attention would differ from the model's."""
+
+
+class _Packed(threading.local):
+    """This thread's packed forward: how many samples it packs, how many attention calls saw their bounds."""
+
+    samples = 0
+    bounded_calls = 0
+
+
+_packed = _Packed()
+
+
 def packed_sdpa(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                 dropout: float = 0.0, scaling: float | None = None, cu_seq_lens_q: Tensor | None = None,
-                **_: Any) -> tuple[Tensor, None]:
+                **kwargs: Any) -> tuple[Tensor, None]:
     """Causal SDPA per packed sample. query (1, heads, L, D); key/value (1, kv_heads, L, D)."""
-    bounds = cu_seq_lens_q.tolist() if cu_seq_lens_q is not None else [0, query.shape[2]]
+    if cu_seq_lens_q is None:
+        if _packed.samples > 1:
+            raise PackingError(f"{_packed.samples} samples are packed in one row but the attention function got no "
+                               "cu_seq_lens_q: they would attend across each other (does this transformers release "
+                               "still pass the sequence-length kwargs through to the attention function?)")
+        bounds = [0, query.shape[2]]
+    else:
+        bounds = cu_seq_lens_q.tolist()
+        _packed.bounded_calls += 1
+    _refuse_unsupported(kwargs, bounds)
     gqa = key.shape[1] != query.shape[1]
     outs = [F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True,
                                            dropout_p=dropout, scale=scaling, enable_gqa=gqa)
@@ -42,12 +73,100 @@ def packed_sdpa(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tens
     return out.transpose(1, 2).contiguous(), None
 
 
+def _refuse_unsupported(kwargs: dict[str, Any], bounds: list[int]) -> None:
+    """What the model asks of its attention that plain causal SDPA would silently not do."""
+    if kwargs.get("softcap") is not None:
+        raise PackingError(f"attention logit soft-capping ({kwargs['softcap']}) is not supported by the packed "
+                           "attention (attn_logit_softcapping)")
+    if kwargs.get("s_aux") is not None:
+        raise PackingError("attention sinks (s_aux) are not supported by the packed attention")
+    if kwargs.get("is_causal") is False:
+        raise PackingError("the model asked for non-causal attention; the packed attention is causal only")
+    window = kwargs.get("sliding_window")
+    if window is not None and max(e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True)) > window:
+        raise PackingError(f"a sample is longer than the sliding window ({window} tokens), which the packed "
+                           "attention does not apply; lower max_seq_len to the window")
+
+
+class PackedForward:
+    """Count, for one packed forward of ``samples`` samples, the attention calls that saw the boundaries."""
+
+    def __init__(self, samples: int) -> None:
+        self.samples = samples
+
+    def __enter__(self) -> PackedForward:
+        _packed.samples, _packed.bounded_calls = self.samples, 0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bounded_calls = _packed.bounded_calls
+        _packed.samples, _packed.bounded_calls = 0, 0
+
+    def check(self) -> None:
+        """After the forward: a multi-sample row must have gone through ``packed_sdpa`` with its boundaries."""
+        if self.samples > 1 and self.bounded_calls == 0:
+            raise PackingError(f"{self.samples} samples were packed in one row but no attention call went through "
+                               f"{ATTENTION!r} with their boundaries: the model does not use the packed attention "
+                               "(attn_implementation changed?), so the samples attended across each other")
+
+
 def _register_attention() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     AttentionInterface.register(ATTENTION, packed_sdpa)
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, lambda *args, **kwargs: None)  # boundaries replace the mask
+
+
+# Config fields with which a model's head transforms the logits after the output projection, and the
+# value that means "no transform". The log-prob path (hidden @ output embedding) skips the head, so
+# its log-probs would not be the policy vLLM samples from.
+LOGIT_TRANSFORMS: dict[str, float | None] = {
+    "final_logit_softcapping": None,  # Gemma 2/3: cap * tanh(logits / cap)
+    "attn_logit_softcapping": None,  # Gemma 2: the same inside attention, which packed_sdpa does not do
+    "logit_scale": 1.0,  # Cohere: logits * logit_scale
+    "logits_scaling": 1.0,  # Granite: logits / logits_scaling
+    "output_multiplier": 1.0,
+    "output_multiplier_scale": 1.0,  # Grok-1
+    "lm_head_multiplier": 1.0,  # Falcon-H1
+    "mup_width_multiplier": 1.0,  # Phi-3-small (muP): logits / mup_width_multiplier
+}
+
+
+def check_logit_head(model: torch.nn.Module, backbone: torch.nn.Module) -> None:
+    """Refuse a model whose logits are not ``hidden @ output_embedding.T``: first by the config field
+    that says so, then by measuring one short forward (a transform no field names)."""
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", type(model).__name__)
+    configs = [config] if config is not None else []
+    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else None
+    if text is not None and text is not config:
+        configs.append(text)
+    for cfg in configs:
+        for name, identity in LOGIT_TRANSFORMS.items():
+            value = getattr(cfg, name, identity)
+            if value != identity and not (identity is not None and value is None):
+                raise ConfigError(f"model type {kind!r} sets {name}={value!r}: its logits are transformed after the "
+                                  "output projection, which the trainer's log-prob path does not do yet (not "
+                                  "supported); its log-probs would not be the ones vLLM samples from")
+        base, width = getattr(cfg, "dim_model_base", None), getattr(cfg, "hidden_size", None)
+        if base and width and width != base:  # MiniCPM (muP): logits of hidden / (hidden_size / dim_model_base)
+            raise ConfigError(f"model type {kind!r} scales its logits by dim_model_base/hidden_size ({base}/{width}), "
+                              "which the trainer's log-prob path does not do yet (not supported)")
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
+        raise ConfigError(f"model type {kind!r} has no output embedding the log-prob path can use")
+    if getattr(head, "bias", None) is not None:
+        raise ConfigError(f"model type {kind!r} has a bias on lm_head, which the trainer's log-prob path does not "
+                          "add yet (not supported)")
+    ids = torch.arange(1, 9, device=head.weight.device)[None] % head.weight.shape[0]
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits.float()
+        wanted = F.linear(backbone(input_ids=ids, use_cache=False).last_hidden_state, head.weight).float()
+    if logits.shape != wanted.shape or (logits - wanted).abs().max() > 1e-2 * (1 + wanted.abs().max()):
+        raise ConfigError(f"model type {kind!r}: its logits are not its hidden states times the output embedding "
+                          "(the head transforms them), which the trainer's log-prob path does not do (not supported)")
 
 
 def cpu_has_bf16() -> bool:
@@ -88,6 +207,7 @@ class Policy:
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=self.dtype, attn_implementation="sdpa")
         base.set_attn_implementation(ATTENTION)
+        check_logit_head(base, base.model)
         lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
                           target_modules=list(config.lora_target_modules), bias="none", task_type="CAUSAL_LM")
         try:
@@ -103,20 +223,25 @@ class Policy:
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         return (p for p in self.model.parameters() if p.requires_grad)
 
-    def logprobs(self, mb: MicroBatch, *, reference: bool = False) -> tuple[Tensor, Tensor]:
-        """Per-loss-token log-probs (N,) (with grad unless ``reference``) and entropies (N,)."""
+    def logprobs(self, mb: MicroBatch, *, reference: bool = False) -> LogProbs:
+        """Per-loss-token log-probs (N,) (with grad unless ``reference``), entropies (N,) and ``outside``
+        flags (N,), under each token's recorded temperature, top-k, top-p and min-p."""
         if reference:
             with torch.no_grad(), self.model.disable_adapter():
                 return self._logprobs(mb)
         return self._logprobs(mb)
 
-    def _logprobs(self, mb: MicroBatch) -> tuple[Tensor, Tensor]:
-        hidden = self.backbone(input_ids=mb.input_ids.to(self.device), position_ids=mb.position_ids.to(self.device),
-                               cu_seq_lens_q=mb.cu_seqlens.to(self.device), use_cache=False).last_hidden_state
+    def _logprobs(self, mb: MicroBatch) -> LogProbs:
+        with PackedForward(len(mb.samples)) as packed:
+            hidden = self.backbone(input_ids=mb.input_ids.to(self.device),
+                                   position_ids=mb.position_ids.to(self.device),
+                                   cu_seq_lens_q=mb.cu_seqlens.to(self.device), use_cache=False).last_hidden_state
+        packed.check()
         selected = hidden[0].index_select(0, mb.select.to(self.device))  # (N, H)
-        logps, entropy = selected_logprobs(selected, self.output_weight, mb.targets.to(self.device),
-                                           mb.temperatures, rows=self.config.logprob_chunk_rows)
-        return logps.cpu(), entropy.cpu()
+        truncation = Truncation(top_k=mb.top_k, top_p=mb.top_p, min_p=mb.min_p) if mb.truncated else None
+        out = selected_logprobs(selected, self.output_weight, mb.targets.to(self.device), mb.temperatures,
+                                rows=self.config.logprob_chunk_rows, truncation=truncation)
+        return LogProbs(out.logps.cpu(), out.entropy.cpu(), out.outside.cpu())
 
     # -- adapter state ---------------------------------------------------------------------------
 

@@ -11,10 +11,10 @@ import torch
 
 from tests.trainer.samples import chat_sample
 from trainer.checkpoint import Checkpoints, CheckpointState
-from trainer.config import TrainerConfig
+from trainer.config import ConfigError, TrainerConfig
 from trainer.data import Sample
 from trainer.learner import Learner
-from trainer.lora import Policy
+from trainer.lora import ATTENTION, PackingError, Policy, check_logit_head, packed_sdpa
 from trainer.packing import collate
 
 NAN = float("nan")
@@ -89,3 +89,101 @@ def test_checkpoint_round_trip_restores_the_adapter_and_optimizer(policy: Policy
     assert sequence_logprobs(policy, pair) == pytest.approx(saved, abs=1e-6)
     assert int(restored.optimizer.state_dict()["state"][0]["step"]) == 1
     assert sorted(p.name for p in tmp_path.joinpath("checkpoints").iterdir()) == ["LATEST", "step-00000007"]
+
+
+# -- loud failures instead of silent fallbacks -----------------------------------------------------------
+
+
+def test_packed_samples_fail_loudly_when_their_boundaries_stop_arriving(policy: Policy,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """If ``cu_seq_lens_q`` no longer reached the attention function, packed samples would attend
+    across each other: that must be an error, not a quietly wrong log-prob."""
+    pair = [chat_sample(policy, "What is 2+3?", "5", 1.0), chat_sample(policy, "Name a colour.", "Blue.", -1.0)]
+    backbone = policy.backbone
+
+    def dropping_the_boundaries(**kwargs: object) -> object:
+        kwargs.pop("cu_seq_lens_q")
+        return backbone(**kwargs)
+
+    monkeypatch.setattr(policy, "backbone", dropping_the_boundaries)
+    with torch.no_grad():
+        with pytest.raises(PackingError, match="2 samples are packed in one row but the attention function got no"):
+            policy.logprobs(collate(pair))
+        policy.logprobs(collate(pair[:1]))  # one sample alone has nothing to attend across
+
+
+def test_packed_samples_fail_loudly_when_the_model_bypasses_the_packed_attention(policy: Policy) -> None:
+    pair = [chat_sample(policy, "What is 2+3?", "5", 1.0), chat_sample(policy, "Name a colour.", "Blue.", -1.0)]
+    base = policy.model.get_base_model()
+    base.set_attn_implementation("sdpa")
+    try:
+        with torch.no_grad(), pytest.raises(PackingError, match="no attention call went through 'flywheel_packed'"):
+            policy.logprobs(collate(pair))
+    finally:
+        base.set_attn_implementation(ATTENTION)
+    with torch.no_grad():
+        policy.logprobs(collate(pair))
+
+
+def test_attention_features_the_packed_path_lacks_are_refused() -> None:
+    q = torch.zeros(1, 2, 6, 4)
+    bounds = torch.tensor([0, 2, 6])
+    with pytest.raises(PackingError, match="soft-capping"):
+        packed_sdpa(torch.nn.Module(), q, q, q, None, cu_seq_lens_q=bounds, softcap=50.0)
+    with pytest.raises(PackingError, match="sliding window"):
+        packed_sdpa(torch.nn.Module(), q, q, q, None, cu_seq_lens_q=bounds, sliding_window=3)
+    out, _ = packed_sdpa(torch.nn.Module(), q, q, q, None, cu_seq_lens_q=bounds, sliding_window=4, softcap=None)
+    assert out.shape == (1, 6, 2, 4)
+
+
+def tiny(config_cls: str, **fields: object) -> torch.nn.Module:
+    """A randomly initialised two-layer model of that architecture, built in memory (no download)."""
+    import transformers
+
+    config = getattr(transformers, config_cls)(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                               head_dim=8, **fields)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_llama_like_heads_pass_the_logit_check() -> None:
+    for model in (tiny("LlamaConfig"), tiny("Qwen2Config"), tiny("LlamaConfig", tie_word_embeddings=True)):
+        check_logit_head(model, model.model)
+
+
+@pytest.mark.parametrize(("config_cls", "fields", "named"), [
+    ("Gemma2Config", {}, "final_logit_softcapping=30.0"),
+    ("Gemma2Config", {"final_logit_softcapping": None}, "attn_logit_softcapping=50.0"),
+    ("CohereConfig", {}, "logit_scale=0.0625"),
+    ("GraniteConfig", {"logits_scaling": 8.0}, "logits_scaling=8.0"),
+])
+def test_heads_that_transform_logits_are_refused_by_name(config_cls: str, fields: dict[str, object],
+                                                         named: str) -> None:
+    model = tiny(config_cls, **fields)
+    kind = model.config.model_type
+    with pytest.raises(ConfigError, match=rf"model type '{kind}' sets {named}: .*not supported"):
+        check_logit_head(model, model.model)
+
+
+def test_an_lm_head_bias_or_an_unnamed_transform_is_refused() -> None:
+    model = tiny("LlamaConfig")
+    model.lm_head.bias = torch.nn.Parameter(torch.zeros(64))
+    with pytest.raises(ConfigError, match="bias on lm_head"):
+        check_logit_head(model, model.model)
+    model = tiny("LlamaConfig")
+    model.lm_head.register_forward_hook(lambda _m, _i, out: out * 2.0)  # no config field says so
+    with pytest.raises(ConfigError, match="not its hidden states times the output embedding"):
+        check_logit_head(model, model.model)
+
+
+def test_policy_refuses_a_soft_capped_model_at_start(tmp_path: Path, vllm_model_dir: str) -> None:
+    import shutil
+
+    model = tiny("Gemma2Config")
+    model.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (Path(vllm_model_dir) / name).exists():
+            shutil.copy(Path(vllm_model_dir) / name, tmp_path / name)
+    with pytest.raises(ConfigError, match="model type 'gemma2' sets final_logit_softcapping=30.0"):
+        Policy(TrainerConfig(model=str(tmp_path)))
