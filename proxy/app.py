@@ -29,6 +29,7 @@ from proxy.metrics import Metrics
 from proxy.policy import PolicyRouter
 from proxy.recorder import Recorder
 from proxy.routes import chat, episodes, ops, policy, trainer
+from proxy.sampling import SamplingDefaults
 from proxy.settings import Settings
 from proxy.store.repository import Repository
 from proxy.upstream import Upstreams
@@ -82,6 +83,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def create_app(settings: Settings, *, repo: Repository | None = None,
                transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
     """The proxy app. ``transport`` swaps the network to vLLM (tests isolating the proxy only)."""
+    sampling = SamplingDefaults.load(settings.sampling.generation_config, settings.sampling.defaults)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -95,7 +97,8 @@ def create_app(settings: Settings, *, repo: Repository | None = None,
         svc = Services(settings=settings, repo=store, upstreams=upstreams, router=router, recorder=recorder,
                        keys=KeyRing(settings.auth.admin_key.get_secret_value(),
                                     [k.get_secret_value() for k in settings.auth.agent_keys]),
-                       gate=EpisodeGate(store), metrics=metrics)
+                       gate=EpisodeGate(store), metrics=metrics, sampling=sampling)
+        log.info("sampling defaults for omitted fields", extra={"defaults": sampling.values, "source": sampling.source})
         app.state.services = svc
         recorder.start()
         with contextlib.suppress(Exception):

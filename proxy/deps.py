@@ -15,6 +15,7 @@ from proxy.gate import EpisodeGate
 from proxy.metrics import Metrics
 from proxy.policy import PolicyRouter
 from proxy.recorder import Recorder
+from proxy.sampling import SamplingDefaults
 from proxy.settings import Settings
 from proxy.store.repository import Repository
 from proxy.upstream import Upstreams
@@ -32,6 +33,8 @@ class Services:
     keys: KeyRing
     gate: EpisodeGate
     metrics: Metrics
+    sampling: SamplingDefaults
+    """The model's defaults for omitted sampling fields (``proxy/sampling.py``)."""
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     """Tasks that outlive their request (e.g. recording a disconnected stream); drained on shutdown."""
 

@@ -81,6 +81,25 @@ class AuthSettings(_Section):
         return value
 
 
+class SamplingSettings(_Section):
+    """How recorded calls sample, so the trainer learns from the distribution vLLM sampled (``proxy/sampling.py``)."""
+
+    generation_config: str | None = None
+    """The model directory vLLM serves (or its ``generation_config.json``): its temperature, top_p,
+    top_k and min_p are what vLLM applies when a request omits them. None: vLLM's neutral values.
+    Either way the proxy sends every field explicitly, so the record is what vLLM applied."""
+    defaults: dict[str, float] = {}
+    """Overrides of the model's defaults (temperature, top_p, top_k, min_p) for omitted fields."""
+    penalties: Literal["flag", "reject"] = "flag"
+    """Requests setting a penalty, logit_bias, bad_words, allowed_token_ids, min_tokens or beam search:
+    ``flag`` passes them on and marks the call ``penalized`` (context only, counted by the trainer);
+    ``reject`` answers 400. Omitted penalties are always pinned neutral."""
+    constrained: Literal["train", "exclude", "reject"] = "train"
+    """Grammar-constrained calls (tool_choice required/named, response_format json): ``train`` on the
+    unmasked policy with importance weights (forced tokens out of the loss), ``exclude`` (context
+    only), or ``reject`` (400)."""
+
+
 class UpstreamTimeouts(_Section):
     connect_s: float = 5.0
     read_s: float = 600.0
@@ -101,6 +120,7 @@ class Settings(_Section):
     episodes: EpisodeSettings = EpisodeSettings()
     auth: AuthSettings
     timeouts: UpstreamTimeouts = UpstreamTimeouts()
+    sampling: SamplingSettings = SamplingSettings()
     max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
     health_interval_s: float = Field(default=2.0, gt=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"

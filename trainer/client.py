@@ -1,15 +1,16 @@
 """The proxy's trainer and policy API over HTTP: claim, ack, steps, publish (the trainer never imports the proxy).
 
 Replies are parsed into small pydantic models with just the fields training needs. Errors come
-back as ``ProxyError`` with the proxy's status, error type and code. Ack, step reports and publish
-are idempotent on the proxy, so they are retried on transport errors and 5xx; a claim is not (a
-lost reply leases groups nobody trains until the lease expires), so it is retried only when the
-connection could not be opened at all.
+back as ``ProxyError`` with the proxy's status, error type and code. Every request is idempotent on
+the proxy, so each is retried on transport errors and 5xx: ack, renew, step reports and publish by
+nature, and a claim because it carries a lease id chosen here (a retry whose first answer was lost
+gets the groups that lease already holds, not a second set nobody would train).
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any, Literal
 
 import httpx
@@ -49,6 +50,8 @@ class Call(_Reply):
     exact_ids: bool = False
     policy_version: int | None = None
     model_requested: str = ""
+    notes: dict[str, Any] | None = None
+    """What the proxy decided for the call; ``notes["sampling"]`` is the effective sampling (proxy/sampling.py)."""
 
 
 class Episode(_Reply):
@@ -56,6 +59,8 @@ class Episode(_Reply):
     group_id: str | None = None
     status: str
     reward: float | None = None
+    call_rewards: dict[str, float] | None = None
+    abandon_reason: str | None = None
     calls: list[Call] | None = None
 
 
@@ -65,6 +70,7 @@ class Group(_Reply):
     status: str
     train_status: str = "pending"
     trained_step: int | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
     episodes: list[Episode] | None = None
 
 
@@ -132,10 +138,24 @@ class ProxyClient:
     def policy_versions(self) -> list[Policy]:
         return [Policy.model_validate(p) for p in self._send("GET", "/policy/versions", idempotent=True)["data"]]
 
-    def claim(self, *, trainer_id: str, max_groups: int, lease_s: float, max_staleness: int | None) -> Claim:
+    def claim(self, *, trainer_id: str, max_groups: int, lease_s: float, max_staleness: int | None,
+              lease_id: str | None = None) -> Claim:
+        """Lease up to ``max_groups`` groups under a new lease id (``lease_id``, default a fresh one):
+        retried with that id, a claim whose answer was lost returns the same groups."""
         body = {"trainer_id": trainer_id, "max_groups": max_groups, "lease_s": lease_s,
-                "max_staleness": max_staleness}
-        return Claim.model_validate(self._send("POST", "/trainer/claim", idempotent=False, json=body))
+                "max_staleness": max_staleness, "lease_id": lease_id or str(uuid.uuid4())}
+        return Claim.model_validate(self._send("POST", "/trainer/claim", idempotent=True, json=body))
+
+    def renew(self, *, lease_id: str, group_ids: list[str], lease_s: float) -> float:
+        """Extend a lease on ``group_ids`` by ``lease_s`` from now; returns the new expiry. A 409
+        ``lease_lost`` means one of the groups was claimed again: the step must be dropped."""
+        body = {"lease_id": lease_id, "group_ids": group_ids, "lease_s": lease_s}
+        return float(self._send("POST", "/trainer/renew", idempotent=True, json=body)["lease_expires_at"])
+
+    def release(self, *, lease_id: str, group_ids: list[str] | None = None) -> int:
+        """Hand a lease's untrained groups back now instead of when it expires."""
+        body = {"lease_id": lease_id, "group_ids": group_ids}
+        return int(self._send("POST", "/trainer/release", idempotent=True, json=body)["released"])
 
     def ack(self, *, lease_id: str, group_ids: list[str], step: int,
             status: Literal["trained", "skipped"], note: str | None = None) -> list[Group]:

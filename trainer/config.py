@@ -25,6 +25,8 @@ ImportanceLevel = Literal["token", "sequence"]
 CorrectionMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 Mode = Literal["sync", "async"]
 DType = Literal["auto", "bfloat16", "float32"]
+TurnCredit = Literal["episode", "discounted"]
+AbandonedPolicy = Literal["workflow", "skip", "penalize"]
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -76,12 +78,36 @@ class TrainerConfig:
 
     # -- loss --------------------------------------------------------------------------------------
     loss_type: LossType = "dapo"
-    """Token aggregation (REFERENCE.md): grpo = mean of per-sequence means; bnpo = per micro-batch
-    token mean; dr_grpo = sum / (sequences * max_completion_length); dapo = sum / tokens of the
-    whole step (TRL's default; no length bias)."""
+    """Token aggregation, as TRL's GRPOTrainer defines it: grpo = mean of per-sequence means
+    (Shao et al. 2024, DeepSeekMath); bnpo = per micro-batch token mean; dr_grpo = sum /
+    (sequences * max_completion_length) (Liu et al. 2025, "Understanding R1-Zero-Like Training");
+    dapo = sum / tokens of the whole step (Yu et al. 2025, DAPO; TRL's default: no length bias).
+    A "sequence" is a group member under ``normalize_per_episode``."""
     scale_rewards: ScaleRewards = "group"
-    """Advantage scaling: divide by the group's reward std (group), the step's (batch), or not at
-    all (none, Dr. GRPO)."""
+    """Advantage scaling: divide by the group's reward std (group), the step's (batch: the std of
+    every reward of the step, equal-reward groups included, as TRL), or not at all (none, Dr. GRPO)."""
+    turn_credit: TurnCredit = "episode"
+    """How multi-turn episodes get credit. ``episode``: every trained token of an episode gets its
+    group-relative advantage (GRPO; per-call rewards are ignored and counted). ``discounted``: turn
+    t gets the return G_t = c_t + turn_discount * G_{t+1} (c_t its ``call_rewards`` entry, the
+    episode reward arriving at the last turn), normalised over all turns of the group's episodes:
+    AReaL's turn-level ``turn_discount`` credit for agent episodes."""
+    turn_discount: float = 1.0
+    """gamma of ``turn_credit: discounted``: 1 gives every turn the sum of what follows it; AReaL's
+    agent examples use values around 0.9 to credit turns near the outcome more."""
+    normalize_per_episode: bool = True
+    """Every episode (group member) weighs the same in the loss, however many samples its calls
+    break into (a chat template that re-renders earlier turns splits an episode into k samples;
+    without this, ``grpo`` and ``dr_grpo`` count it k times: rLLM PR #512). The split count is
+    reported as ``data/episodes_split``."""
+    abandoned: AbandonedPolicy = "workflow"
+    """Abandoned episodes (crash, timeout, context overflow): ``penalize`` makes them group members
+    with ``abandoned_reward`` (failure is penalised), ``skip`` leaves them out of the baseline,
+    ``workflow`` follows each group's workflow (its ``abandoned`` metadata: agent workflows
+    penalize, math skips). Episodes the proxy abandoned at their deadline are always skipped: their
+    workflow never reported, which is not the agent's doing."""
+    abandoned_reward: float = 0.0
+    """The reward a penalized abandoned episode counts with (the workflows' failure reward is 0)."""
     epsilon: float = 0.2
     """Lower clip: the ratio is clipped to [1 - epsilon, 1 + epsilon_high]."""
     epsilon_high: float | None = None
@@ -100,6 +126,14 @@ class TrainerConfig:
     samples usable, where a sequence product almost always crosses the cap."""
     vllm_importance_sampling_cap: float = 3.0
     """Cap C on the importance weight (TRL's default)."""
+    engine_logp_tolerance: float = 0.1
+    """|trainer - engine| log-prob (nats) above which a token counts as mismatched in
+    ``policy/engine_logp_frac_above`` (the trainer under the version that sampled it vs vLLM)."""
+    engine_logp_check_samples: int = 8
+    """Samples per step from older policy versions whose tokens are re-scored under the adapter
+    that served them (one no-grad pass per version), so the engine mismatch is measured on stale
+    samples too; tokens of the current version are compared for free. 0 checks current-version
+    tokens only."""
     max_completion_length: int = 1024
     """Dr. GRPO's constant normaliser (tokens): dr_grpo divides the summed loss by
     sequences * this. Used by no other loss type."""
@@ -190,6 +224,9 @@ class TrainerConfig:
             (self.epsilon_high is None or self.epsilon_high > 0, "epsilon_high must be > 0 (or null for epsilon)"),
             (self.beta >= 0, "beta must be >= 0 (0 disables the KL term)"),
             (self.vllm_importance_sampling_cap > 0, "vllm_importance_sampling_cap must be > 0"),
+            (0.0 <= self.turn_discount <= 1.0, "turn_discount must be in [0, 1]"),
+            (self.engine_logp_tolerance > 0, "engine_logp_tolerance must be > 0 (nats)"),
+            (self.engine_logp_check_samples >= 0, "engine_logp_check_samples must be >= 0"),
             (self.max_completion_length >= 1, "max_completion_length must be >= 1"),
             (self.groups_per_step >= 1, "groups_per_step must be >= 1"),
             (self.min_rewarded >= 2, "min_rewarded must be >= 2: GRPO compares episodes within a group"),

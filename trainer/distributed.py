@@ -79,6 +79,14 @@ class World:
         torch.distributed.all_reduce(tensor)
         return dict(zip(keys, tensor.tolist(), strict=True))
 
+    def max_values(self, values: dict[str, float], keys: Sequence[str], device: torch.device | str) -> dict[str, float]:
+        """``values`` maximised over ranks for ``keys`` (missing keys count as 0: the maxima here are >= 0)."""
+        if not self.distributed:
+            return {key: values.get(key, 0.0) for key in keys}
+        tensor = torch.tensor([values.get(key, 0.0) for key in keys], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+        return dict(zip(keys, tensor.tolist(), strict=True))
+
     def broadcast(self, obj: Any) -> Any:
         """The leader's ``obj`` on every rank (pickled; a step's samples or a checkpoint's small LoRA state)."""
         if not self.distributed:

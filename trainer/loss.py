@@ -1,4 +1,4 @@
-"""The GRPO family of losses as pure tensor functions (no model, no I/O), following REFERENCE.md.
+"""The GRPO family of losses as pure tensor functions (no model, no I/O), as TRL's GRPOTrainer defines them.
 
 Shapes: B sequences, T token positions (padded; ``mask`` is 1 on tokens the policy sampled).
 Log-probs are per token. One step's sequences may be split into micro-batches: the aggregation
@@ -26,13 +26,18 @@ EPS_STD = 1e-4
 """Added to the reward std before dividing (TRL's constant)."""
 
 
-def group_advantages(rewards: Sequence[Tensor], scale: Literal["group", "batch", "none"]) -> list[Tensor]:
-    """Per-group advantages: reward minus the group mean, scaled by a std (unbiased, as torch.std)."""
+def group_advantages(rewards: Sequence[Tensor], scale: Literal["group", "batch", "none"], *,
+                     batch_values: Tensor | None = None) -> list[Tensor]:
+    """Per-group advantages: reward minus the group mean, scaled by a std (unbiased, as torch.std).
+
+    ``batch`` divides by the std of ``batch_values``: every reward of the step, equal-reward groups
+    included, as TRL does (default: the concatenated ``rewards``).
+    """
     centred = [r - r.mean() for r in rewards]  # (G_i,) each
     if scale == "none":
         return centred
     if scale == "batch":
-        std = torch.cat(list(rewards)).std()
+        std = (batch_values if batch_values is not None else torch.cat(list(rewards))).std()
         return [c / (std + EPS_STD) for c in centred]
     return [c / (r.std() + EPS_STD) for c, r in zip(centred, rewards, strict=True)]
 
@@ -72,16 +77,25 @@ class Totals:
     """Normalisers of a whole step (all micro-batches)."""
 
     sequences: int
+    """Sequences the per-sequence losses average over: group members (episodes) under per-episode
+    normalisation, else samples."""
     tokens: int
     micro_batches: int
     max_completion_length: int
 
 
-def aggregate(per_token_loss: Tensor, mask: Tensor, loss_type: str, totals: Totals) -> Tensor:
-    """Reduce per-token losses to this micro-batch's share of the step loss."""
+def aggregate(per_token_loss: Tensor, mask: Tensor, loss_type: str, totals: Totals,
+              seq_tokens: Tensor | None = None) -> Tensor:
+    """Reduce per-token losses to this micro-batch's share of the step loss.
+
+    ``seq_tokens`` (B,): what each row's token sum divides by under ``grpo``. Per-episode
+    normalisation passes the loss tokens of the row's whole episode, so an episode split into k
+    samples contributes one per-episode mean, not k per-sample means (default: the row's own tokens).
+    """
     masked = per_token_loss * mask  # (B, T)
     if loss_type == "grpo":
-        per_sequence = masked.sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
+        denominator = mask.sum(-1) if seq_tokens is None else seq_tokens.to(mask.dtype)  # (B,)
+        per_sequence = masked.sum(-1) / denominator.clamp(min=1)  # (B,)
         return per_sequence.sum() / totals.sequences
     if loss_type == "bnpo":
         return masked.sum() / mask.sum().clamp(min=1) / totals.micro_batches
@@ -111,16 +125,18 @@ def grpo_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tensor
               loss_type: str, epsilon: float, epsilon_high: float, beta: float = 0.0,
               ref_logps: Tensor | None = None, behaviour_logps: Tensor | None = None,
               is_cap: float = 3.0, is_mode: str = "token_truncate",
-              level: Literal["token", "sequence"] = "token") -> LossOut:
+              level: Literal["token", "sequence"] = "token", seq_tokens: Tensor | None = None) -> LossOut:
     """Clipped surrogate with optional KL and truncated importance weights.
 
     logps (B, T) with grad; old_logps (B, T) detached (the policy before this step's updates);
-    advantages (B,); mask (B, T) float; behaviour_logps (B, T) the engine's, NaN where unknown.
+    advantages (B,) per sequence or (B, T) per token (per-turn credit); mask (B, T) float;
+    behaviour_logps (B, T) the engine's, NaN where unknown; seq_tokens (B,) see ``aggregate``.
     """
     mask = mask.to(logps.dtype)
     ratio = importance_ratio(logps, old_logps, mask, level)  # (B, T)
     clipped_ratio = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)  # (B, T)
-    adv = advantages.to(logps.dtype).unsqueeze(-1)  # (B, 1)
+    adv = advantages.to(logps.dtype)
+    adv = adv.unsqueeze(-1) if adv.dim() == 1 else adv  # (B, 1) or (B, T)
     per_token_loss = -torch.min(ratio * adv, clipped_ratio * adv)  # (B, T)
     if behaviour_logps is not None:
         weights, capped = truncated_importance_weights(old_logps.detach(), behaviour_logps, mask, cap=is_cap,
@@ -128,14 +144,14 @@ def grpo_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tensor
         per_token_loss = per_token_loss * weights
     else:
         weights, capped = torch.ones_like(logps), torch.zeros_like(mask, dtype=torch.bool)
-    policy_part = aggregate(per_token_loss, mask, loss_type, totals)
+    policy_part = aggregate(per_token_loss, mask, loss_type, totals, seq_tokens)
     kl_sum = torch.zeros((), dtype=logps.dtype)
     loss = policy_part
     if beta > 0:
         if ref_logps is None:
             raise ValueError("beta > 0 needs ref_logps (the reference policy's log-probs)")
         kl = per_token_kl(logps, ref_logps)  # (B, T)
-        loss = aggregate(per_token_loss + beta * kl, mask, loss_type, totals)
+        loss = aggregate(per_token_loss + beta * kl, mask, loss_type, totals, seq_tokens)
         kl_sum = (kl * mask).sum().detach()
     with torch.no_grad():
         on = mask.bool()

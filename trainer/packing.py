@@ -48,7 +48,13 @@ class MicroBatch:
     cols: Tensor  # (N,) slot in that row
     mask: Tensor  # (B, T) float, 1 on loss tokens
     behaviour_logps: Tensor  # (B, T) engine log-probs, NaN where unknown
-    advantages: Tensor  # (B,)
+    advantages: Tensor  # (B, T) per loss token (a sample's own advantage unless per-turn credit set them)
+    top_k: Tensor  # (N,) int64, 0 = off
+    top_p: Tensor  # (N,) 1.0 = off
+    min_p: Tensor  # (N,) 0.0 = off
+    versions: Tensor  # (N,) int64 serving policy version, -1 unknown
+    modes: Tensor  # (N,) int64 index into trainer.data.MODES
+    seq_tokens: Tensor  # (B,) loss tokens the per-sequence mean divides by (the member's, per-episode)
 
     @property
     def num_tokens(self) -> int:
@@ -58,10 +64,20 @@ class MicroBatch:
     def num_loss_tokens(self) -> int:
         return int(self.select.shape[0])
 
+    @property
+    def truncated(self) -> bool:
+        """Any token sampled with top-k, top-p or min-p (the log-prob pass then applies them)."""
+        return bool(((self.top_k > 0) | (self.top_p < 1.0) | (self.min_p > 0.0)).any())
+
     def table(self, flat: Tensor) -> Tensor:
         """Scatter per-selected-token values (N,) into the (B, T) loss table (0 elsewhere)."""
         out = flat.new_zeros(self.mask.shape)
         return out.index_put((self.rows, self.cols), flat)
+
+
+def _per_token(sample: Sample, name: str, default: float) -> list[float]:
+    value = getattr(sample, name)
+    return [default] * len(sample) if value is None else list(value)
 
 
 def collate(samples: Sequence[Sample]) -> MicroBatch:
@@ -69,39 +85,53 @@ def collate(samples: Sequence[Sample]) -> MicroBatch:
     positions: list[int] = []
     bounds = [0]
     select: list[int] = []
-    targets: list[int] = []
-    temps: list[float] = []
+    flat: dict[str, list[float]] = {k: [] for k in ("targets", "temps", "behaviour", "advantages", "top_k", "top_p",
+                                                    "min_p", "versions", "modes")}
     rows: list[int] = []
     cols: list[int] = []
-    behaviour: list[float] = []
+    seq_tokens: list[int] = []
     for b, sample in enumerate(samples):
         offset = len(ids)
         ids += sample.input_ids
         positions += range(len(sample))
         bounds.append(len(ids))
+        columns: dict[str, Sequence[float]] = {
+            "targets": sample.input_ids, "temps": sample.temperatures, "behaviour": sample.behaviour_logprobs,
+            "advantages": _per_token(sample, "advantages", sample.advantage), "top_k": _per_token(sample, "top_k", 0),
+            "top_p": _per_token(sample, "top_p", 1.0), "min_p": _per_token(sample, "min_p", 0.0),
+            "versions": _per_token(sample, "versions", -1), "modes": _per_token(sample, "modes", 0)}
         slot = 0
         for j in range(1, len(sample)):
             if sample.loss_mask[j]:
                 select.append(offset + j - 1)
-                targets.append(sample.input_ids[j])
-                temps.append(sample.temperatures[j])
-                behaviour.append(sample.behaviour_logprobs[j])
+                for key, values in columns.items():
+                    flat[key].append(values[j])
                 rows.append(b)
                 cols.append(slot)
                 slot += 1
+        seq_tokens.append(sample.member_loss_tokens or slot)
     width = max((sum(s.loss_mask[1:]) for s in samples), default=0)
     mask = torch.zeros(len(samples), width)
-    behaviour_table = torch.full((len(samples), width), float("nan"))
     rows_t, cols_t = torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long)
     mask[rows_t, cols_t] = 1.0
-    behaviour_table[rows_t, cols_t] = torch.tensor(behaviour, dtype=torch.float32)
+
+    def table(values: list[float], fill: float) -> Tensor:
+        out = torch.full((len(samples), width), fill)
+        out[rows_t, cols_t] = torch.tensor(values, dtype=torch.float32)
+        return out
+
+    def longs(values: list[float]) -> Tensor:
+        return torch.tensor([int(v) for v in values], dtype=torch.long)
+
     return MicroBatch(
         samples=list(samples), input_ids=torch.tensor([ids], dtype=torch.long),
         position_ids=torch.tensor([positions], dtype=torch.long), cu_seqlens=torch.tensor(bounds, dtype=torch.long),
-        select=torch.tensor(select, dtype=torch.long), targets=torch.tensor(targets, dtype=torch.long),
-        temperatures=torch.tensor(temps, dtype=torch.float32), rows=rows_t, cols=cols_t, mask=mask,
-        behaviour_logps=behaviour_table,
-        advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32))
+        select=torch.tensor(select, dtype=torch.long), targets=longs(flat["targets"]),
+        temperatures=torch.tensor(flat["temps"], dtype=torch.float32), rows=rows_t, cols=cols_t, mask=mask,
+        behaviour_logps=table(flat["behaviour"], float("nan")), advantages=table(flat["advantages"], 0.0),
+        top_k=longs(flat["top_k"]), top_p=torch.tensor(flat["top_p"], dtype=torch.float32),
+        min_p=torch.tensor(flat["min_p"], dtype=torch.float32), versions=longs(flat["versions"]),
+        modes=longs(flat["modes"]), seq_tokens=torch.tensor(seq_tokens, dtype=torch.float32))
 
 
 def pack(samples: Sequence[Sample], budget: int) -> list[MicroBatch]:

@@ -6,25 +6,36 @@ import math
 from typing import Any
 
 import pytest
+import torch
 
 from trainer.client import Call, Episode, Group
-from trainer.data import ChatRetokenizer, DataStats, build_batch, episode_samples
+from trainer.data import ChatRetokenizer, DataStats, Rules, build_batch, episode_samples
 from trainer.packing import collate, plan
 
 EOS = 2
 
 
+def sampling(temperature: float = 1.0, *, mode: str | None = None, **fields: Any) -> dict[str, Any]:
+    """The effective sampling the proxy records with a call (proxy/sampling.py)."""
+    record = {"temperature": temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0, **fields}
+    truncated = record["top_p"] < 1.0 or record["top_k"] > 0 or record["min_p"] > 0
+    record["mode"] = mode or ("greedy" if temperature <= 0 else "truncated" if truncated else "sampled")
+    return record
+
+
 def call(ordinal: int, prompt: list[int] | None, completion: list[int] | None, *, logprobs: list[float] | None = None,
          temperature: float | None = 1.0, status: int = 200, exact: bool = True, version: int | None = 0,
-         **extra: Any) -> Call:
+         recorded: dict[str, Any] | None = None, **extra: Any) -> Call:
+    """A stored call; its effective sampling is what the proxy resolves (temperature None -> vLLM's 1.0)."""
     choices = [] if completion is None else [{
         "index": 0, "token_ids": completion, "text": extra.pop("text", ""),
         "logprobs": logprobs if logprobs is not None else [-0.1 * (i + 1) for i in range(len(completion))]}]
     request: dict[str, Any] = {"model": "policy", "messages": extra.pop("messages", [{"role": "user", "content": "x"}])}
     if temperature is not None:
         request["temperature"] = temperature
+    notes = {"sampling": recorded or sampling(1.0 if temperature is None else temperature)}
     return Call(ordinal=ordinal, request=request, status_code=status, prompt_token_ids=prompt, choices=choices,
-                exact_ids=exact, policy_version=version, **extra)
+                exact_ids=exact, policy_version=version, notes=notes, **extra)
 
 
 SYSTEM = [1, 2, 3]
@@ -62,10 +73,10 @@ def test_merges_turns_masks_tool_output_and_counts_every_rule() -> None:
     assert second.loss_mask == [0, 0, 0, 0, 0, 1, 1, 0, 0, 0]  # the greedy reply stays as context
     assert second.temperatures[5:7] == [1.0, 1.0]  # no temperature in the request: vLLM's default 1.0
 
-    assert stats.as_dict() == {
-        "calls": 8, "calls_failed": 1, "calls_foreign": 1, "calls_deduped": 1, "calls_retokenized": 0,
-        "calls_dropped_inexact": 1, "calls_greedy": 1, "calls_logprobs_missing": 0, "merged": 2, "breaks": 1,
-        "samples": 2, "samples_truncated": 0, "samples_empty": 0}
+    counted = {k: v for k, v in stats.as_dict().items() if v}
+    assert counted == {"calls": 8, "calls_failed": 1, "calls_foreign": 1, "calls_deduped": 1,
+                       "calls_dropped_inexact": 1, "calls_greedy": 1, "merged": 2, "breaks": 1, "samples": 2,
+                       "episodes_split": 1}
 
 
 def test_truncation_keeps_masks_aligned_and_drops_samples_left_without_loss_tokens() -> None:
@@ -153,3 +164,128 @@ def test_retokenizer_rebuilds_prompt_and_completion_with_the_chat_template(vllm_
                                 stats=stats)
     assert sample.input_ids == prompt + completion and stats.calls_retokenized == 1
     assert stats.calls_logprobs_missing == 1  # retokenized tokens have no engine log-probs
+
+
+# -- effective sampling, n > 1, credit, weighting, abandons (issue: training-signal fidelity) ------------------
+
+
+def test_recorded_sampling_decides_what_is_trained_and_with_which_filters() -> None:
+    calls = [
+        call(0, SYSTEM, [10, EOS], recorded=sampling(0.7, top_k=20, top_p=0.8, min_p=0.05)),
+        call(1, SYSTEM + [10, EOS, 5], [11, EOS], recorded=sampling(1.0, mode="penalized",
+                                                                     penalties={"repetition_penalty": 1.1})),
+        call(2, SYSTEM + [10, EOS, 5, 11, EOS, 6], [12, 13, EOS], logprobs=[-0.3, 0.0, -0.2],
+             recorded=sampling(1.0, mode="constrained", constraint="tool_choice=required", constrained="train")),
+        call(3, SYSTEM + [10, EOS, 5, 11, EOS, 6, 12, 13, EOS, 7], [14, EOS],
+             recorded=sampling(1.0, mode="constrained", constraint="response_format=json_object",
+                               constrained="exclude")),
+    ]
+    unrecorded = call(4, SYSTEM + [10, EOS, 5, 11, EOS, 6, 12, 13, EOS, 7, 14, EOS, 8], [15, EOS])
+    unrecorded.notes = None  # stored before the proxy recorded effective sampling
+    stats = DataStats()
+    (sample,) = episode_samples(Episode(id="e", status="rewarded", reward=1.0, calls=[*calls, unrecorded]),
+                                group_id="g", max_seq_len=64, stats=stats)
+    n = len(SYSTEM)
+    assert sample.loss_mask[n:n + 2] == [1, 1] and sample.top_k is not None and sample.top_p is not None
+    assert (sample.top_k[n], sample.top_p[n], sample.temperatures[n]) == (20, 0.8, 0.7)
+    assert sample.min_p is not None and sample.min_p[n] == 0.05
+    assert sample.modes is not None and sample.modes[n] == 1  # truncated
+    penalized = slice(n + 3, n + 5)
+    assert sample.loss_mask[penalized] == [0, 0]
+    constrained = slice(n + 6, n + 9)
+    assert sample.loss_mask[constrained] == [1, 0, 1]  # the grammar forced the middle token (engine log-prob 0)
+    assert sample.modes[n + 6] == 2
+    assert sample.loss_mask[n + 10:n + 12] == [0, 0]  # excluded by the deployment's policy
+    assert sample.loss_mask[-2:] == [0, 0]  # no recorded sampling: context only
+    assert (stats.calls_truncated_sampling, stats.calls_penalized, stats.calls_constrained,
+            stats.calls_constrained_excluded, stats.calls_sampling_unrecorded, stats.tokens_forced) == (1,) * 6
+
+
+def test_n_gt_1_merges_the_choice_the_next_call_continues() -> None:
+    first = call(0, SYSTEM, [10, EOS])
+    first.choices = [{"index": 0, "token_ids": [10, EOS], "logprobs": [-0.1, -0.2]},
+                     {"index": 1, "token_ids": [11, EOS], "logprobs": [-0.3, -0.4]}]
+    follow = call(1, SYSTEM + [11, EOS, 5], [12, EOS])
+    stats = DataStats()
+    (sample,) = episode_samples(Episode(id="e", status="rewarded", reward=1.0, calls=[first, follow]),
+                                group_id="g", max_seq_len=64, stats=stats)
+    assert sample.input_ids == SYSTEM + [11, EOS, 5, 12, EOS]
+    assert sample.behaviour_logprobs[3:5] == [-0.3, -0.4]
+    assert (stats.merged, stats.breaks, stats.choices_unused) == (1, 0, 1)
+
+
+def test_single_call_with_rewarded_choices_trains_each_choice_as_a_group_member() -> None:
+    only = call(0, SYSTEM, [10, EOS])
+    only.choices = [{"index": c, "token_ids": [10 + c, EOS], "logprobs": [-0.1, -0.1]} for c in range(3)]
+    episode = Episode(id="e", status="rewarded", reward=0.5, calls=[only],
+                      call_rewards={"0:0": 1.0, "0:1": 0.0, "0:2": 0.5})
+    batch = build_batch([Group(id="g", task_id="t", status="complete", episodes=[episode])], max_seq_len=64,
+                        min_rewarded=2, scale_rewards="none")
+    assert batch.trained == ["g"] and batch.members == 3 and batch.stats.choice_members == 3
+    by_member = {s.member: (s.input_ids[-2], s.advantage) for s in batch.samples}
+    assert by_member == {"e#0": (10, 0.5), "e#1": (11, -0.5), "e#2": (12, 0.0)}
+    assert batch.stats.calls == 1 and batch.stats.choices_unused == 0
+
+
+def two_turn(eid: str, reward: float, call_rewards: dict[str, float] | None = None) -> Episode:
+    return Episode(id=eid, status="rewarded", reward=reward, call_rewards=call_rewards, calls=[
+        call(0, SYSTEM, [10, EOS]), call(1, SYSTEM + [10, EOS, 5], [11, EOS])])
+
+
+def test_discounted_turn_credit_gives_each_turn_its_return() -> None:
+    rules = Rules(min_rewarded=2, scale_rewards="none", turn_credit="discounted", turn_discount=0.5)
+    groups = [Group(id="g", task_id="t", status="complete", episodes=[
+        two_turn("a", 1.0, {"0": 0.5}), two_turn("b", 0.0)])]
+    batch = build_batch(groups, rules=rules)
+    # returns: a = [0.5 + 0.5 * 1.0, 1.0] = [1.0, 1.0]; b = [0.0, 0.0]; pooled mean 0.5
+    by_member = {s.member: s for s in batch.samples}
+    a, b = by_member["a"], by_member["b"]
+    assert a.advantages is not None and b.advantages is not None
+    assert [x for x, m in zip(a.advantages, a.loss_mask, strict=True) if m] == [0.5, 0.5, 0.5, 0.5]
+    assert [x for x, m in zip(b.advantages, b.loss_mask, strict=True) if m] == [-0.5] * 4
+    assert batch.stats.call_rewards_used == 1
+    episode_credit = build_batch(groups, rules=Rules(min_rewarded=2, scale_rewards="none"))
+    assert episode_credit.stats.call_rewards_ignored == 1  # counted, not silently dropped
+    assert {s.member: s.advantage for s in episode_credit.samples} == {"a": 0.5, "b": -0.5}
+
+
+def test_split_episode_is_normalised_as_one_member() -> None:
+    broken = Episode(id="split", status="rewarded", reward=1.0, calls=[
+        call(0, SYSTEM, [10, EOS]), call(1, SYSTEM + [99], [11, 12, EOS])])  # re-rendered history: a break
+    whole = Episode(id="whole", status="rewarded", reward=0.0, calls=[call(0, SYSTEM, [13, EOS])])
+    group_ = Group(id="g", task_id="t", status="complete", episodes=[broken, whole])
+    batch = build_batch([group_], rules=Rules(min_rewarded=2, scale_rewards="none"))
+    assert len(batch.samples) == 3 and batch.members == 2 and batch.stats.episodes_split == 1
+    assert {s.member_loss_tokens for s in batch.samples if s.member == "split"} == {5}
+    off = build_batch([group_], rules=Rules(min_rewarded=2, scale_rewards="none", normalize_per_episode=False))
+    assert {s.member_loss_tokens for s in off.samples} == {0}
+
+
+@pytest.mark.parametrize(("policy", "trained"), [("penalize", True), ("skip", False)])
+def test_abandoned_episodes_are_penalized_or_skipped_by_choice(policy: str, trained: bool) -> None:
+    crashed = Episode(id="crashed", status="abandoned", abandon_reason="agent crashed: context overflow",
+                      calls=[call(0, SYSTEM, [14, EOS])])
+    reaped = Episode(id="reaped", status="abandoned", abandon_reason="no reward within 900s", calls=[])
+    ok = [Episode(id=f"ok{i}", status="rewarded", reward=1.0, calls=[call(0, SYSTEM, [10 + i, EOS])])
+          for i in range(2)]
+    group_ = Group(id="g", task_id="t", status="complete", episodes=[*ok, crashed, reaped])
+    batch = build_batch([group_], rules=Rules(min_rewarded=2, scale_rewards="none",
+                                              abandoned=policy))  # type: ignore[arg-type]
+    if trained:
+        assert batch.trained == ["g"] and batch.rewards == [1.0, 1.0, 0.0]
+        assert {s.member: s.advantage for s in batch.samples}["crashed"] == pytest.approx(-2 / 3)
+        assert (batch.stats.episodes_abandoned_penalized, batch.stats.episodes_abandoned_skipped) == (1, 1)
+    else:
+        assert batch.skipped_equal == 1 and batch.stats.episodes_abandoned_skipped == 2
+    workflow_choice = Group(id="g", task_id="t", status="complete", metadata={"abandoned": policy},
+                            episodes=[*ok, crashed, reaped])
+    assert build_batch([workflow_choice], rules=Rules(min_rewarded=2, scale_rewards="none")).trained == (
+        ["g"] if trained else [])
+
+
+def test_batch_scaling_takes_the_std_over_every_reward_like_trl() -> None:
+    groups = [group("g-signal", [1.0, 0.0]), group("g-equal", [1.0, 1.0])]
+    batch = build_batch(groups, max_seq_len=64, min_rewarded=2, scale_rewards="batch")
+    std = torch.tensor([1.0, 0.0, 1.0, 1.0]).std().item()  # the equal group's rewards are in the std
+    assert batch.trained == ["g-signal"]
+    assert {s.episode_id: s.advantage for s in batch.samples}["g-signal-0"] == pytest.approx(0.5 / (std + 1e-4))

@@ -1,0 +1,184 @@
+"""Make each recorded call's sampling explicit, so the trainer can reproduce the distribution vLLM sampled.
+
+Why: vLLM fills a field a request omits from the model's ``generation_config.json`` (its default
+``--generation-config auto``; Qwen2.5-Instruct's sets temperature 0.7, top_p 0.8, top_k 20 and
+repetition_penalty 1.05), and its ``processed_logprobs`` are taken after penalties, temperature,
+min_p and top-k/top-p (vLLM v1 sampler). A trainer that assumed temperature 1.0 for an omitted
+field would train on a distribution other than the one sampled. So the proxy resolves every
+recorded request's *effective* parameters and sends all of them to vLLM explicitly: the record
+says what vLLM applied, whatever vLLM's own ``--generation-config`` setting is.
+
+The rules, per deployment (``sampling`` in the proxy settings):
+
+- ``temperature``, ``top_p``, ``top_k``, ``min_p``: the request's value, else the model's default
+  (``sampling.generation_config`` / ``sampling.defaults``), else vLLM's neutral value. The trainer
+  reproduces all four in its log-probs.
+- Penalties and token biases (``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``,
+  ``logit_bias``, ``bad_words``, ``allowed_token_ids``, ``min_tokens``, beam search): the trainer
+  does not reproduce them. An omitted one is pinned neutral, even where the model's generation
+  config sets one (recorded as ``pinned``). A request that sets one: ``penalties: flag`` passes it
+  on and marks the call ``penalized`` (its tokens stay as context, never in the loss, and the
+  trainer counts them); ``penalties: reject`` answers 400.
+- Grammar constraints (``tool_choice`` ``required`` or a named function, ``response_format``
+  ``json_object``/``json_schema``/``structural_tag``, ``structured_outputs``, legacy ``guided_*``):
+  vLLM samples under a token mask the trainer cannot rebuild, and its processed log-probs are those
+  of the masked distribution. ``constrained: train`` (default) trains on them with the unmasked
+  policy's log-probs, the importance weight pi_trainer / pi_engine correcting for the mask's
+  renormalisation, and drops tokens the grammar forced (engine log-prob 0) from the loss;
+  ``exclude`` keeps them as context only; ``reject`` answers 400. The trainer reports the
+  engine/trainer log-prob gap of constrained tokens apart from the rest.
+- A temperature below vLLM's sampling epsilon (1e-5) is greedy: not a sample from the policy,
+  kept as context only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from proxy.errors import InvalidRequest
+
+log = logging.getLogger("flywheel.sampling")
+
+Mode = Literal["sampled", "truncated", "constrained", "penalized", "greedy"]
+"""How the trainer treats a call: ``sampled`` (temperature only) and ``truncated`` (top-k/top-p/min-p
+as well) are reproduced exactly; ``constrained`` (grammar mask) per ``constrained``; ``penalized``
+and ``greedy`` are context only."""
+
+NEUTRAL: dict[str, float] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+"""vLLM's values when neither the request nor the model sets a field (its ``_DEFAULT_SAMPLING_PARAMS``)."""
+PENALTIES: dict[str, Any] = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+"""Penalties and their neutral values: pinned when omitted."""
+BIASES = ("logit_bias", "bad_words", "allowed_token_ids", "min_tokens", "use_beam_search")
+"""Fields that change the distribution when set to anything truthy."""
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+SAMPLING_EPS = 1e-5
+"""vLLM samples greedily below this temperature."""
+MODEL_FIELDS = ("temperature", "top_p", "top_k", "min_p")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingDefaults:
+    """The model's own defaults for the reproducible fields (from its generation config)."""
+
+    values: dict[str, float]
+    source: str
+
+    @classmethod
+    def load(cls, generation_config: str | None, overrides: dict[str, float]) -> SamplingDefaults:
+        """Read ``generation_config.json`` (a file, or a model directory holding one), then ``overrides``."""
+        values: dict[str, float] = {}
+        source = "vLLM neutral values"
+        if generation_config:
+            path = Path(generation_config).expanduser()
+            if path.is_dir():
+                path = path / "generation_config.json"
+            if path.is_file():
+                data = json.loads(path.read_text())
+                values = {k: float(data[k]) for k in MODEL_FIELDS if isinstance(data.get(k), int | float)}
+                source = str(path)
+            else:
+                raise ValueError(f"sampling.generation_config: {path} does not exist (point it at the model directory "
+                                 "vLLM serves, or its generation_config.json; null means vLLM's neutral values)")
+        unknown = set(overrides) - set(MODEL_FIELDS)
+        if unknown:
+            raise ValueError(f"sampling.defaults: unknown fields {sorted(unknown)}; use {list(MODEL_FIELDS)}")
+        values.update({k: float(v) for k, v in overrides.items()})
+        if overrides:
+            source += " + sampling.defaults"
+        return cls(values=values, source=source)
+
+
+def _constraint(body: dict[str, Any]) -> str | None:
+    """The grammar vLLM will sample this request under, if any (a short description)."""
+    choice = body.get("tool_choice")
+    if body.get("tools") and choice == "required":
+        return "tool_choice=required"
+    if body.get("tools") and isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name")
+        return f"tool_choice=function:{name}"
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
+        return f"response_format={fmt.get('type')}"
+    for key in GUIDED:
+        if body.get(key):
+            return key
+    return None
+
+
+def _penalties(body: dict[str, Any]) -> dict[str, Any]:
+    """The distribution-changing fields the request sets to a non-neutral value."""
+    found = {k: body[k] for k, neutral in PENALTIES.items() if body.get(k) is not None and body[k] != neutral}
+    found.update({k: body[k] for k in BIASES if body.get(k)})
+    return found
+
+
+def _number(body: dict[str, Any], key: str) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidRequest(f"'{key}' must be a number", param=key)
+    return float(value)
+
+
+def resolve(body: dict[str, Any], defaults: SamplingDefaults, *, penalties: Literal["flag", "reject"],
+            constrained: Literal["train", "exclude", "reject"]) -> dict[str, Any]:
+    """Fill ``body`` (the upstream copy) with every effective sampling field; return the call's record.
+
+    The record is stored with the call (``notes.sampling``): ``temperature``, ``top_p``, ``top_k``,
+    ``min_p`` as vLLM applied them, ``mode``, ``from_model`` (fields the model's defaults supplied),
+    ``pinned`` (penalties set neutral), and ``constraint`` / ``penalties`` when present.
+    """
+    effective: dict[str, float] = {}
+    from_model: list[str] = []
+    for key in MODEL_FIELDS:
+        value = _number(body, key)
+        if value is None and key in defaults.values:
+            value = defaults.values[key]
+            from_model.append(key)
+        effective[key] = NEUTRAL[key] if value is None else value
+    top_k = int(effective["top_k"])
+    effective["top_k"] = 0 if top_k < 0 else top_k  # vLLM: 0 and -1 both mean "all tokens"
+    for key, value in effective.items():
+        body[key] = int(value) if key == "top_k" else value
+    pinned = [k for k in PENALTIES if body.get(k) is None]
+    for key in pinned:
+        body[key] = PENALTIES[key]
+    set_penalties = _penalties(body)
+    constraint = _constraint(body)
+    if set_penalties and penalties == "reject":
+        names = ", ".join(sorted(set_penalties))
+        raise InvalidRequest(f"{names} change the sampling distribution in ways the trainer cannot reproduce; this "
+                             "deployment refuses them on recorded routes (sampling.penalties: reject). Drop them, or "
+                             "use /passthrough/v1 for unrecorded calls", param=sorted(set_penalties)[0],
+                             code="unsupported_sampling")
+    if constraint and constrained == "reject":
+        raise InvalidRequest(f"{constraint} samples under a grammar mask the trainer cannot reproduce; this deployment "
+                             "refuses constrained decoding on recorded routes (sampling.constrained: reject)",
+                             param=constraint.split("=")[0], code="unsupported_sampling")
+    mode: Mode
+    if effective["temperature"] < SAMPLING_EPS:
+        mode = "greedy"
+    elif set_penalties:
+        mode = "penalized"
+    elif constraint:
+        mode = "constrained"
+    elif effective["top_p"] < 1.0 or effective["top_k"] > 0 or effective["min_p"] > 0.0:
+        mode = "truncated"
+    else:
+        mode = "sampled"
+    record: dict[str, Any] = {**effective, "mode": mode}
+    if from_model:
+        record["from_model"] = from_model
+    if pinned:
+        record["pinned"] = pinned
+    if constraint:
+        record["constraint"] = constraint
+        record["constrained"] = constrained
+    if set_penalties:
+        record["penalties"] = set_penalties
+    return record
