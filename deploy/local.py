@@ -99,6 +99,8 @@ class Stack:
         store_url = proxy_settings.get("store", {}).get("url", "")
         if store_url.startswith("sqlite") and "///data/" in store_url:  # keep the store beside this run's data
             env["FLYWHEEL_STORE__URL"] = store_url.replace("///data/", f"///{data_dir.resolve()}/")
+        if Path(self.model_dir).is_dir():  # what vLLM applies to omitted sampling fields (proxy/sampling.py)
+            env.setdefault("FLYWHEEL_SAMPLING__GENERATION_CONFIG", str(self.model_dir))
         self.vllm: VLLMServer | None = None
         self.restarts: list[str] = []
         if engine.get("url"):  # an engine someone else runs (and supervises): route to it, start nothing

@@ -51,7 +51,8 @@ class EpisodeCreate(_In):
 class RewardIn(_In):
     reward: FiniteFloat
     call_rewards: dict[str, FiniteFloat] | None = Field(
-        None, description="optional per-call rewards keyed by call ordinal (0-based), e.g. {\"2\": 0.5}")
+        None, description="optional per-call rewards keyed by call ordinal (0-based), e.g. {\"2\": 0.5}, or by "
+        "ordinal and choice for calls with n > 1, e.g. {\"0:3\": 1.0}")
     metadata: Metadata | None = None
 
 

@@ -22,7 +22,7 @@ choice is a group member of its own.
 
 Group members and their advantages (``build_batch``): rewarded episodes (or choices), plus
 abandoned episodes when ``abandoned`` is ``penalize`` (reward ``abandoned_reward``), except those
-the proxy abandoned at their deadline (the workflow never reported: not the agent's doing).
+abandoned for reasons that are not the agent's doing (``NOT_THE_AGENTS_DOING``).
 ``turn_credit: episode`` gives every token of a member the member's group-relative advantage;
 ``discounted`` gives each turn t the return G_t = c_t + gamma * G_{t+1} (G of the last turn = its
 call reward + the episode reward), normalised over all turns of the group's members (AReaL's
@@ -51,8 +51,9 @@ from trainer.loss import group_advantages
 NAN = float("nan")
 MODES = ("sampled", "truncated", "constrained")
 """Sampling modes whose tokens are trained; a token's ``modes`` entry indexes this (-1: not sampled)."""
-REAPER_PREFIX = "no reward within"
-"""How the proxy's deadline reaper words its abandon reason (proxy/store/repository.py)."""
+NOT_THE_AGENTS_DOING = ("no reward within", "interrupted:", "infrastructure: ")
+"""Abandon reasons never penalized: the proxy's deadline reaper (the workflow never reported), a
+runner stopped mid-episode, and model calls the proxy or engine failed (workflows/runner.py)."""
 Retokenizer = Callable[[Call], tuple[list[int], list[int]] | None]
 """(prompt ids, completion ids) rebuilt from a call's messages and reply text, or None."""
 TurnCredit = Literal["episode", "discounted"]
@@ -433,8 +434,8 @@ def _members(group: Group, rules: Rules, retokenize: Retokenizer | None, stats: 
         if episode.status == "rewarded" and episode.reward is not None:
             reward = float(episode.reward)
         elif episode.status == "abandoned":
-            reaped = (episode.abandon_reason or "").startswith(REAPER_PREFIX)
-            if abandon != "penalize" or reaped:
+            blameless = (episode.abandon_reason or "").startswith(NOT_THE_AGENTS_DOING)
+            if abandon != "penalize" or blameless:
                 stats.episodes_abandoned_skipped += 1
                 continue
             stats.episodes_abandoned_penalized += 1

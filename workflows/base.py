@@ -98,6 +98,11 @@ class Workflow(ABC, Generic[T, O]):
     """Top-level packages the workflow imports lazily; checked when it is loaded by name."""
     episode_timeout_s: ClassVar[float] = 600.0
     """Default wall-clock limit of one episode; past it the episode is abandoned."""
+    abandoned: ClassVar[Literal["skip", "penalize"]] = "penalize"
+    """What the trainer does with this workflow's abandoned episodes (recorded on each group):
+    ``penalize`` counts them with the failure reward, because in an agent workflow an abandon (a
+    crash, a timeout, a context overflow) is the agent's doing; ``skip`` leaves them out of the
+    baseline. Abandons caused by the proxy or the engine are never penalized (``runner.INFRASTRUCTURE``)."""
 
     def __init__(self, options: O) -> None:
         self.options = options

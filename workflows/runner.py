@@ -111,10 +111,24 @@ class RunStats:
         }
 
 
+INFRASTRUCTURE = "infrastructure: "
+"""Prefix of abandon reasons that are not the agent's doing (the trainer never penalizes them)."""
+
+
+def _infrastructure(exc: BaseException) -> bool:
+    """A model call that failed on the proxy or the engine (5xx, connection, transport timeout), not the agent."""
+    status = getattr(exc, "status_code", None)
+    name = type(exc).__name__
+    return (isinstance(status, int) and status >= 500) or isinstance(exc, ConnectionError) or name in (
+        "APIConnectionError", "APITimeoutError", "ConnectError", "ReadError", "RemoteProtocolError")
+
+
 def describe_error(exc: BaseException) -> str:
     """A reason to store with an abandoned episode: the error and where it came from."""
     if isinstance(exc, TimeoutError):
         return "timeout: the episode ran past its time limit"
+    if _infrastructure(exc):
+        return INFRASTRUCTURE + f"{type(exc).__name__}: {exc}"[:2000]
     if isinstance(exc, EpisodeFailed):
         return str(exc) or "EpisodeFailed"
     frames = traceback.extract_tb(exc.__traceback__)[-3:]
@@ -202,7 +216,8 @@ class Runner:
         task_id = wf.task_id(task)
         created = await self.client.create_group(
             task_id, cfg.group_size,
-            metadata={"workflow": wf.name, "split": cfg.split, "task": wf.task_metadata(task)},
+            metadata={"workflow": wf.name, "split": cfg.split, "task": wf.task_metadata(task),
+                      "abandoned": wf.abandoned},
             episode_metadata=[{"index": i} for i in range(cfg.group_size)])
         results = await asyncio.gather(*(self._episode(task, task_id, created.id, key, i, pool)
                                          for i, key in enumerate(created.episode_keys)))

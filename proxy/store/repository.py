@@ -240,7 +240,10 @@ class Repository:
             select(Episode.status, func.count()).where(Episode.group_id == group_id).group_by(Episode.status))).all())
         if counts.get(OPEN, 0) > 0:
             return
-        status = "complete" if counts.get(REWARDED, 0) >= self.min_rewarded else "failed"
+        # A group smaller than min_rewarded (a lone episode whose n > 1 choices carry their own rewards)
+        # completes when all of it is rewarded: the trainer decides whether its members compare.
+        needed = min(self.min_rewarded, sum(counts.values()))
+        status = "complete" if counts.get(REWARDED, 0) >= needed else "failed"
         await session.execute(update(Group).where(Group.id == group_id, Group.status == OPEN)
                               .values(status=status, completed_at=now))
 
@@ -278,11 +281,24 @@ class Repository:
             return _episode(row), True
 
     async def _check_ordinals(self, session: AsyncSession, episode_id: str, call_rewards: dict[str, float]) -> None:
+        """Keys are ``"<ordinal>"`` (a call) or ``"<ordinal>:<choice>"`` (one choice of an n > 1 call)."""
         count = (await session.execute(select(func.count()).where(Call.episode_id == episode_id))).scalar_one()
-        bad = [k for k in call_rewards if not (k.isdigit() and int(k) < count)]
+        parsed = {k: k.partition(":") for k in call_rewards}
+        bad = [k for k, (ordinal, sep, choice) in parsed.items()
+               if not (ordinal.isdigit() and int(ordinal) < count and (not sep or choice.isdigit()))]
         if bad:
             raise InvalidRequest(f"call_rewards names calls {bad} but the episode has {count} calls "
-                                 f"(ordinals 0..{count - 1})", param="call_rewards")
+                                 f"(keys: ordinals 0..{count - 1}, or '<ordinal>:<choice>')", param="call_rewards")
+        wanted = {int(o) for o, sep, _ in parsed.values() if sep}
+        if not wanted:
+            return
+        rows = await session.execute(select(Call.ordinal, Call.choices).where(
+            Call.episode_id == episode_id, Call.ordinal.in_(wanted)))
+        choices = {ordinal: len(stored or []) for ordinal, stored in rows.all()}
+        bad = [k for k, (o, sep, c) in parsed.items() if sep and int(c) >= choices.get(int(o), 0)]
+        if bad:
+            raise InvalidRequest(f"call_rewards names choices {bad} that those calls do not have "
+                                 f"(choices per call: {choices})", param="call_rewards")
 
     async def abandon(self, episode_id: str, *, reason: str) -> EpisodeRecord:
         async with self._write() as session:

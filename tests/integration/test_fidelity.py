@@ -25,7 +25,7 @@ from tests.proxy.conftest import ADMIN, make_settings, running_app
 from tests.support.services import engine_python, free_port
 from trainer.client import Episode
 from trainer.config import TrainerConfig
-from trainer.data import DataStats, Sample, episode_samples
+from trainer.data import DataStats, Rules, Sample, build_batch, episode_samples
 from trainer.learner import Learner
 from trainer.lora import Policy
 
@@ -156,3 +156,57 @@ async def test_omitted_fields_take_the_model_defaults_and_are_reproduced(default
     wrong = engine_gap(policy, samples_of([old]))
     print("the same call read as temperature 1.0, no filters: engine |logp gap|", wrong["policy/engine_logp_diff_mean"])
     assert wrong["policy/engine_logp_diff_mean"] > 5 * TOLERANCE
+
+
+async def test_n_choices_become_group_members_or_follow_the_continued_choice(vllm_url: str, tmp_path: Path) -> None:
+    store = f"sqlite+aiosqlite:///{tmp_path / 'choices.db'}"
+    await migrate_async(store)
+    question = [{"role": "user", "content": "Name a colour."}]
+    async with running_app(make_settings(store, [{"name": "vllm-0", "url": vllm_url}])) as client:
+        # One call, four choices, each rewarded: a group of one episode trained as four members.
+        group = (await client.post("/groups", json={"task_id": "n4", "size": 1}, headers=ADMIN)).json()
+        lone = group["episode_keys"][0]["id"]
+        reply = await client.post(f"/episodes/{lone}/v1/chat/completions", headers=ADMIN, json={
+            "model": "policy", "messages": question, "n": 4, "max_tokens": 8, "temperature": 1.0})
+        assert reply.status_code == 200 and len(reply.json()["choices"]) == 4
+        bad = await client.post(f"/episodes/{lone}/reward", headers=ADMIN,
+                                json={"reward": 0.5, "call_rewards": {"0:4": 1.0}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "call_rewards"
+        rewards = {f"0:{c}": float(c % 2) for c in range(4)}
+        ok = await client.post(f"/episodes/{lone}/reward", headers=ADMIN, json={"reward": 0.5, "call_rewards": rewards})
+        assert ok.status_code == 200, ok.text
+        stored = (await client.get(f"/groups/{group['id']}", headers=ADMIN)).json()
+        assert stored["status"] == "complete"  # a one-episode group completes once its episode is rewarded
+        episode = Episode.model_validate((await client.get(f"/episodes/{lone}", headers=ADMIN,
+                                                           params={"calls": "true"})).json())
+
+        # Two turns; the agent continues the second of two choices: that choice is the one merged.
+        second = (await client.post("/episodes", json={"task_id": "n2"}, headers=ADMIN)).json()["id"]
+        first = (await client.post(f"/episodes/{second}/v1/chat/completions", headers=ADMIN, json={
+            "model": "policy", "messages": question, "n": 2, "max_tokens": 8, "temperature": 1.0})).json()
+        picked = first["choices"][1]["message"]["content"]
+        follow = await client.post(f"/episodes/{second}/v1/chat/completions", headers=ADMIN, json={
+            "model": "policy", "max_tokens": 8, "temperature": 1.0,
+            "messages": [*question, {"role": "assistant", "content": picked}, {"role": "user", "content": "Another?"}]})
+        assert follow.status_code == 200
+        multi = Episode.model_validate((await client.get(f"/episodes/{second}", headers=ADMIN,
+                                                         params={"calls": "true"})).json())
+
+    from trainer.client import Group
+
+    batch = build_batch([Group(id=group["id"], task_id="n4", status="complete", episodes=[episode])],
+                        rules=Rules(min_rewarded=2, scale_rewards="none"))
+    assert batch.members == 4 and batch.stats.choice_members == 4
+    assert sorted(s.advantage for s in batch.samples) == [-0.5, -0.5, 0.5, 0.5]
+    completions = {s.member: s.input_ids[-len(c["token_ids"]):] for s in batch.samples
+                   for c in (episode.calls or [])[0].choices if s.member.endswith(f"#{c['index']}")}
+    assert all(ids == next(c["token_ids"] for c in (episode.calls or [])[0].choices
+                           if member.endswith(f"#{c['index']}")) for member, ids in completions.items())
+
+    stats = DataStats()
+    samples = episode_samples(multi, group_id="g", max_seq_len=4096, stats=stats)
+    chosen = (multi.calls or [])[0].choices[1]["token_ids"]
+    (sample,) = samples  # the shipped template re-renders the continued reply exactly: one sample, choice 1
+    start = len((multi.calls or [])[0].prompt_token_ids or [])
+    assert sample.input_ids[start:start + len(chosen)] == chosen
+    assert (stats.merged, stats.breaks, stats.choices_unused) == (1, 0, 1)

@@ -19,7 +19,7 @@ from tests.support.services import ADMIN_KEY, ProxyProcess
 from tests.workflows.conftest import admin_get
 from workflows.base import Episode, Outcome, Split, Workflow
 from workflows.client import ProxyClient, ProxyError
-from workflows.runner import GroupResult, RunConfig, Runner
+from workflows.runner import INFRASTRUCTURE, GroupResult, RunConfig, Runner, describe_error
 
 pytestmark = pytest.mark.vllm
 
@@ -83,6 +83,18 @@ async def test_each_episode_ends_rewarded_or_abandoned_with_its_error(proxy: Pro
     slow = admin_get(proxy, f"/episodes/{by_index[3].episode_id}")
     assert (slow["status"], slow["abandon_reason"]) == ("abandoned", "timeout: the episode ran past its time limit")
     assert stats.summary()["rewarded"] == 2 and stats.summary()["mean_reward"] == 0.5
+    # The workflow's abandon policy travels with the group: the trainer penalizes these two abandons.
+    assert admin_get(proxy, f"/groups/{group.group_id}")["metadata"]["abandoned"] == "penalize"
+
+
+def test_abandons_caused_by_the_proxy_or_engine_are_marked_as_not_the_agents_doing() -> None:
+    class Upstream502(Exception):
+        status_code = 502
+
+    assert describe_error(Upstream502("bad gateway")).startswith(INFRASTRUCTURE)
+    assert describe_error(ConnectionError("refused")).startswith(INFRASTRUCTURE)
+    assert not describe_error(RuntimeError("the agent crashed")).startswith(INFRASTRUCTURE)
+    assert not describe_error(TimeoutError()).startswith(INFRASTRUCTURE)  # an agent that runs forever: its doing
 
 
 async def test_a_non_finite_reward_is_not_posted(proxy: ProxyProcess) -> None:

@@ -63,6 +63,8 @@ class MathWorkflow(Workflow[MathProblem, MathOptions]):
     name = "math"
     options_type = MathOptions
     episode_timeout_s = 300.0
+    abandoned = "skip"
+    """One chat call per episode: it can only fail on the proxy or the engine, never by the agent's doing."""
 
     def tasks(self, split: Split) -> Sequence[MathProblem]:
         path = self.options.train_jsonl if split == "train" else self.options.test_jsonl
