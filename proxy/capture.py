@@ -5,6 +5,13 @@ sampled ids) and for logprobs of the sampled tokens (``--logprobs-mode processed
 behaviour policy's). The client sees those fields only if it asked for them itself; otherwise they
 are reset to what vLLM answers without them (``null``), so clients get standard responses.
 
+A streamed recorded call also asks for ``stream_options.include_usage``: the usage chunk that ends
+the stream carries ``completion_tokens``, the number of tokens the engine sampled, against which
+the streamed ids are counted. A stream can lose ids without any other sign: vLLM before 0.13.0
+sends no chunk at all for tokens its streaming tool parser holds back (vLLM issue #27482, fixed by
+PR #29074), and with ``include_reasoning: false`` it sends no ids or logprobs on any chunk. A call
+whose counts disagree is recorded as inexact, with the counts and why (``Captured.inexact``).
+
 Pure functions and small accumulators: no I/O, so they are tested on recorded vLLM payloads.
 """
 
@@ -22,16 +29,34 @@ class Wants:
 
     token_ids: bool
     logprobs: bool
+    usage: bool = True  # False: a stream whose usage chunk only the proxy asked for
 
 
 def prepare(body: dict[str, Any], kind: Kind) -> tuple[dict[str, Any], Wants]:
-    """The upstream body (a shallow copy with token ids and sampled-token logprobs requested)."""
-    wants = Wants(token_ids=body.get("return_token_ids") is True, logprobs=_asked_logprobs(body, kind))
+    """The upstream body (a shallow copy with token ids, sampled-token logprobs and, on a stream,
+    the final usage chunk requested)."""
     upstream = dict(body)
+    usage = True
+    if body.get("stream") is True:
+        options = body.get("stream_options")
+        if options is None or isinstance(options, dict):  # anything else: vLLM's 400 stays the client's
+            usage = isinstance(options, dict) and _true(options.get("include_usage"))
+            if not usage:
+                # continuous_usage_stats only counts with include_usage: it stays off, as it was for vLLM
+                upstream["stream_options"] = {**{k: v for k, v in (options or {}).items()
+                                                 if k != "continuous_usage_stats"}, "include_usage": True}
+    wants = Wants(token_ids=body.get("return_token_ids") is True, logprobs=_asked_logprobs(body, kind), usage=usage)
     upstream["return_token_ids"] = True
     if not wants.logprobs:
         upstream["logprobs"] = True if kind == "chat" else 0
     return upstream, wants
+
+
+def _true(value: Any) -> bool:
+    """A boolean field as vLLM's pydantic models read it (lax mode: 1, "true", "yes", ... are True)."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "t", "yes", "y", "on")
+    return value is True or (type(value) is int and value == 1)
 
 
 def _asked_logprobs(body: dict[str, Any], kind: Kind) -> bool:
@@ -47,9 +72,18 @@ def sampled(body: dict[str, Any]) -> bool:
     return temperature is None or (isinstance(temperature, int | float) and temperature > 0)
 
 
+def usage_only(data: dict[str, Any], wants: Wants) -> bool:
+    """True for the usage chunk that ends a stream when only the proxy asked for it: the client
+    must not receive it (vLLM sends it, with ``choices: []``, only on ``include_usage``)."""
+    return not wants.usage and not data.get("choices") and data.get("usage") is not None
+
+
 def strip_for_client(data: dict[str, Any], wants: Wants, kind: Kind) -> bool:
     """Reset the fields the proxy added; True if ``data`` changed (then it must be re-serialised)."""
     changed = False
+    if not wants.usage and data.get("usage") is not None:
+        del data["usage"]
+        changed = True
     if not wants.token_ids and data.get("prompt_token_ids") is not None:
         data["prompt_token_ids"] = None
         changed = True
@@ -104,11 +138,39 @@ class Captured:
     exact_ids: bool
     prompt_tokens: int | None
     completion_tokens: int | None
+    inexact: dict[str, Any] | None = None  # why the ids are not exact, with the counts (the call's notes)
 
 
-def _exact(prompt_ids: list[int] | None, choices: list[ChoiceCapture]) -> bool:
-    return prompt_ids is not None and bool(choices) and all(
-        not c.ids_missing and len(c.token_ids) == len(c.logprobs) for c in choices)
+def _inexact(prompt_ids: list[int] | None, choices: list[ChoiceCapture],
+             usage: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Why these ids are not an exact record of what was sampled, or None when they are.
+
+    Per choice, one logprob per sampled id; over the call, as many ids as the engine's
+    ``usage.completion_tokens`` where usage came. A finished choice without ids (a tool call or
+    text whose ids a parser dropped or hid) is inexact unless usage says nothing was sampled.
+    """
+    reported = usage.get("completion_tokens") if usage else None
+    completion = reported if type(reported) is int else None
+    why: list[str] = []
+    if prompt_ids is None:
+        why.append("no prompt token ids")
+    if not choices:
+        why.append("no choices")
+    for c in choices:
+        ids, logprobs = len(c.token_ids), len(c.logprobs)
+        if c.ids_missing:
+            why.append(f"choice {c.index}: no token ids")
+        elif ids != logprobs:
+            why.append(f"choice {c.index}: {ids} token ids but {logprobs} logprobs")
+        elif ids == 0 and c.finish_reason is not None and completion != 0:
+            why.append(f"choice {c.index}: finished ({c.finish_reason}) without token ids")
+    total = sum(len(c.token_ids) for c in choices)
+    if completion is not None and total != completion:
+        why.append(f"{total} token ids but usage.completion_tokens is {completion}")
+    if not why:
+        return None
+    return {"why": why, "token_ids": [len(c.token_ids) for c in choices],
+            "logprobs": [len(c.logprobs) for c in choices], "completion_tokens": completion}
 
 
 def _usage(usage: dict[str, Any] | None, prompt_ids: list[int] | None,
@@ -150,9 +212,10 @@ def capture_response(data: dict[str, Any], kind: Kind) -> Captured:
     response = {k: v for k, v in data.items() if k not in ("prompt_token_ids", "prompt_logprobs")}
     response["choices"] = slim_choices
     prompt_tokens, completion_tokens = _usage(data.get("usage"), prompt_ids, captures)
+    inexact = _inexact(prompt_ids, captures, data.get("usage"))
     return Captured(prompt_token_ids=prompt_ids, choices=[c.record() for c in captures], response=response,
-                    exact_ids=_exact(prompt_ids, captures), prompt_tokens=prompt_tokens,
-                    completion_tokens=completion_tokens)
+                    exact_ids=inexact is None, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                    inexact=inexact)
 
 
 class StreamCapture:
@@ -242,6 +305,7 @@ class StreamCapture:
         response = {**self.header, "object": obj, "choices": body_choices,
                     "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                               "total_tokens": (prompt_tokens or 0) + (completion_tokens or 0)}}
+        inexact = _inexact(self.prompt_token_ids, captures, self.usage)
         return Captured(prompt_token_ids=self.prompt_token_ids, choices=[c.record() for c in captures],
-                        response=response, exact_ids=_exact(self.prompt_token_ids, captures),
-                        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+                        response=response, exact_ids=inexact is None, prompt_tokens=prompt_tokens,
+                        completion_tokens=completion_tokens, inexact=inexact)

@@ -19,7 +19,17 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from proxy.capture import Captured, Kind, StreamCapture, Wants, capture_response, prepare, sampled, strip_for_client
+from proxy.capture import (
+    Captured,
+    Kind,
+    StreamCapture,
+    Wants,
+    capture_response,
+    prepare,
+    sampled,
+    strip_for_client,
+    usage_only,
+)
 from proxy.deps import Services, identify, json_body, services_of
 from proxy.errors import (
     EpisodeClosed,
@@ -152,7 +162,8 @@ class ModelCall:
             replica=self.replica.name if self.replica else None, started_at=self.started,
             latency_ms=(time.perf_counter() - self.t0) * 1000, ttft_ms=ttft_ms,
             prompt_tokens=captured.prompt_tokens if captured else None,
-            completion_tokens=captured.completion_tokens if captured else None, notes=self.notes,
+            completion_tokens=captured.completion_tokens if captured else None,
+            notes=_noted(self.notes, captured),
         )
 
     async def record_error(self, error: FlywheelError) -> None:
@@ -311,9 +322,18 @@ class ModelCall:
             return None, False, False, UpstreamError(f"upstream error mid-stream: {err.get('message')}",
                                                      code="upstream_error")
         content = capture.feed(chunk)
+        if usage_only(chunk, self.wants):  # the proxy asked for it (to count the ids), not the client
+            return None, content, False, None
         if strip_for_client(chunk, self.wants, self.kind):
             return b"data: " + orjson.dumps(chunk) + b"\n\n", content, False, None
         return event + b"\n\n", content, False, None
+
+
+def _noted(notes: dict[str, Any] | None, captured: Captured | None) -> dict[str, Any] | None:
+    """The call's notes plus, for ids that are not exact, why (``inexact``: reasons and counts)."""
+    if captured is None or captured.inexact is None:
+        return notes
+    return {**(notes or {}), "inexact": captured.inexact}
 
 
 def _spawn(svc: Services, coro: Any) -> None:

