@@ -42,6 +42,7 @@ from proxy.errors import (
     UpstreamUnavailable,
 )
 from proxy.gate import canonical_id, identify_episode
+from proxy.sampling import resolve as resolve_sampling
 from proxy.store.records import NewCall
 from proxy.upstream import Replica, map_transport_error
 
@@ -111,8 +112,12 @@ class ModelCall:
         self.started = time.time()
         self.t0 = time.perf_counter()
         self.model_served, self.version = svc.router.resolve(body["model"])
+        self.sampling: dict[str, Any] | None = None
         if self.recorded:
             self.upstream_body, self.wants = prepare(body, kind)
+            policy = svc.settings.sampling
+            self.sampling = resolve_sampling(self.upstream_body, svc.sampling, penalties=policy.penalties,
+                                             constrained=policy.constrained)
         else:
             self.upstream_body, self.wants = dict(body), Wants(token_ids=True, logprobs=True)
         self.upstream_body["model"] = self.model_served
@@ -163,8 +168,14 @@ class ModelCall:
             latency_ms=(time.perf_counter() - self.t0) * 1000, ttft_ms=ttft_ms,
             prompt_tokens=captured.prompt_tokens if captured else None,
             completion_tokens=captured.completion_tokens if captured else None,
-            notes=_noted(self.notes, captured),
+            notes=_noted(self._notes(), captured),
         )
+
+    def _notes(self) -> dict[str, Any] | None:
+        """What the proxy changed or decided on the way: a dropped seed, the effective sampling."""
+        if self.sampling is None:
+            return self.notes
+        return {**(self.notes or {}), "sampling": self.sampling}
 
     async def record_error(self, error: FlywheelError) -> None:
         if self.recorded:

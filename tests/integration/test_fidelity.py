@@ -210,3 +210,25 @@ async def test_n_choices_become_group_members_or_follow_the_continued_choice(vll
     start = len((multi.calls or [])[0].prompt_token_ids or [])
     assert sample.input_ids[start:start + len(chosen)] == chosen
     assert (stats.merged, stats.breaks, stats.choices_unused) == (1, 0, 1)
+
+
+async def test_grammar_constrained_calls_are_reported_apart_with_forced_tokens_out(vllm_url: str, policy: Policy,
+                                                                                 tmp_path: Path) -> None:
+    tool = {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"], "additionalProperties": False}}}
+    bodies = [{"model": "policy", "messages": [{"role": "user", "content": f"Add {i} and {i + 3}."}], "max_tokens": 40,
+               "temperature": 1.0, "tools": [tool], "tool_choice": {"type": "function", "function": {"name": "add"}}}
+              for i in range(4)]
+    episodes = await record(vllm_url, tmp_path, bodies)
+    recorded = episodes[0].calls[0].notes["sampling"]  # type: ignore[index]
+    assert (recorded["mode"], recorded["constraint"]) == ("constrained", "tool_choice=function:add")
+    stats = DataStats()
+    samples = [s for e in episodes for s in episode_samples(e, group_id="g", max_seq_len=4096, stats=stats)]
+    assert stats.calls_constrained == 4 and stats.tokens_forced > 0  # the grammar forced some tokens
+    gap = engine_gap(policy, samples)
+    print("constrained (named tool_choice): engine |logp gap| mean", gap["policy/engine_logp_diff_mean_constrained"],
+          "max", gap["policy/engine_logp_diff_max_constrained"], "tokens", gap["policy/engine_logp_tokens_constrained"],
+          "forced tokens out of the loss", stats.tokens_forced)
+    assert gap["policy/engine_logp_tokens_constrained"] > 0
+    assert gap["policy/engine_logp_diff_mean_sampled"] is None  # nothing else mixed into the free-sampling figure
