@@ -92,7 +92,7 @@ class Learner:
 
     def remember(self, version: int, state: dict[str, Tensor] | None = None) -> None:
         """The current weights are now served as ``version`` (just published, or resumed from it)."""
-        self.snapshots[version] = state if state is not None else self.policy.adapter_state()
+        self.snapshots[version] = _copy(state if state is not None else self.policy.adapter_state())
         self.snapshots.move_to_end(version)
         while len(self.snapshots) > KEEP_SNAPSHOTS:
             self.snapshots.popitem(last=False)
@@ -107,8 +107,8 @@ class Learner:
     def step(self, samples: Sequence[Sample], *, sequences: int | None = None) -> StepStats:
         """Train on ``samples`` (advantages set): ``num_iterations`` optimizer steps, one pass each.
 
-        ``sequences``: what per-sequence losses average over (the group members under per-episode
-        normalisation; default the samples). Under data parallelism every rank gets all of the step's
+        ``sequences``: what per-sequence losses average over; by default the distinct group members
+        of the samples under ``normalize_per_episode``, else the samples. Under data parallelism every rank gets all of the step's
         samples and works on its share of the micro-batches; the totals that normalise the loss are
         the whole step's.
         """
@@ -117,7 +117,10 @@ class Learner:
         cfg = self.config
         started = time.perf_counter()
         micro = pack(samples, cfg.micro_batch_tokens)
-        totals = Totals(sequences=sequences or len(samples), tokens=sum(mb.num_loss_tokens for mb in micro),
+        if sequences is None:  # every rank derives it from the samples alone (followers get no Batch)
+            sequences = len({s.member or str(i) for i, s in enumerate(samples)}) if cfg.normalize_per_episode else len(
+                samples)
+        totals = Totals(sequences=sequences, tokens=sum(mb.num_loss_tokens for mb in micro),
                         micro_batches=len(micro), max_completion_length=cfg.max_completion_length)
         mine = self.world.share(micro)
         sums: dict[str, float] = {}
@@ -189,7 +192,7 @@ class Learner:
                         chosen.append(sample)
         if not by_version:
             return
-        current = self.policy.adapter_state()
+        current = _copy(self.policy.adapter_state())  # on the CPU the state shares the parameters' storage
         try:
             for version, chosen in sorted(by_version.items()):
                 if version != 0:
@@ -210,6 +213,11 @@ class Learner:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
+
+
+def _copy(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A state that later in-place updates of the parameters (AdamW, a swap) cannot change."""
+    return {k: v.clone() for k, v in state.items()}
 
 
 def _engine_gap(trainer: Tensor, engine: Tensor, modes: Tensor, served: Tensor, tolerance: float,
