@@ -6,9 +6,10 @@ version numbering, the step's metrics). It is written under a temporary name, fs
 and only then named in ``checkpoints/LATEST`` (itself replaced atomically), so a kill -9 at any
 instant leaves either the previous checkpoint or the new one, never a torn one.
 
-``pending.json`` lists leases claimed since the last checkpoint. After a crash, a lease that is
-still valid is resumed (its groups re-fetched and trained under it) instead of waiting for it to
-expire; an expired one is forgotten (the proxy offers its groups again).
+``pending.json`` lists leases claimed since the last checkpoint. After a crash, each is renewed:
+a lease still held (valid, or lapsed with nobody claiming its groups since) is resumed, its groups
+re-fetched and trained under it, instead of waiting for it to expire; a lost one is handed back
+and forgotten (the proxy offers its groups again).
 """
 
 from __future__ import annotations

@@ -1,11 +1,19 @@
 """The training loop: claim groups -> samples -> loss -> step -> checkpoint -> ack -> publish -> metrics.
 
 Exactly once. A step's groups are acked only after the checkpoint that contains their update is
-on disk, and the checkpoint names the leases and groups it trained. A restart loads the newest
-checkpoint and re-acks its groups (the proxy treats an ack of the same step as a no-op), so a
-kill -9 between checkpoint and ack loses nothing and trains nothing twice. Leases claimed after
-the checkpoint are journalled (``pending.json``); a restart trains their groups under the same
-lease if it is still valid, otherwise the proxy offers them again when it expires.
+on disk, and the checkpoint names the leases and groups it trained. While a step trains, its
+leases are renewed every ``lease_s / 3`` on a thread of their own (``LeaseKeeper``), and once more
+just before the checkpoint: a step whose lease was lost (another trainer claimed a group after it
+lapsed) is rolled back to the last checkpoint, never checkpointed, acked or published. A restart
+loads the newest checkpoint and re-acks its groups (the proxy treats an ack of the same step as a
+no-op; a lease that lapsed meanwhile is renewed first, which fails if anyone claimed the group),
+so a kill -9 between checkpoint and ack loses nothing and trains nothing twice. Leases claimed
+after the checkpoint are journalled (``pending.json``); a restart renews them and trains their
+groups under the same lease, or hands them back if they were lost.
+
+A step whose gradient is not finite changed nothing (AdamW was skipped): it is not checkpointed or
+published, its groups are acked ``skipped`` with the reason (retrying a poisoned group would fail
+the same way), and it is counted (``trainer/nonfinite_steps``).
 
 Under torchrun only rank 0 (the leader) runs this loop; the other ranks run ``follow``: they
 receive each step's samples from the leader and take their share of the step (``trainer.distributed``).
@@ -17,10 +25,15 @@ for the lag.
 
 from __future__ import annotations
 
+import copy
+import math
 import os
 import signal
 import statistics
+import threading
 import time
+import uuid
+from collections.abc import Callable
 from typing import Any
 
 from trainer.checkpoint import Checkpoints, CheckpointState, LeaseRecord
@@ -36,6 +49,75 @@ from trainer.report import Reporter, finite
 FAULT_ENV = "FLYWHEEL_TRAINER_FAULT"
 """Test hook: ``<point>:<step>`` (points: after_claim, after_checkpoint) makes the process kill -9
 itself there, so crash recovery is tested at exact instants."""
+SLOW_STEP_ENV = "FLYWHEEL_TRAINER_SLOW_STEP_S"
+"""Test hook: seconds every step waits after its update and before its commit (a step longer than a lease)."""
+COUNTERS = ("trainer/steps_rolled_back", "trainer/nonfinite_steps")
+"""Steps that changed nothing, counted over the run (carried in every checkpoint, so across restarts too)."""
+RESTORE = "restore"
+"""The leader's message to followers: load this adapter and optimizer state (a step was rolled back)."""
+
+
+class LeaseKeeper:
+    """Keeps a step's leases alive: renews them every ``lease_s / 3`` on a thread of its own while
+    the step collects and trains, and once more, synchronously, before the step is committed.
+
+    A renewal refused with 409 marks the lease lost for good (the proxy gave a group to another
+    trainer); one that fails otherwise (the proxy restarting) is retried at the next tick, and at
+    the final check it counts as lost: a step whose leases cannot be confirmed is not committed.
+    """
+
+    def __init__(self, client: ProxyClient, lease_s: float, log: Callable[[str], None]) -> None:
+        self.client = client
+        self.lease_s = lease_s
+        self.interval_s = lease_s / 3
+        self.log = log
+        self.leases: list[LeaseRecord] = []
+        self.lost: dict[str, str] = {}
+        """Lease id -> why it is lost."""
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def add(self, lease: LeaseRecord) -> None:
+        with self._lock:
+            self.leases.append(lease)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="flywheel-lease-keeper", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            with self._lock:
+                leases = [lease for lease in self.leases if lease.lease_id not in self.lost]
+            for lease in leases:
+                if self._stop.is_set():
+                    return
+                self._renew(lease, final=False)
+
+    def _renew(self, lease: LeaseRecord, *, final: bool) -> None:
+        try:
+            lease.expires_at = self.client.renew(lease_id=lease.lease_id, group_ids=lease.group_ids,
+                                                 lease_s=self.lease_s)
+        except ProxyError as exc:
+            if exc.status in (404, 409) or final:
+                with self._lock:
+                    self.lost.setdefault(lease.lease_id, f"{exc.code or exc.status}: {exc.message}")
+            else:
+                self.log(f"[warning] renewing lease {lease.lease_id} failed, retrying: {exc.message}")
+
+    def confirm(self) -> dict[str, str]:
+        """Renew every lease now: the check before a step is committed. Returns the lost ones (empty: all held)."""
+        with self._lock:
+            leases = [lease for lease in self.leases if lease.lease_id not in self.lost]
+        for lease in leases:
+            self._renew(lease, final=True)
+        with self._lock:
+            return dict(self.lost)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
 
 
 class Trainer:
@@ -54,6 +136,9 @@ class Trainer:
         self.version_base = 0
         self.stop_requested = False
         self._resumable: list[LeaseRecord] = []
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self._initial: tuple[dict[str, Any], dict[str, Any]] | None = None
+        """Adapter and optimizer state at a fresh start: what a rollback before the first checkpoint restores."""
 
     # -- start and resume --------------------------------------------------------------------------
 
@@ -63,20 +148,42 @@ class Trainer:
         if latest is None:
             self.version_base = self.client.policy().version
             self.reporter.log(f"fresh start: publishing versions after the proxy's current v{self.version_base}")
+            self._initial = ({k: v.clone() for k, v in self.policy.adapter_state().items()},
+                             copy.deepcopy(self.learner.optimizer.state_dict()))
         else:
             directory, state = latest
             adapter, optimizer = self.checkpoints.load_tensors(directory)
             self.policy.load_adapter_state(adapter)
             self.learner.optimizer.load_state_dict(optimizer)
             self.step, self.version_base = state.step, state.version_base
+            self.counters.update({k: int(state.metrics.get(k) or 0) for k in COUNTERS})
             self.reporter.log(f"resumed from {directory.name}: step {self.step}")
             self._finish(state)
         if self.world.distributed:  # followers start from the leader's adapter and optimizer state
             self.world.broadcast((self.policy.adapter_state(), _to_cpu(self.learner.optimizer.state_dict())))
         done = {lease.lease_id for lease in latest[1].leases} if latest else set()
-        horizon = time.time() + 30.0
         self._resumable = [lease for lease in self.checkpoints.pending()
-                           if lease.lease_id not in done and lease.expires_at > horizon]
+                           if lease.lease_id not in done and self._still_held(lease)]
+
+    def _still_held(self, lease: LeaseRecord) -> bool:
+        """Renew a lease claimed before a restart; a lost one is handed back (what is left of it) and forgotten."""
+        try:
+            lease.expires_at = self.client.renew(lease_id=lease.lease_id, group_ids=lease.group_ids,
+                                                 lease_s=self.config.lease_s)
+            return True
+        except ProxyError as exc:
+            if exc.status not in (404, 409):
+                raise
+            self.reporter.log(f"lease {lease.lease_id} from before the restart is lost ({exc.message}); "
+                              "its groups are offered again")
+            self._release(lease)
+            return False
+
+    def _release(self, lease: LeaseRecord) -> None:
+        try:
+            self.client.release(lease_id=lease.lease_id)
+        except ProxyError as exc:  # the lease expires on its own
+            self.reporter.log(f"[warning] releasing lease {lease.lease_id} failed: {exc.message}")
 
     def _finish(self, state: CheckpointState) -> None:
         for lease in state.leases:
@@ -95,20 +202,43 @@ class Trainer:
         self.reporter.step(state.step, metrics)
 
     def _ack(self, lease: LeaseRecord, step: int) -> None:
+        """Ack a lease's groups for ``step``. If the proxy refuses (409: a group was lost, its update
+        may be trained twice) each group is acked alone, so the others still are, and the refusal is logged."""
         for status, ids in (("trained", lease.trained), ("skipped", list(lease.skipped))):
             if not ids:
                 continue
             note = "; ".join(sorted(set(lease.skipped.values())))[:4000] if status == "skipped" else None
             try:
-                self.client.ack(lease_id=lease.lease_id, group_ids=ids, step=step, status=status,  # type: ignore[arg-type]
-                                note=note)
+                self._ack_groups(lease.lease_id, ids, step, status, note)
             except ProxyError as exc:
                 if exc.status == 404:
                     raise ProxyError(404, f"the proxy does not know the groups of step {step} ({exc.message}); "
                                      "this output_dir belongs to another store: use a fresh output_dir") from exc
                 if exc.status != 409:
                     raise  # unacked groups would be offered again: stop, a restart re-acks from the checkpoint
-                self.reporter.log(f"[warning] ack of {len(ids)} {status} groups for step {step} refused: {exc.message}")
+                if len(ids) == 1:
+                    self.reporter.log(f"[warning] ack of group {ids[0]} ({status}) for step {step} refused: "
+                                      f"{exc.message}")
+                    continue
+                for group_id in ids:  # acks are all or nothing: the groups still held are acked one by one
+                    try:
+                        self._ack_groups(lease.lease_id, [group_id], step, status, note)
+                    except ProxyError as one:
+                        if one.status != 409:
+                            raise
+                        self.reporter.log(f"[warning] ack of group {group_id} ({status}) for step {step} refused: "
+                                          f"{one.message}")
+
+    def _ack_groups(self, lease_id: str, ids: list[str], step: int, status: str, note: str | None) -> None:
+        """One ack. A lease that lapsed since the step was committed (a restart, a slow disk) is
+        renewed and the ack retried: the renewal succeeds only if nobody claimed the groups meanwhile."""
+        try:
+            self.client.ack(lease_id=lease_id, group_ids=ids, step=step, status=status, note=note)  # type: ignore[arg-type]
+        except ProxyError as exc:
+            if exc.code != "lease_expired":
+                raise
+            self.client.renew(lease_id=lease_id, group_ids=ids, lease_s=self.config.lease_s)
+            self.client.ack(lease_id=lease_id, group_ids=ids, step=step, status=status, note=note)  # type: ignore[arg-type]
 
     def _publish(self, step: int) -> dict[str, Any]:
         version = self.version_base + step
@@ -125,25 +255,32 @@ class Trainer:
 
     # -- claiming --------------------------------------------------------------------------------
 
-    def collect(self) -> tuple[list[Group], list[LeaseRecord], int, int]:
-        """Groups for one step: (groups, leases, current policy version, groups marked stale)."""
+    def collect(self, keeper: LeaseKeeper) -> tuple[list[Group], list[LeaseRecord], int, int]:
+        """Groups for one step: (groups, leases, current policy version, groups marked stale).
+        Each lease is handed to ``keeper`` as soon as it is held."""
         if self._resumable:
             resumed, self._resumable = self._resumable, []
-            return self._refetch(resumed), resumed, self.client.policy().version, 0
+            refetched = self._refetch(resumed)
+            if refetched:  # else (all acked before a crash cleared pending.json) claim afresh
+                for lease in resumed:
+                    keeper.add(lease)
+                return refetched, resumed, self.client.policy().version, 0
         groups: list[Group] = []
         leases: list[LeaseRecord] = []
         current, stale, first_at = 0, 0, None
+        lease_id = str(uuid.uuid4())  # kept until a claim answers: a retried claim gets what the lost one leased
         while len(groups) < self.config.groups_per_step and not self.stop_requested:
             try:
                 claim = self.client.claim(trainer_id=self.config.trainer_id, lease_s=self.config.lease_s,
                                           max_groups=self.config.groups_per_step - len(groups),
-                                          max_staleness=self.config.staleness_bound)
+                                          max_staleness=self.config.staleness_bound, lease_id=lease_id)
             except ProxyError as exc:
                 if exc.status not in (0, 502, 503, 504):
                     raise
                 self.reporter.log(f"[warning] claim failed, retrying: {exc.message}")  # proxy or store restarting
                 self._sleep(max(self.config.poll_interval_s, 5.0))
                 continue
+            lease_id = str(uuid.uuid4())
             current, stale = claim.current_version, stale + claim.stale
             if claim.stale:
                 self.reporter.log(f"{claim.stale} groups dropped as stale: older than {self.config.staleness_bound} "
@@ -151,6 +288,7 @@ class Trainer:
             if claim.groups:
                 groups += claim.groups
                 leases.append(LeaseRecord(claim.lease_id, [g.id for g in claim.groups], claim.lease_expires_at))
+                keeper.add(leases[-1])
                 self.checkpoints.set_pending(leases)
                 first_at = first_at or time.monotonic()
                 self._fault("after_claim", self.step + 1)
@@ -176,8 +314,15 @@ class Trainer:
 
     def run_once(self) -> bool:
         """Claim, train, checkpoint, ack, publish, report. False when stopped before anything was claimed."""
+        keeper = LeaseKeeper(self.client, self.config.lease_s, self.reporter.log)
+        try:
+            return self._run_once(keeper)
+        finally:
+            keeper.stop()
+
+    def _run_once(self, keeper: LeaseKeeper) -> bool:
         wait_started = time.perf_counter()
-        groups, leases, current, stale = self.collect()
+        groups, leases, current, stale = self.collect(keeper)
         if not groups or self.stop_requested:  # claimed leases stay in pending.json for the next run
             return False
         wait_s = time.perf_counter() - wait_started
@@ -197,8 +342,18 @@ class Trainer:
         self.reporter.status(f"step {step}: training on {len(batch.samples)} samples")
         self.world.broadcast(batch.samples)  # the followers' cue: they train their share of this step
         stats = self.learner.step(batch.samples)
+        if slow := float(os.environ.get(SLOW_STEP_ENV) or 0):
+            time.sleep(slow)
+        if not math.isfinite(stats.grad_norm):
+            self._drop_nonfinite(step, leases, stats.grad_norm)
+            return True
+        lost = keeper.confirm()
+        if lost:
+            self._drop_lost(step, leases, lost)
+            return True
         metrics = step_metrics(batch, groups, stats, current=current, stale=stale, wait_s=wait_s,
                                pass_threshold=cfg.pass_threshold)
+        metrics.update(self.counters)
         state = CheckpointState(step=step, version_base=self.version_base, leases=leases, metrics=finite(metrics))
         self.checkpoints.save(adapter=self.policy.adapter_state(), optimizer=self.learner.optimizer.state_dict(),
                               state=state)
@@ -207,6 +362,51 @@ class Trainer:
         self.checkpoints.set_pending([])
         self._finish(state)
         return True
+
+    # -- steps that change nothing ----------------------------------------------------------------
+
+    def _roll_back(self) -> None:
+        """Put the adapter and optimizer back to the last checkpoint (on every rank): the state before this step."""
+        latest = self.checkpoints.latest()
+        if latest is not None:
+            adapter, optimizer = self.checkpoints.load_tensors(latest[0])
+        else:
+            assert self._initial is not None, "resume() runs before the first step"
+            adapter, optimizer = self._initial[0], copy.deepcopy(self._initial[1])
+        self.policy.load_adapter_state(adapter)
+        self.learner.optimizer.load_state_dict(optimizer)
+        if self.world.distributed:
+            self.world.broadcast((RESTORE, adapter, _to_cpu(optimizer)))
+
+    def _drop_nonfinite(self, step: int, leases: list[LeaseRecord], grad_norm: float) -> None:
+        """A non-finite gradient: AdamW skipped the update, so nothing is checkpointed or published.
+        The groups are acked ``skipped`` with the reason (released, they would poison the next step too)."""
+        self._roll_back()  # with num_iterations > 1 an earlier iteration may have updated
+        reason = f"non-finite gradient (grad_norm={grad_norm})"
+        for lease in leases:
+            lease.skipped.update(dict.fromkeys(lease.trained, reason))
+            lease.trained = []
+        self.counters["trainer/nonfinite_steps"] += 1
+        self.reporter.log(f"[warning] step {step} dropped: {reason}; no update, nothing checkpointed or published; "
+                          f"{sum(len(lease.skipped) for lease in leases)} groups acked skipped "
+                          f"({self.counters['trainer/nonfinite_steps']} such steps so far)")
+        for lease in leases:
+            self._ack(lease, step)
+        self.checkpoints.set_pending([])
+
+    def _drop_lost(self, step: int, leases: list[LeaseRecord], lost: dict[str, str]) -> None:
+        """A lease was lost while the step trained (another trainer holds a group now): roll back,
+        checkpoint, ack and publish nothing, hand the still-held leases back."""
+        self._roll_back()
+        self.counters["trainer/steps_rolled_back"] += 1
+        why = "; ".join(f"{lease_id}: {reason}" for lease_id, reason in lost.items())
+        self.reporter.log(f"[warning] step {step} rolled back: lease lost before commit ({why}); adapter and "
+                          f"optimizer are back at step {self.step}, nothing checkpointed, acked or published "
+                          f"({self.counters['trainer/steps_rolled_back']} rolled back so far)")
+        for lease in leases:
+            if lease.lease_id not in lost:
+                self._release(lease)
+        self.checkpoints.set_pending([])
 
     def run(self) -> int:
         """Steps until ``max_steps`` or a stop signal; returns the last completed step."""
@@ -262,9 +462,13 @@ def follow(config: TrainerConfig, policy: Policy, world: World) -> int:
     policy.load_adapter_state(adapter)
     learner.optimizer.load_state_dict(optimizer)
     steps = 0
-    while (samples := world.broadcast(None)) is not None:
-        assert isinstance(samples, list) and all(isinstance(s, Sample) for s in samples)
-        learner.step(samples)
+    while (message := world.broadcast(None)) is not None:
+        if isinstance(message, tuple) and message[0] == RESTORE:  # the leader rolled the step back
+            policy.load_adapter_state(message[1])
+            learner.optimizer.load_state_dict(message[2])
+            continue
+        assert isinstance(message, list) and all(isinstance(s, Sample) for s in message)
+        learner.step(message)
         steps += 1
     return steps
 
