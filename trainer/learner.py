@@ -108,9 +108,9 @@ class Learner:
         """Train on ``samples`` (advantages set): ``num_iterations`` optimizer steps, one pass each.
 
         ``sequences``: what per-sequence losses average over; by default the distinct group members
-        of the samples under ``normalize_per_episode``, else the samples. Under data parallelism every rank gets all of the step's
-        samples and works on its share of the micro-batches; the totals that normalise the loss are
-        the whole step's.
+        of the samples under ``normalize_per_episode``, else the samples. Under data parallelism
+        every rank gets all of the step's samples and works on its share of the micro-batches; the
+        totals that normalise the loss are the whole step's.
         """
         if not samples:
             raise ValueError("no samples to train on")

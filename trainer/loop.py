@@ -39,7 +39,7 @@ from typing import Any
 from trainer.checkpoint import Checkpoints, CheckpointState, LeaseRecord
 from trainer.client import Group, ProxyClient, ProxyError
 from trainer.config import TrainerConfig
-from trainer.data import Batch, ChatRetokenizer, Sample, build_batch, staleness
+from trainer.data import Batch, ChatRetokenizer, Rules, Sample, build_batch, staleness
 from trainer.distributed import World
 from trainer.learner import Learner, StepStats
 from trainer.lora import Policy
@@ -243,6 +243,8 @@ class Trainer:
     def _publish(self, step: int) -> dict[str, Any]:
         version = self.version_base + step
         if self.client.policy().version >= version:
+            if step == self.step:
+                self.learner.remember(version)
             return {"proxy/published_version": version}
         try:
             record, seconds = self.publisher.publish(self.policy, version, {"step": step})
@@ -251,6 +253,8 @@ class Trainer:
                 raise  # the adapter or the request is wrong: every later publish would fail the same way
             self.reporter.log(f"[warning] publishing v{version} failed, the next publish retries: {exc}")
             return {"proxy/publish_failed": 1}
+        if step == self.step:  # the weights in memory are this version's: engine mismatch is measured against it
+            self.learner.remember(version)
         return {"proxy/published_version": record.version, "perf/publish_s": seconds}
 
     # -- claiming --------------------------------------------------------------------------------
@@ -327,8 +331,7 @@ class Trainer:
             return False
         wait_s = time.perf_counter() - wait_started
         cfg = self.config
-        batch = build_batch(groups, max_seq_len=cfg.max_seq_len, min_rewarded=cfg.min_rewarded,
-                            scale_rewards=cfg.scale_rewards, retokenize=self.retokenize)
+        batch = build_batch(groups, rules=data_rules(cfg), retokenize=self.retokenize)
         step = self.step + 1
         for lease in leases:
             lease.trained = [g for g in lease.group_ids if g in batch.trained]
@@ -375,6 +378,8 @@ class Trainer:
             adapter, optimizer = self._initial[0], copy.deepcopy(self._initial[1])
         self.policy.load_adapter_state(adapter)
         self.learner.optimizer.load_state_dict(optimizer)
+        if (version := self.version_base + self.step) in self.learner.snapshots:  # the weights are that served version
+            self.learner.weights_version = version
         if self.world.distributed:
             self.world.broadcast((RESTORE, adapter, _to_cpu(optimizer)))
 
@@ -482,6 +487,14 @@ def _to_cpu(value: Any) -> Any:
     return value.cpu() if hasattr(value, "cpu") else value
 
 
+def data_rules(config: TrainerConfig) -> Rules:
+    """The config's data and credit fields, as ``build_batch`` takes them."""
+    return Rules(max_seq_len=config.max_seq_len, min_rewarded=config.min_rewarded, scale_rewards=config.scale_rewards,
+                 turn_credit=config.turn_credit, turn_discount=config.turn_discount,
+                 abandoned=None if config.abandoned == "workflow" else config.abandoned,
+                 abandoned_reward=config.abandoned_reward, normalize_per_episode=config.normalize_per_episode)
+
+
 def _template(config: TrainerConfig) -> str | None:
     return open(config.chat_template).read() if config.chat_template else None  # noqa: SIM115
 
@@ -509,8 +522,9 @@ def step_metrics(batch: Batch, groups: list[Group], stats: StepStats, *, current
         "policy/entropy": stats.entropy, "policy/clip_fraction": stats.clip_low + stats.clip_high,
         "policy/clip_low": stats.clip_low, "policy/clip_high": stats.clip_high, "policy/ratio_mean": stats.ratio,
         "policy/is_weight_mean": stats.is_weight, "policy/is_capped_fraction": stats.is_capped,
-        "policy/logprob_mismatch": stats.mismatch, "policy/grad_norm": stats.grad_norm,
-        "data/tokens": stats.tokens, "data/loss_tokens": stats.loss_tokens, "data/samples": stats.sequences,
+        "policy/grad_norm": stats.grad_norm, "data/tokens_outside_truncation": stats.outside,
+        "data/tokens": stats.tokens, "data/loss_tokens": stats.loss_tokens, "data/samples": len(batch.samples),
+        "data/members": batch.members,
         "data/micro_batches": stats.micro_batches, "data/groups_trained": len(batch.trained),
         "data/groups_skipped_equal": batch.skipped_equal, "data/groups_skipped_few": batch.skipped_few,
         "data/groups_skipped_empty": batch.skipped_empty,
@@ -519,4 +533,5 @@ def step_metrics(batch: Batch, groups: list[Group], stats: StepStats, *, current
         "perf/step_s": stats.seconds, "perf/tokens_per_s": stats.tokens_per_s, "perf/wait_s": wait_s,
     }
     metrics.update({f"data/{k}": v for k, v in batch.stats.as_dict().items()})
+    metrics.update(stats.engine)
     return metrics
