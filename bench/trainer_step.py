@@ -146,7 +146,9 @@ class FlywheelStep:
         self.policy = Policy(config)
         self.learner = Learner(self.policy, config)
         self.samples = samples
-        self.mismatch = self.learner.step(samples[:4]).mismatch  # mean |trainer - vLLM| log-prob, before training
+        self.learner.weights_version = 0  # the zero adapter is the base model that served the recorded batch
+        # mean |trainer - vLLM| log-prob under the serving version, before training (None: nothing to compare)
+        self.mismatch = self.learner.step(samples[:4]).engine["policy/engine_logp_diff_mean"]
 
     def __call__(self) -> float:
         return self.learner.step(self.samples).seconds
@@ -350,7 +352,7 @@ def run(opts: argparse.Namespace, model: str, workdir: Path, proxy: ProxyUnderTe
         "step_s": {"flywheel": fly_times, "trl": trl_times, "naive": naive_times}, "publish_all_s": publish_times,
         "threads": opts.threads, "load_average": load_average(),
         "served_version": served.headers.get("x-policy-version"),
-        "logprob_mismatch_vs_vllm": round(mismatch, 4),
+        "logprob_mismatch_vs_vllm": None if mismatch is None else round(mismatch, 6),
     }
 
 
