@@ -69,6 +69,9 @@ class VLLMServer:
     """``auto``: bfloat16 on GPUs and on CPUs with native bf16, float32 on other CPUs (measured on a
     2-core AVX2 EPYC, SmolLM2, 64 concurrent requests: float32 142 tok/s, bfloat16 24 tok/s)."""
     gpu_memory_utilization: float = 0.85
+    token_api: bool = True
+    """``--enable-scale-out``: vLLM's render, token generate and derender routes (vLLM >= 0.32), with which
+    the proxy splices an episode's sampled ids into its follow-up prompts (``proxy/splice.py``)."""
     extra_args: list[str] = field(default_factory=list)
     log_path: Path | None = None
     python: str = sys.executable
@@ -94,6 +97,8 @@ class VLLMServer:
             cmd += ["--chat-template", self.chat_template]
         if self.tool_call_parser:
             cmd += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
+        if self.token_api:
+            cmd += ["--enable-scale-out"]
         if self.device == "gpu":
             cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
         return cmd + self.extra_args
@@ -235,6 +240,8 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--chat-template", default=str(DEFAULT_TEMPLATE),
                        help="jinja template; '' keeps the model's own")
     serve.add_argument("--tool-call-parser", default="hermes", help="'' disables tool parsing")
+    serve.add_argument("--no-token-api", action="store_true",
+                       help="no --enable-scale-out (vLLM < 0.32): follow-up prompts are re-rendered, not spliced")
     serve.add_argument("--no-supervise", action="store_true", help="do not restart a dead engine")
     serve.add_argument("extra", nargs=argparse.REMAINDER, help="after --: passed to vLLM as is")
     args = parser.parse_args(argv)
@@ -245,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     server = VLLMServer(model=args.model, served_name=args.served_name, host=args.host, port=args.port,
                         device=args.device, max_lora_rank=args.max_lora_rank, max_loras=args.max_loras,
                         max_model_len=args.max_model_len, dtype=args.dtype, chat_template=args.chat_template or None,
-                        tool_call_parser=args.tool_call_parser or None,
+                        tool_call_parser=args.tool_call_parser or None, token_api=not args.no_token_api,
                         extra_args=[a for a in args.extra if a != "--"])
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

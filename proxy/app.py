@@ -31,6 +31,7 @@ from proxy.recorder import Recorder
 from proxy.routes import chat, episodes, ops, policy, trainer
 from proxy.sampling import SamplingDefaults
 from proxy.settings import Settings
+from proxy.splice import Splicer
 from proxy.store.repository import Repository
 from proxy.upstream import Upstreams
 
@@ -97,7 +98,9 @@ def create_app(settings: Settings, *, repo: Repository | None = None,
         svc = Services(settings=settings, repo=store, upstreams=upstreams, router=router, recorder=recorder,
                        keys=KeyRing(settings.auth.admin_key.get_secret_value(),
                                     [k.get_secret_value() for k in settings.auth.agent_keys]),
-                       gate=EpisodeGate(store), metrics=metrics, sampling=sampling)
+                       gate=EpisodeGate(store), metrics=metrics, sampling=sampling,
+                       splicer=Splicer(upstreams, store, depth=settings.splice.depth)
+                       if settings.splice.enabled else None)
         log.info("sampling defaults for omitted fields", extra={"defaults": sampling.values, "source": sampling.source})
         app.state.services = svc
         recorder.start()

@@ -17,6 +17,7 @@ from proxy.policy import PolicyRouter
 from proxy.recorder import Recorder
 from proxy.sampling import SamplingDefaults
 from proxy.settings import Settings
+from proxy.splice import Splicer
 from proxy.store.repository import Repository
 from proxy.upstream import Upstreams
 
@@ -35,6 +36,8 @@ class Services:
     metrics: Metrics
     sampling: SamplingDefaults
     """The model's defaults for omitted sampling fields (``proxy/sampling.py``)."""
+    splicer: Splicer | None = None
+    """Token-in-token-out follow-up calls (``proxy/splice.py``); None when ``splice.enabled`` is off."""
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     """Tasks that outlive their request (e.g. recording a disconnected stream); drained on shutdown."""
 

@@ -28,6 +28,10 @@ class Metrics:
         self.dropped = Counter("flywheel_dropped_fields", "Request fields dropped to protect the engine",
                                ["field"], registry=r)
 
+        self.splices = Counter("flywheel_splices", "Follow-up calls by token splice outcome "
+                               "(spliced, unchanged: the render already held the sampled ids, skipped)",
+                               ["outcome"], registry=r)
+
     def on_batch(self, calls: int, seconds: float) -> None:
         self.recorded.inc(calls)
         self.commit_seconds.observe(seconds)

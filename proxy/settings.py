@@ -100,6 +100,17 @@ class SamplingSettings(_Section):
     only), or ``reject`` (400)."""
 
 
+class SpliceSettings(_Section):
+    """Token in, token out for an episode's follow-up calls (``proxy/splice.py``)."""
+
+    enabled: bool = True
+    """Earlier assistant turns reach vLLM as the ids it sampled, not re-rendered from their messages
+    (needs vLLM's token API: ``vllm serve --enable-scale-out``, vLLM 0.32 or later). Off: vLLM renders
+    every prompt from its messages; a turn that re-renders differently is a break for the trainer."""
+    depth: int = Field(default=4, ge=1)
+    """How many of the episode's newest calls are searched for the one a call continues."""
+
+
 class UpstreamTimeouts(_Section):
     connect_s: float = 5.0
     read_s: float = 600.0
@@ -121,6 +132,7 @@ class Settings(_Section):
     auth: AuthSettings
     timeouts: UpstreamTimeouts = UpstreamTimeouts()
     sampling: SamplingSettings = SamplingSettings()
+    splice: SpliceSettings = SpliceSettings()
     max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
     health_interval_s: float = Field(default=2.0, gt=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"

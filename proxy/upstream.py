@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import orjson
 
-from proxy.errors import UpstreamError, UpstreamTimeout, UpstreamUnavailable
+from proxy.errors import FlywheelError, InvalidRequest, NotFound, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from proxy.settings import Settings, UpstreamSettings
 from proxy.transport import Http1Transport
 
@@ -54,6 +54,24 @@ def map_transport_error(exc: httpx.TransportError, replica: Replica) -> Upstream
     if isinstance(exc, httpx.TimeoutException):
         return UpstreamTimeout(f"upstream {replica.name} timed out ({type(exc).__name__})", code="upstream_timeout")
     return UpstreamError(f"upstream {replica.name} failed: {type(exc).__name__}: {exc}", code="upstream_error")
+
+
+def answer_error(status: int, text: bytes, replica: Replica | None) -> FlywheelError:
+    """Turn a vLLM error answer into ours: 4xx keep their status (the request's fault), 5xx become 502."""
+    try:
+        err = orjson.loads(text).get("error") or {}
+        message = err.get("message") if isinstance(err, dict) else str(err)
+    except (orjson.JSONDecodeError, AttributeError):
+        message = text[:500].decode(errors="replace")
+    message = message or f"upstream answered {status}"
+    if status == 404:
+        return NotFound(message, param="model", code="model_not_found")
+    if 400 <= status < 500:
+        error = InvalidRequest(message, code="upstream_rejected")
+        error.status_code = status if status != 401 else 502
+        return error
+    return UpstreamError(f"upstream {replica.name if replica else '?'} failed ({status}): {message}",
+                         code="upstream_error")
 
 
 class Upstreams:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -35,7 +35,6 @@ from proxy.errors import (
     EpisodeClosed,
     FlywheelError,
     InvalidRequest,
-    NotFound,
     RecordingFailed,
     UnsafeRequest,
     UpstreamError,
@@ -43,8 +42,9 @@ from proxy.errors import (
 )
 from proxy.gate import canonical_id, identify_episode
 from proxy.sampling import resolve as resolve_sampling
+from proxy.splice import Plan, SpliceUnavailable
 from proxy.store.records import NewCall
-from proxy.upstream import Replica, map_transport_error
+from proxy.upstream import Replica, answer_error, map_transport_error
 
 log = logging.getLogger("flywheel.chat")
 router = APIRouter(tags=["openai"])
@@ -82,24 +82,6 @@ def _protect(body: dict[str, Any], replica: Replica) -> dict[str, Any] | None:
     return None
 
 
-def _upstream_error(response_status: int, text: bytes, replica: Replica | None) -> FlywheelError:
-    """Turn a vLLM error answer into ours: 4xx keep their status, 5xx become 502."""
-    try:
-        err = orjson.loads(text).get("error") or {}
-        message = err.get("message") if isinstance(err, dict) else str(err)
-    except (orjson.JSONDecodeError, AttributeError):
-        message = text[:500].decode(errors="replace")
-    message = message or f"upstream answered {response_status}"
-    if response_status == 404:
-        return NotFound(message, param="model", code="model_not_found")
-    if 400 <= response_status < 500:
-        error = InvalidRequest(message, code="upstream_rejected")
-        error.status_code = response_status if response_status != 401 else 502
-        return error
-    return UpstreamError(f"upstream {replica.name if replica else '?'} failed ({response_status}): {message}",
-                         code="upstream_error")
-
-
 class ModelCall:
     """One recorded (or passthrough) model call from request to acknowledged record."""
 
@@ -122,6 +104,7 @@ class ModelCall:
             self.upstream_body, self.wants = dict(body), Wants(token_ids=True, logprobs=True)
         self.upstream_body["model"] = self.model_served
         self.notes: dict[str, Any] | None = None
+        self.splice_note: dict[str, Any] | None = None
         self.replica: Replica | None = None
 
     def headers(self) -> dict[str, str]:
@@ -132,16 +115,21 @@ class ModelCall:
             out["x-flywheel-dropped"] = ",".join(self.notes["dropped"])
         return out
 
+    def _body_for(self, replica: Replica) -> dict[str, Any]:
+        """The upstream body as ``replica`` may take it (``_protect``)."""
+        body = dict(self.upstream_body)
+        self.notes = _protect(body, replica)
+        if self.notes:
+            self.svc.metrics.dropped.labels("seed").inc()
+        return body
+
     async def send(self, stream: bool) -> httpx.Response:
         """Send upstream; a replica that refuses the connection is skipped for the next one."""
         tried: tuple[Replica, ...] = ()
         last: UpstreamError | None = None
         for _ in self.svc.upstreams.replicas:
             replica = self.svc.upstreams.pick(self.episode_id, exclude=tried)
-            body = dict(self.upstream_body)
-            self.notes = _protect(body, replica)
-            if self.notes:
-                self.svc.metrics.dropped.labels("seed").inc()
+            body = self._body_for(replica)
             self.replica = replica
             replica.in_flight += 1
             try:
@@ -172,10 +160,13 @@ class ModelCall:
         )
 
     def _notes(self) -> dict[str, Any] | None:
-        """What the proxy changed or decided on the way: a dropped seed, the effective sampling."""
-        if self.sampling is None:
-            return self.notes
-        return {**(self.notes or {}), "sampling": self.sampling}
+        """What the proxy changed or decided on the way: a dropped seed, the effective sampling, the splice."""
+        notes = dict(self.notes or {})
+        if self.sampling is not None:
+            notes["sampling"] = self.sampling
+        if self.splice_note is not None:
+            notes["splice"] = self.splice_note
+        return notes or None
 
     async def record_error(self, error: FlywheelError) -> None:
         if self.recorded:
@@ -197,55 +188,118 @@ class ModelCall:
 
     async def complete(self) -> Response:
         try:
-            response = await self.send(stream=False)
-        except UpstreamError as exc:
+            data, raw = await self._fetch()
+        except FlywheelError as exc:
             await self.record_error(exc)
             self._observe(exc.status_code, None)
             raise
-        if response.status_code >= 400:
-            error = _upstream_error(response.status_code, response.content, self.replica)
-            await self.record_error(error)
-            self._observe(error.status_code, None)
-            raise error
-        try:
-            data = orjson.loads(response.content)
-        except orjson.JSONDecodeError:
-            error = UpstreamError(f"upstream {self.replica.name if self.replica else '?'} sent invalid JSON")
-            await self.record_error(error)
-            raise error from None
         captured = None
         if self.recorded:
             captured = capture_response(data, self.kind)
             await self.svc.recorder.record(self._new_call(status=200, captured=captured, error=None, ttft_ms=None))
-            if strip_for_client(data, self.wants, self.kind):
-                content = orjson.dumps(data)
-            else:
-                content = response.content
-        else:
-            content = response.content
+            if strip_for_client(data, self.wants, self.kind) or raw is None:
+                raw = orjson.dumps(data)
+        assert raw is not None
         self._observe(200, captured)
-        return Response(content, media_type="application/json", headers=self.headers())
+        return Response(raw, media_type="application/json", headers=self.headers())
+
+    async def _fetch(self) -> tuple[dict[str, Any], bytes | None]:
+        """The upstream's answer, parsed, and its bytes (None when the proxy built the answer)."""
+        planned = await self._splice()
+        if planned is not None:
+            assert self.svc.splicer is not None
+            replica, body, plan = planned
+            return await self.svc.splicer.complete(replica, body, plan), None
+        response = await self.send(stream=False)
+        if response.status_code >= 400:
+            raise answer_error(response.status_code, response.content, self.replica)
+        try:
+            return orjson.loads(response.content), response.content
+        except orjson.JSONDecodeError:
+            raise UpstreamError(f"upstream {self.replica.name if self.replica else '?'} sent invalid JSON") from None
+
+    async def _splice(self) -> tuple[Replica, dict[str, Any], Plan] | None:
+        """A follow-up chat call whose prompt needs the sampled ids of an earlier turn spliced in:
+        the replica, body and plan (``proxy/splice.py``). None: the ordinary route; ``notes.splice``
+        then says why, when an earlier call existed."""
+        splicer = self.svc.splicer
+        if splicer is None or not self.recorded or self.kind != "chat":
+            return None
+        messages = self.upstream_body["messages"]
+        if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages):
+            return None
+        assert self.episode_id is not None
+        found = await splicer.find(self.episode_id, messages)
+        if found is None:
+            return None
+        if isinstance(found, str):
+            self._no_splice(found)
+            return None
+        replica = self.svc.upstreams.pick(self.episode_id)
+        body = self._body_for(replica)
+        try:
+            plan = await splicer.plan(replica, body, found)
+        except SpliceUnavailable as exc:
+            self._no_splice(f"the upstream has no token API ({exc}); run vLLM with --enable-scale-out")
+            return None
+        if isinstance(plan, str):
+            self._no_splice(plan)
+            return None
+        self.splice_note = plan.note
+        if not plan.note["changed"]:  # the render already holds the sampled ids: the ordinary route is cheaper
+            self.svc.metrics.splices.labels("unchanged").inc()
+            return None
+        self.svc.metrics.splices.labels("spliced").inc()
+        self.replica = replica
+        return replica, body, plan
+
+    def _no_splice(self, why: str) -> None:
+        self.splice_note = {"skipped": why}
+        self.svc.metrics.splices.labels("skipped").inc()
+        log.warning("follow-up call not spliced", extra={"episode": self.episode_id, "why": why})
 
     # -- streamed ----------------------------------------------------------------------------
 
     async def open_stream(self) -> StreamingResponse:
         try:
-            response = await self.send(stream=True)
-        except UpstreamError as exc:
+            planned = await self._splice()
+            if planned is not None:
+                events, close = self._spliced_events(*planned)
+            else:
+                response = await self.send(stream=True)
+                if response.status_code >= 400:
+                    text = await response.aread()
+                    await response.aclose()
+                    raise answer_error(response.status_code, text, self.replica)
+                events, close = response.aiter_raw(), response.aclose
+        except FlywheelError as exc:
             await self.record_error(exc)
             self._observe(exc.status_code, None)
             raise
-        if response.status_code >= 400:
-            text = await response.aread()
-            await response.aclose()
-            error = _upstream_error(response.status_code, text, self.replica)
-            await self.record_error(error)
-            self._observe(error.status_code, None)
-            raise error
         headers = {"cache-control": "no-cache", "x-accel-buffering": "no", **self.headers()}
-        return StreamingResponse(self._relay(response), media_type="text/event-stream", headers=headers)
+        return StreamingResponse(self._relay(events, close), media_type="text/event-stream", headers=headers)
 
-    async def _relay(self, response: httpx.Response) -> AsyncIterator[bytes]:
+    def _spliced_events(self, replica: Replica, body: dict[str, Any], plan: Plan
+                        ) -> tuple[AsyncIterator[bytes], Callable[[], Awaitable[None]]]:
+        """The spliced stream as the SSE bytes vLLM's chat route would send."""
+        assert self.svc.splicer is not None
+        chunks = self.svc.splicer.stream(replica, body, plan)
+
+        async def events() -> AsyncGenerator[bytes, None]:
+            async for chunk in chunks:
+                yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+            yield SSE_DONE
+
+        relayed = events()
+
+        async def close() -> None:
+            await relayed.aclose()
+            await chunks.aclose()
+
+        return relayed, close
+
+    async def _relay(self, events: AsyncIterator[bytes], close: Callable[[], Awaitable[None]]
+                     ) -> AsyncIterator[bytes]:
         """Forward events as they arrive, capturing them; [DONE] only after the record commits."""
         capture = StreamCapture(self.kind) if self.recorded else None
         buffer = b""
@@ -255,7 +309,7 @@ class ModelCall:
         error: FlywheelError | None = None
         try:
             try:
-                async for raw in response.aiter_raw():
+                async for raw in events:
                     buffer += raw
                     if b"\r" in buffer:
                         buffer = buffer.replace(b"\r\n", b"\n")
@@ -277,6 +331,8 @@ class ModelCall:
             except httpx.TransportError as exc:
                 assert self.replica is not None
                 error = map_transport_error(exc, self.replica)
+            except FlywheelError as exc:  # a spliced stream's token API call failed
+                error = exc
             if error is None and not saw_done:
                 error = UpstreamError("upstream closed the stream before [DONE]", code="incomplete_stream")
             captured = capture.result() if capture is not None else None
@@ -299,7 +355,7 @@ class ModelCall:
             finished = True
             yield SSE_DONE
         finally:
-            await response.aclose()
+            await close()
             if not finished and self.recorded:  # the client went away mid-stream: keep what happened
                 _spawn(self.svc, self._record_disconnect(capture, ttft_ms))
 

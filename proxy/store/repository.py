@@ -183,6 +183,15 @@ class Repository:
             out[row.episode_id].append(_call(row))
         return out
 
+    async def recent_calls(self, episode_id: str, *, limit: int) -> list[CallRecord]:
+        """The episode's newest answered chat calls, newest first: the history a spliced call continues."""
+        async with self._read() as session:
+            result = await session.execute(
+                select(Call.__table__).where(Call.episode_id == episode_id, Call.kind == "chat",
+                                             Call.status_code == 200)
+                .order_by(Call.ordinal.desc()).limit(limit))
+            return [_call(row) for row in result]
+
     async def list_episodes(self, *, status: str | None = None, group_id: str | None = None,
                             task_id: str | None = None, limit: int = 100, offset: int = 0) -> list[EpisodeRecord]:
         query = select(Episode).order_by(Episode.created_at.desc(), Episode.id).limit(limit).offset(offset)

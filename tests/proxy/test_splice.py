@@ -1,0 +1,109 @@
+"""Token splicing without an engine: which earlier call a request continues, and the spliced ids."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from proxy.splice import continued, end_of_turn, splice
+from proxy.store.records import CallRecord
+
+SYSTEM = {"role": "system", "content": "Use the calculator."}
+USER = {"role": "user", "content": "What is 12 * 34?"}
+ARGS = '{"a": 12, "op": "multiply", "b": 34}'
+
+
+def tool_turn(call_id: str = "call_1", arguments: str = ARGS) -> dict[str, Any]:
+    return {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call_id, "type": "function", "function": {"name": "calculator", "arguments": arguments}}]}
+
+
+def choice(index: int = 0, *, call_id: str | None = "call_1", text: str = "", ids: list[int] | None = None
+           ) -> dict[str, Any]:
+    calls = [{"id": call_id, "type": "function", "function": {"name": "calculator", "arguments": ARGS}}]
+    return {"index": index, "token_ids": ids if ids is not None else [7, 8, 9], "logprobs": [-0.1, -0.2, -0.3],
+            "finish_reason": "tool_calls", "text": text, "tool_calls": calls if call_id else None}
+
+
+def call(messages: list[dict[str, Any]], choices: list[dict[str, Any]], **over: Any) -> CallRecord:
+    fields: dict[str, Any] = dict(
+        episode_id="ep", kind="chat", stream=False, request={"model": "policy", "messages": messages},
+        response=None, status_code=200, error=None, prompt_token_ids=[1, 2, 3], choices=choices, exact_ids=True,
+        model_requested="policy", model_served="policy-base", policy_version=0, replica="r", started_at=0.0,
+        latency_ms=1.0, ttft_ms=None, prompt_tokens=3, completion_tokens=3, notes=None, id=1, ordinal=0)
+    fields.update(over)
+    return CallRecord(**fields)
+
+
+RESULT = {"role": "tool", "tool_call_id": "call_1", "content": "408"}
+
+
+def test_a_follow_up_continues_the_call_whose_choice_it_repeats() -> None:
+    earlier = call([SYSTEM, USER], [choice()])
+    found = continued([SYSTEM, USER, tool_turn(), RESULT], earlier)
+    assert found is not None and found.position == 2 and found.choice["index"] == 0
+
+
+def test_arguments_re_serialised_by_the_client_still_match() -> None:
+    spaced = json.dumps(json.loads(ARGS), indent=2)
+    assert continued([SYSTEM, USER, tool_turn(arguments=spaced), RESULT], call([SYSTEM, USER], [choice()]))
+
+
+def test_n_greater_than_one_continues_the_choice_the_agent_kept() -> None:
+    earlier = call([SYSTEM, USER], [choice(0, call_id="call_a", ids=[5]), choice(1, call_id="call_b", ids=[6])])
+    found = continued([SYSTEM, USER, tool_turn("call_b"), RESULT], earlier)
+    assert found is not None and found.choice["token_ids"] == [6]
+
+
+@pytest.mark.parametrize("messages", [
+    [SYSTEM, USER, tool_turn(arguments='{"a": 12, "op": "add", "b": 34}'), RESULT],  # the agent edited the call
+    [SYSTEM, USER, tool_turn("call_other"), RESULT],                                  # another call's id
+    [SYSTEM, {"role": "user", "content": "What is 1 + 1?"}, tool_turn(), RESULT],      # history rewritten
+    [SYSTEM, USER, tool_turn()],                                                      # nothing after the turn
+    [SYSTEM, USER, {"role": "user", "content": "again"}, RESULT],                     # the answer was discarded
+])
+def test_what_is_not_a_continuation(messages: list[dict[str, Any]]) -> None:
+    assert continued(messages, call([SYSTEM, USER], [choice()])) is None
+
+
+def test_text_turns_match_on_their_content_and_failed_or_inexact_calls_never_match() -> None:
+    earlier = call([USER], [choice(call_id=None, text="Let me think.")])
+    follow = [USER, {"role": "assistant", "content": "Let me think."}, {"role": "user", "content": "Go on."}]
+    assert continued(follow, earlier) is not None
+    parts = [USER, {"role": "assistant", "content": [{"type": "text", "text": "Let me think."}]}, follow[2]]
+    assert continued(parts, earlier) is not None
+    assert continued([USER, {"role": "assistant", "content": "Other."}, follow[2]], earlier) is None
+    assert continued(follow, call([USER], [choice(call_id=None, text="Let me think.")], exact_ids=False)) is None
+    assert continued(follow, call([USER], [choice(call_id=None, text="Let me think.")], status_code=400)) is None
+
+
+def test_end_of_turn_is_what_an_empty_assistant_turn_adds() -> None:
+    assert end_of_turn([1, 2, 3], [1, 2, 3, 99, 10]) == [99, 10]
+    with pytest.raises(ValueError, match="empty assistant turn"):
+        end_of_turn([1, 2, 3], [1, 2, 4, 99])
+
+
+CLOSING = [99, 10]  # <|im_end|> \n
+HISTORY = [1, 2, 3, 50, 51, 52, 99, 10]  # the earlier prompt, the turn re-rendered (50 51 52), closing
+TAIL = [20, 21, 22, 30]  # the tool result and the generation prompt
+
+
+def test_the_splice_puts_the_sampled_ids_where_the_render_had_its_own() -> None:
+    rendered = HISTORY + TAIL
+    sampled = [60, 61, 99]  # the model sampled other ids for the same text, and the stop token
+    assert splice([1, 2, 3], sampled, CLOSING, HISTORY, rendered) == [1, 2, 3, 60, 61, 99, 10, *TAIL]
+
+
+def test_a_turn_cut_at_max_tokens_gets_the_whole_closing_and_an_exact_render_is_unchanged() -> None:
+    rendered = HISTORY + TAIL
+    assert splice([1, 2, 3], [60, 61], CLOSING, HISTORY, rendered) == [1, 2, 3, 60, 61, 99, 10, *TAIL]
+    assert splice([1, 2, 3], [50, 51, 52, 99], CLOSING, HISTORY, rendered) == rendered
+
+
+def test_templates_that_re_render_history_are_refused_with_why() -> None:
+    reason = splice([1, 2, 3], [60, 99], CLOSING, HISTORY, [1, 2, 3, 50, 99, 10, *TAIL])
+    assert isinstance(reason, str) and "differently" in reason
+    reason = splice([1, 2, 3], [60, 99], CLOSING, [1, 2, 3, 50, 51], [1, 2, 3, 50, 51, *TAIL])
+    assert isinstance(reason, str) and "end-of-turn" in reason
