@@ -124,6 +124,39 @@ def _train(stack: Stack, config: dict[str, Any], run_dir: Path, deadline: float,
     return last
 
 
+def _multi_turn(stack: Stack, steps: list[dict[str, Any]], before: dict[str, Any], after: dict[str, Any]
+                ) -> dict[str, Any]:
+    """The multi-turn figures of the trained data (summed step metrics) and of the proxy's splices.
+
+    ``merge_rate``: follow-up calls whose prompt extended the episode's sample so far, over all
+    follow-up calls the trainer read; ``tokens_masked``: prompt, tool results and template glue
+    (and tokens the grammar forced), in the trained sequences but out of the loss.
+    """
+    def total(key: str) -> float:
+        return float(sum(s["metrics"].get(key) or 0 for s in steps))
+
+    merged, breaks, members = total("data/merged"), total("data/breaks"), total("data/members")
+    tokens, trained = total("data/tokens"), total("data/loss_tokens")
+    splices: dict[str, float] = {}
+    try:
+        text = httpx.get(f"{stack.proxy_url}/metrics", timeout=10).text
+        for line in text.splitlines():
+            if line.startswith("flywheel_splices_total{"):
+                outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
+                splices[outcome] = float(line.rsplit(" ", 1)[1])
+    except (httpx.HTTPError, IndexError, ValueError):
+        pass
+    return {
+        "calls_per_episode_trained": round(total("data/calls") / members, 3) if members else None,
+        "merged": int(merged), "breaks": int(breaks),
+        "merge_rate": round(merged / (merged + breaks), 4) if merged + breaks else None,
+        "tokens_trained": int(trained), "tokens_masked": int(tokens - trained),
+        "splices": splices,
+        "eval_calls_per_episode": [before.get("calls_per_episode"), after.get("calls_per_episode")],
+        "eval_call_validity": [before.get("call_validity"), after.get("call_validity")],
+    }
+
+
 def _plot(run_dir: Path, steps: list[dict[str, Any]], before: dict[str, Any], after: dict[str, Any]) -> Path:
     import matplotlib
 
@@ -198,11 +231,17 @@ def run(config_path: str, *, seed: int | None = None) -> None:
             "policy_versions_evaluated": after.get("policy_versions"), "engine_restarts": stack.restarts,
             "reward_first_steps": [s["metrics"].get("reward/mean") for s in steps[:5]],
             "reward_last_steps": [s["metrics"].get("reward/mean") for s in steps[-5:]],
+            "multi_turn": _multi_turn(stack, steps, before, after),
         }
         plot = _plot(run_dir, steps, before, after)
         (run_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         log(f"held-out accuracy {report['eval_before']:.3f} -> {report['eval_after']:.3f} after {report['steps']} "
             f"steps in {report['minutes']:.1f} min; report {run_dir / 'report.json'}, plot {plot}")
+        turns = report["multi_turn"]
+        if turns["merged"] or turns["breaks"]:
+            log(f"multi-turn: {turns['calls_per_episode_trained']} calls per trained episode, merge rate "
+                f"{turns['merge_rate']} ({turns['merged']} merged, {turns['breaks']} breaks), tokens trained "
+                f"{turns['tokens_trained']} / masked {turns['tokens_masked']}, splices {turns['splices']}")
     except Interrupted:
         log("interrupted")
     finally:

@@ -10,13 +10,14 @@ from workflows.base import Workflow
 
 BUILTIN = {
     "math": "workflows.math.run:MathWorkflow",
+    "calc": "workflows.calc.run:CalcWorkflow",
     "tau2": "workflows.tau2.run:Tau2Workflow",
     "tac": "workflows.tac.run:TACWorkflow",
 }
 
 
 def load(name: str) -> type[Workflow[Any, Any]]:
-    """A built-in name (``math``, ``tau2``, ``tac``) or ``package.module:Class`` for your own workflow."""
+    """A built-in name (``math``, ``calc``, ``tau2``, ``tac``) or ``package.module:Class`` for your own workflow."""
     target = BUILTIN.get(name, name)
     module_name, sep, attr = target.partition(":")
     if not sep:

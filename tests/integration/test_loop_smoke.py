@@ -24,15 +24,22 @@ from tests.support.services import ROOT, free_port
 pytestmark = pytest.mark.vllm
 
 
+WORKFLOWS = {
+    "math": ["--group-size", "4", "--concurrency", "4", "--max-pending", "1", "-o", "max_tokens=24"],
+    # configs/run-tools.yaml's agent: 2-3 tool calls per episode, one-step tasks keep it short here.
+    "calc": ["--group-size", "4", "--concurrency", "4", "--max-pending", "1", "-o", "mix=one_step"],
+}
+
+
+@pytest.mark.parametrize("workflow", sorted(WORKFLOWS))
 def test_two_short_steps_publish_an_adapter_that_serves_later_episodes(vllm_url: str, vllm_model_dir: str,
-                                                                       tmp_path: Path) -> None:
+                                                                       tmp_path: Path, workflow: str) -> None:
     config = {
         "data_dir": str(tmp_path), "proxy_config": "configs/local.yaml", "proxy_port": free_port(),
         "engine": {"url": vllm_url, "model": vllm_model_dir}, "seed": 3, "budget_minutes": 12, "resume": False,
         "trainer": {"config": "configs/trainer-local.yaml",
                     "overrides": {"max_steps": 2, "groups_per_step": 1, "batch_wait_s": 1, "learning_rate": 1e-3}},
-        "workflow": {"name": "math", "args": ["--group-size", "4", "--concurrency", "4", "--max-pending", "1",
-                                              "-o", "max_tokens=24"]},
+        "workflow": {"name": workflow, "args": WORKFLOWS[workflow]},
         "eval": {"args": ["--split", "test", "--limit", "8", "--concurrency", "8"]},
     }
     path = tmp_path / "run.yaml"
@@ -55,3 +62,8 @@ def test_two_short_steps_publish_an_adapter_that_serves_later_episodes(vllm_url:
     assert 0 in served and 1 in served, f"no episode was served by the first published adapter: {served}"
     assert trained >= 2
     assert report["eval_after"] is not None and "2" in report["policy_versions_evaluated"]
+    if workflow == "calc":  # the multi-turn figures: every follow-up call extended its episode's sample
+        turns = report["multi_turn"]
+        assert turns["merged"] > 0 and turns["breaks"] == 0 and turns["merge_rate"] == 1.0, turns
+        assert turns["calls_per_episode_trained"] >= 2 and turns["tokens_masked"] > turns["tokens_trained"] > 0
+        assert report["multi_turn"]["eval_calls_per_episode"][0] >= 2
