@@ -1,0 +1,407 @@
+"""Held-out math accuracy after the same training wall-clock: Flywheel's loop vs. TRL's GRPOTrainer.
+
+One question, both answers measured in one run on this machine: with the same model
+(SmolLM2-135M-Instruct as ``python -m deploy.model path`` converts it), the same task (the math
+workflow's train split, single turn), the same reward and the same minutes of training, which
+policy scores higher on the held-out test split?
+
+Everything both sides share comes from the files ``make run`` reads, not from copies here:
+``configs/run-local.yaml`` (the workflow's ``--group-size`` and ``-o`` options: temperature,
+max_tokens; the trainer config and its overrides; the evaluation's arguments) and the trainer
+config it names (LoRA r/alpha/dropout/targets, learning rate, AdamW betas and weight decay, grad
+clipping, ``loss_type``, ``epsilon``/``epsilon_high``, ``beta``, ``scale_rewards``, groups per step,
+dtype). Prompts, tasks and reward are the math workflow's own (``MathWorkflow.messages``,
+``tasks("train")``, ``check(...).reward(format_weight)`` with the workflow's format weight).
+
+1. **trl** trains first, alone on the machine (nothing else runs, so it has both cores):
+   ``GRPOTrainer`` with TRL's own generation (``use_vllm=False``: transformers ``generate`` on the
+   CPU), ``num_generations`` = the group size, ``groups_per_step`` groups per optimizer step (one
+   generation batch per step, so it is on-policy), micro-batches of 16 sequences, the sampling the
+   proxy gives Flywheel's episodes (the workflow's temperature; top_p/top_k/min_p from the model's
+   ``generation_config.json`` where it sets them, else neutral, as vLLM does), the chat template vLLM
+   serves, constant learning rate (the trainer has no schedule), gradient checkpointing off (as in
+   ``bench/trainer_step.py``; the trainer does not use it). A callback stops it at the first step
+   end after ``--minutes`` of training (TRL's clock starts at ``on_train_begin``, after the model is
+   loaded; Flywheel's includes its trainer's start-up, so the budget favours TRL slightly). Its
+   LoRA adapter is saved in PEFT's format.
+2. **flywheel**: the launcher's own pieces (``deploy.loop``: ``Stack``, ``_evaluate``, ``_train``)
+   with a run config derived from ``configs/run-local.yaml`` (its data_dir in a temp directory,
+   ``resume: false``, free ports for vLLM and the proxy, the seed): vLLM and the proxy start, the
+   base model is evaluated, then the trainer and the math workflow run side by side for
+   ``--minutes`` (the trainer, signalled at the deadline, finishes its step and publishes, as TRL's
+   last step also finishes), and the last published adapter is evaluated. The pieces rather than
+   ``run`` because the deadline must be exact (``run`` derives it from the budget minus measured
+   evaluation times) and because the TRL adapter is evaluated on the same stack.
+3. **evaluation, the same for both**: one evaluator, one engine. After Flywheel's evaluation, TRL's
+   adapter is published through the proxy (``POST /policy/publish``, as the trainer publishes) and
+   ``workflows eval`` runs again, the same command: greedy, the 210 held-out problems, the same
+   ``max_tokens``, vLLM serving a LoRA adapter either way, so neither side gains from a different
+   decoder, dtype or answer parser. The served version is checked to be TRL's adapter. The base
+   model's accuracy (``before``, the same for both) is measured in this run, not remembered.
+
+Threads: the Flywheel side runs as ``make run`` does (vLLM, and the trainer on 1 thread beside it).
+TRL gets ``--trl-threads`` (default 2): it trains alone, so both cores are idle and its generation
+and backward can use both; one thread is better only next to another busy process, where two
+OpenMP threads spin-wait for a shared core (``bench/trainer_step.py``), which is not the case here.
+
+Prints progress to stderr, then a table and, as the LAST line, one JSON object: for each side
+accuracy before/after, format compliance, steps, training minutes, completions generated.
+``--minutes 10`` (default) takes about 30 minutes on 2 cores. The work directory (logs, adapters,
+the store, the evaluation reports) is removed at the end unless ``--keep`` or the run failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the trainer's CLI does, before torch loads
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from bench._procs import free_port, load_average  # noqa: E402
+from deploy.local import Stack, load_run_config  # noqa: E402
+from deploy.loop import _evaluate, _steps, _train  # noqa: E402
+from deploy.vllm import DEFAULT_TEMPLATE  # noqa: E402
+from trainer.config import TrainerConfig, load_config  # noqa: E402
+from trainer.lora import resolve_dtype  # noqa: E402
+from workflows.math.reward import check  # noqa: E402
+from workflows.math.run import MathOptions, MathWorkflow  # noqa: E402
+from workflows.options import parse_options  # noqa: E402
+
+RUN_CONFIG = ROOT / "configs" / "run-local.yaml"
+TRL_MICRO_BATCH = 16
+"""Sequences per TRL forward/backward: ~1,600 tokens, near the trainer's 2,048-token packed passes."""
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# -- what both sides share -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Shared:
+    """The task, sampling and learner settings both sides use, read from the run config."""
+
+    run_config: dict[str, Any]
+    options: MathOptions
+    group_size: int
+    trainer: TrainerConfig
+    model: str
+
+
+def workflow_settings(args: list[str]) -> tuple[MathOptions, int]:
+    """The math options (``-o k=v``) and ``--group-size`` from the run config's workflow arguments."""
+    pairs: list[str] = []
+    group_size = 4  # the workflows CLI's default
+    items = [str(a) for a in args]
+    for i, item in enumerate(items):
+        name, eq, value = item.partition("=")
+        if name in ("-o", "--option"):
+            pairs.append(value if eq else items[i + 1])
+        elif name == "--group-size":
+            group_size = int(value if eq else items[i + 1])
+    return parse_options(MathOptions, pairs), group_size
+
+
+def shared_settings(seed: int, model: str) -> Shared:
+    config = load_run_config(RUN_CONFIG)
+    options, group_size = workflow_settings(list(config.get("workflow", {}).get("args", [])))
+    trainer_cfg = config.get("trainer", {})
+    overrides = [f"{k}={v}" for k, v in trainer_cfg.get("overrides", {}).items()]
+    trainer = load_config(ROOT / trainer_cfg.get("config", "configs/trainer-local.yaml"),
+                          [f"model={model}", f"seed={seed}", *overrides])
+    return Shared(config, options, group_size, trainer, model)
+
+
+def sampling_defaults(model: str) -> dict[str, Any]:
+    """top_p/top_k/min_p as the proxy fills them for Flywheel's episodes: the model's
+    ``generation_config.json`` where it sets them, else the engine's neutral values."""
+    path = Path(model) / "generation_config.json"
+    generation = json.loads(path.read_text()) if path.is_file() else {}
+    return {"top_p": float(generation.get("top_p", 1.0)), "top_k": int(generation.get("top_k", 0)),
+            "min_p": generation.get("min_p")}
+
+
+# -- TRL ---------------------------------------------------------------------------------------------
+
+@dataclass
+class TrlResult:
+    adapter: Path
+    steps: int = 0
+    train_seconds: float = 0.0
+    completions: int = 0
+    step_rewards: list[float] = field(default_factory=list)
+
+
+def make_math_reward(format_weight: float, rewards: list[float]) -> Callable[..., list[float | None]]:
+    """The math workflow's episode reward for TRL's completions; appends each batch's mean to ``rewards``."""
+
+    def math_reward(completions: list[Any], answer: list[str], **_: Any) -> list[float | None]:
+        scores = []
+        for completion, gold in zip(completions, answer, strict=True):
+            text = completion[-1]["content"] if isinstance(completion, list) else str(completion)
+            scores.append(check(text or "", gold).reward(format_weight))
+        rewards.append(sum(scores) / len(scores))
+        return list(scores)
+
+    return math_reward
+
+
+def trl_dataset(options: MathOptions) -> Any:
+    """The train split as TRL conversational prompts (the workflow's system prompt + problem)."""
+    from datasets import Dataset  # type: ignore[import-untyped]
+
+    workflow = MathWorkflow(options)
+    return Dataset.from_list([{"prompt": workflow.messages(task), "answer": task.answer}
+                              for task in workflow.tasks("train")])
+
+
+def train_trl(shared: Shared, workdir: Path, *, minutes: float, seed: int, threads: int,
+              stop: list[bool]) -> TrlResult:
+    """TRL's GRPOTrainer with its own CPU generation for ``minutes`` of training; saves the adapter."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers.trainer_callback import PrinterCallback
+    from trl import GRPOConfig, GRPOTrainer  # type: ignore[attr-defined]
+
+    torch.set_num_threads(threads)
+    config, options = shared.trainer, shared.options
+    per_step = config.groups_per_step * shared.group_size
+    micro = TRL_MICRO_BATCH if per_step % TRL_MICRO_BATCH == 0 else shared.group_size
+    result = TrlResult(adapter=workdir / "trl" / "adapter")
+    budget_s = minutes * 60
+
+    class Budget(TrainerCallback):
+        """Stops training at the first step end past the budget (or on Ctrl-C); logs each step."""
+
+        started = 0.0
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.started = time.monotonic()
+            log(f"trl: training on {torch.get_num_threads()} torch thread(s)")
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            elapsed = time.monotonic() - self.started
+            result.steps, result.train_seconds = int(state.global_step), elapsed
+            reward = result.step_rewards[-1] if result.step_rewards else float("nan")
+            log(f"trl step {result.steps:>3}  reward {reward:.3f}  {elapsed / 60:5.1f} min  load {load_average()}")
+            if elapsed >= budget_s or stop[0]:
+                control.should_training_stop = True
+
+    tokenizer = AutoTokenizer.from_pretrained(shared.model)
+    tokenizer.chat_template = DEFAULT_TEMPLATE.read_text()  # the template vLLM renders Flywheel's prompts with
+    args = GRPOConfig(
+        output_dir=str(workdir / "trl"), use_vllm=False, per_device_train_batch_size=micro,
+        gradient_accumulation_steps=per_step // micro, num_generations=shared.group_size,
+        max_completion_length=options.max_tokens, temperature=options.temperature,
+        **sampling_defaults(shared.model), repetition_penalty=1.0,
+        learning_rate=config.learning_rate, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
+        adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2, weight_decay=config.weight_decay,
+        max_grad_norm=config.max_grad_norm, beta=config.beta, loss_type=config.loss_type, epsilon=config.epsilon,
+        epsilon_high=config.epsilon_upper, scale_rewards=config.scale_rewards,
+        importance_sampling_level=config.importance_sampling_level, num_iterations=config.num_iterations,
+        max_steps=1_000_000, logging_steps=1_000_000, save_strategy="no", report_to=[], use_cpu=True, bf16=False,
+        gradient_checkpointing=False, disable_tqdm=True, seed=seed, data_seed=seed)
+    model = AutoModelForCausalLM.from_pretrained(shared.model, dtype=resolve_dtype(config.dtype, "cpu"),
+                                                 attn_implementation="sdpa")
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=make_math_reward(options.format_weight, result.step_rewards), args=args,
+        train_dataset=trl_dataset(options), processing_class=tokenizer,
+        peft_config=LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                               target_modules=list(config.lora_target_modules), bias="none", task_type="CAUSAL_LM"),
+        callbacks=[Budget()])
+    trainer.remove_callback(PrinterCallback)  # stdout carries only the table and the JSON line
+    log(f"trl: {per_step} completions per step ({per_step // shared.group_size} groups of {shared.group_size}), "
+        f"micro-batches of {micro}, {threads} thread(s), {args.max_completion_length} tokens at "
+        f"temperature {args.temperature}; training {minutes:g} min")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    result.completions = per_step * result.steps
+    peft_model: Any = trainer.model
+    peft_model.save_pretrained(str(result.adapter))  # adapter_config.json + adapter_model.safetensors, as vLLM loads
+    log(f"trl: {result.steps} steps in {result.train_seconds / 60:.1f} min; adapter {result.adapter}")
+    del trainer, model
+    return result
+
+
+# -- Flywheel and the shared evaluation ------------------------------------------------------------
+
+def derived_run_config(shared: Shared, workdir: Path, *, minutes: float, seed: int) -> dict[str, Any]:
+    """``run-local.yaml`` with this run's data directory, seed, budget and free ports (never 8000/8100)."""
+    config = json.loads(json.dumps(shared.run_config))
+    proxy_file = ROOT / config.get("proxy_config", "configs/local.yaml")
+    proxy_config = yaml.safe_load(proxy_file.read_text())
+    vllm_port, proxy_port = free_port(), free_port()
+    while proxy_port == vllm_port:
+        proxy_port = free_port()
+    proxy_config["proxy"]["upstreams"][0]["url"] = f"http://127.0.0.1:{vllm_port}"
+    (workdir / "proxy.yaml").write_text(yaml.safe_dump(proxy_config))
+    config.update(data_dir=str(workdir), proxy_config=str(workdir / "proxy.yaml"), proxy_port=proxy_port,
+                  seed=seed, resume=False, budget_minutes=minutes, min_train_minutes=minutes)
+    config.setdefault("engine", {})["model"] = shared.model
+    (workdir / "run.yaml").write_text(yaml.safe_dump(config))
+    return dict(config)
+
+
+def count_episodes(stack: Stack) -> dict[str, int]:
+    """Episodes the workflow finished in the store, by status (each rewarded one is a scored completion)."""
+    counts = {}
+    for status in ("rewarded", "abandoned"):
+        total, offset = 0, 0
+        while True:
+            page = httpx.get(f"{stack.proxy_url}/episodes", params={"status": status, "limit": 1000, "offset": offset},
+                             headers={"authorization": f"Bearer {stack.key}"}, timeout=60)
+            page.raise_for_status()
+            rows = len(page.json()["data"])
+            total, offset = total + rows, offset + rows
+            if rows < 1000:
+                break
+        counts[status] = total
+    return counts
+
+
+def publish(stack: Stack, adapter: Path) -> int:
+    """Serve ``adapter`` as the next policy version, as the trainer publishes its own."""
+    response = httpx.post(f"{stack.proxy_url}/policy/publish", json={"adapter_path": str(adapter.resolve()),
+                                                                    "metadata": {"source": "trl"}},
+                          headers={"authorization": f"Bearer {stack.key}"}, timeout=600)
+    if response.status_code != 201:
+        raise RuntimeError(f"publishing the TRL adapter: {response.status_code} {response.text}")
+    return int(response.json()["version"])
+
+
+def flywheel_and_evaluations(config: dict[str, Any], run_dir: Path, trl: TrlResult, *, minutes: float,
+                             stop: list[bool]) -> dict[str, Any]:
+    """Base evaluation, Flywheel's training and evaluation, then TRL's adapter on the same evaluator."""
+    stack = Stack(config, data_dir=run_dir)
+    try:
+        stack.start()
+        before = _evaluate(stack, config, run_dir, "before")
+        started = time.monotonic()
+        _train(stack, config, run_dir, time.time() + minutes * 60, stop)
+        train_seconds = time.monotonic() - started
+        steps = _steps(stack, -1)
+        after = _evaluate(stack, config, run_dir, "after")
+        episodes = count_episodes(stack)
+        version = publish(stack, trl.adapter)
+        log(f"published TRL's adapter as policy v{version}")
+        trl_after = _evaluate(stack, config, run_dir, "after_trl")
+        if trl_after.get("policy_versions") != [str(version)]:
+            raise RuntimeError(f"TRL's evaluation was served by {trl_after.get('policy_versions')}, not v{version}")
+        return {"before": before, "after": after, "trl_after": trl_after, "steps": steps,
+                "train_seconds": train_seconds, "episodes": episodes, "restarts": stack.restarts}
+    finally:
+        stack.stop()
+
+
+# -- report -------------------------------------------------------------------------------------------
+
+def summary(before: dict[str, Any], after: dict[str, Any], *, steps: int, train_seconds: float,
+            completions: int, rewards: list[float], **extra: Any) -> dict[str, Any]:
+    def mean(xs: list[float]) -> float | None:
+        return round(sum(xs) / len(xs), 4) if xs else None
+
+    return {"accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"],
+            "format_before": before["format_rate"], "format_after": after["format_rate"],
+            "gain_points": round(100 * (after["accuracy"] - before["accuracy"]), 1),
+            "steps": steps, "train_minutes": round(train_seconds / 60, 2), "completions_generated": completions,
+            "train_reward_first3": mean(rewards[:3]), "train_reward_last3": mean(rewards[-3:]),
+            "by_kind_after": {k: round(v["accuracy"], 3) for k, v in after.get("by_kind", {}).items()},
+            "eval_policy_versions": after.get("policy_versions"), **extra}
+
+
+def table(result: dict[str, Any]) -> str:
+    rows = [f"held-out math accuracy (greedy, n={result['eval_n']}) after {result['minutes']:g} min of training, "
+            f"seed {result['seed']}",
+            f"{'side':<10} {'before -> after':<17} {'gain':>7} {'format':<13} {'steps':>5} {'train min':>9} "
+            f"{'completions':>11}"]
+    for side in ("flywheel", "trl"):
+        r = result[side]
+        rows.append(f"{side:<10} {r['accuracy_before']:.3f} -> {r['accuracy_after']:.3f}   "
+                    f"{r['gain_points']:+6.1f}  {r['format_before']:.2f} -> {r['format_after']:.2f}  "
+                    f"{r['steps']:>5} {r['train_minutes']:>9.1f} {r['completions_generated']:>11}")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--minutes", type=float, default=10.0, help="training wall-clock per side")
+    parser.add_argument("--seed", type=int, default=None, help="default: configs/run-local.yaml's seed")
+    parser.add_argument("--trl-threads", type=int, default=2, help="torch threads for TRL (see the docstring)")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, adapters, store)")
+    opts = parser.parse_args()
+    from deploy.model import fetch
+
+    model = os.environ.get("FLYWHEEL_MODEL_DIR") or str(fetch())
+    seed = opts.seed if opts.seed is not None else int(load_run_config(RUN_CONFIG).get("seed", 0))
+    shared = shared_settings(seed, model)
+    stop = [False]
+
+    def interrupt(*_: Any) -> None:
+        if stop[0]:
+            raise KeyboardInterrupt
+        stop[0] = True
+        log("stopping training early; the evaluations still run (again to stop at once)")
+
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
+    workdir = Path(tempfile.mkdtemp(prefix="flywheel-learning-vs-trl-"))
+    log(f"work directory {workdir}; {opts.minutes:g} min of training per side, seed {seed}")
+    started = time.monotonic()
+    try:
+        trl = train_trl(shared, workdir, minutes=opts.minutes, seed=seed, threads=opts.trl_threads, stop=stop)
+        stop[0] = False  # a Ctrl-C during TRL's training cut that short, not Flywheel's
+        config = derived_run_config(shared, workdir, minutes=opts.minutes, seed=seed)
+        fly = flywheel_and_evaluations(config, workdir / "flywheel", trl, minutes=opts.minutes, stop=stop)
+    except BaseException:
+        log(f"failed; logs kept in {workdir}")
+        raise
+    steps = fly["steps"]
+    result = {
+        "model": config.get("model_name", Path(model).name), "seed": seed, "minutes": opts.minutes,
+        "eval_n": fly["after"]["n"],
+        "flywheel": summary(fly["before"], fly["after"], steps=len(steps), train_seconds=fly["train_seconds"],
+                            completions=fly["episodes"]["rewarded"],
+                            rewards=[float(s["metrics"].get("reward/mean", float("nan"))) for s in steps],
+                            completions_trained=int(sum(s["metrics"].get("data/members") or 0 for s in steps)),
+                            episodes_abandoned=fly["episodes"]["abandoned"], engine_restarts=len(fly["restarts"])),
+        "trl": summary(fly["before"], fly["trl_after"], steps=trl.steps, train_seconds=trl.train_seconds,
+                       completions=trl.completions, rewards=trl.step_rewards, threads=opts.trl_threads),
+        "group_size": shared.group_size, "completions_per_step": shared.trainer.groups_per_step * shared.group_size,
+        "max_tokens": shared.options.max_tokens, "temperature": shared.options.temperature,
+        "format_weight": shared.options.format_weight, "total_minutes": round((time.monotonic() - started) / 60, 1),
+        "load_average": load_average(),
+    }
+    gap = result["flywheel"]["accuracy_after"] - result["trl"]["accuracy_after"]
+    result["higher_after"] = "flywheel" if gap > 0 else "trl" if gap < 0 else "tie"
+    if opts.keep:
+        log(f"kept {workdir}")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print(table(result))
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
