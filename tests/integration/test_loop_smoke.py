@@ -40,7 +40,7 @@ def test_two_short_steps_publish_an_adapter_that_serves_later_episodes(vllm_url:
         "trainer": {"config": "configs/trainer-local.yaml",
                     "overrides": {"max_steps": 2, "groups_per_step": 1, "batch_wait_s": 1, "learning_rate": 1e-3}},
         "workflow": {"name": workflow, "args": WORKFLOWS[workflow]},
-        "eval": {"args": ["--split", "test", "--limit", "8", "--concurrency", "8"]},
+        "eval": {"args": ["--split", "test", "--limit", "8" if workflow == "math" else "4", "--concurrency", "8"]},
     }
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -52,14 +52,17 @@ def test_two_short_steps_publish_an_adapter_that_serves_later_episodes(vllm_url:
     [run_dir] = (tmp_path / "runs").iterdir()
     report = json.loads((run_dir / "report.json").read_text())
     assert report["steps"] == 2 and report["seed"] == 3 and report["model"] == "SmolLM2-135M-Instruct"
-    assert 0 <= report["eval_before"] <= 1 and 0 <= report["eval_after"] <= 1 and report["eval_n"] == 8
+    assert 0 <= report["eval_before"] <= 1 and 0 <= report["eval_after"] <= 1
+    assert report["eval_n"] == (8 if workflow == "math" else 4)
     assert (run_dir / "learning_curve.png").stat().st_size > 10_000
     with sqlite3.connect(run_dir / "flywheel.db") as db:
         published = [v for (v,) in db.execute("select version from policy_versions order by version")]
         served = {v for (v,) in db.execute("select distinct policy_version from calls where status_code = 200")}
         trained = db.execute("select count(*) from groups where train_status = 'trained'").fetchone()[0]
     assert published[:2] == [1, 2], published
-    assert 0 in served and 1 in served, f"no episode was served by the first published adapter: {served}"
+    # The loop closed: some published adapter served later episodes (with 2-3 calls per episode, a
+    # version can be superseded before any episode starts on it, so which one is not fixed).
+    assert 0 in served and served & set(published), f"no episode was served by a published adapter: {served}"
     assert trained >= 2
     assert report["eval_after"] is not None and "2" in report["policy_versions_evaluated"]
     if workflow == "calc":  # the multi-turn figures: every follow-up call extended its episode's sample
