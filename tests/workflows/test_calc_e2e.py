@@ -7,12 +7,9 @@ import json
 from typing import Any
 
 import pytest
-from transformers import AutoTokenizer
 
 from tests.support.services import ProxyProcess
 from tests.workflows.conftest import admin_get, run_cli
-from trainer.client import Episode
-from trainer.data import DataStats, episode_samples
 from workflows.calc.env import CALCULATOR, SUBMIT
 
 
@@ -22,6 +19,12 @@ def tool_choice_name(call: dict[str, Any]) -> str:
 
 @pytest.mark.vllm
 def test_a_real_episode_calls_tools_and_merges_into_one_sample(proxy: ProxyProcess, vllm_model_dir: str) -> None:
+    # Engine-venv imports, here: the agents venv collects this module too (and deselects it).
+    from transformers import AutoTokenizer
+
+    from trainer.client import Episode
+    from trainer.data import DataStats, episode_samples
+
     # Temperature 1.0: sampled ids the template would not re-render (odd spellings, spacing) are
     # spliced into the follow-up prompts by the proxy, so the calls still merge.
     done = run_cli("run", "calc", "--proxy", proxy.url, "--groups", "1", "--group-size", "2", "--concurrency", "2",
