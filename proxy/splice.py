@@ -30,6 +30,7 @@ ordinary way and its record says why (``notes.splice.skipped``): the trainer cou
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
@@ -198,9 +199,16 @@ class Splicer:
                 return found
         return f"no earlier call of the episode (newest {len(calls)}) is continued by these messages"
 
-    async def _post(self, replica: Replica, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _post(self, replica: Replica, path: str, body: dict[str, Any], *,
+                    optional: bool = False) -> dict[str, Any]:
+        """One token-API call; its error answers mapped as the chat route maps vLLM's.
+
+        ``optional`` (the renders, made before anything is sampled): a replica without the token
+        API (403: no ``--enable-scale-out``; 404/405/501: older vLLM) raises ``SpliceUnavailable``
+        so the call goes the ordinary way.
+        """
         response = await self.upstreams.send(replica, "POST", path, content=orjson.dumps(body))
-        if response.status_code in (403, 404, 405, 501):
+        if optional and response.status_code in (403, 404, 405, 501):
             raise SpliceUnavailable(f"{replica.name} {path} answered {response.status_code}")
         if response.status_code >= 400:
             raise answer_error(response.status_code, response.content, replica)
@@ -208,7 +216,7 @@ class Splicer:
         return data
 
     async def _render(self, replica: Replica, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._post(replica, RENDER, body)
+        return await self._post(replica, RENDER, body, optional=True)
 
     async def closing(self, replica: Replica, model: str) -> list[int]:
         cached = self._closing.get(replica.name)
@@ -226,8 +234,7 @@ class Splicer:
         history_body.update(messages=messages[:cont.position + 1], add_generation_prompt=False,
                             continue_final_message=False)
         closing = await self.closing(replica, body["model"])
-        rendered = await self._render(replica, body)
-        history = await self._render(replica, history_body)
+        rendered, history = await asyncio.gather(self._render(replica, body), self._render(replica, history_body))
         assert cont.call.prompt_token_ids is not None
         ids = splice(cont.call.prompt_token_ids, cont.choice["token_ids"], closing, history["token_ids"],
                      rendered["token_ids"])
@@ -255,10 +262,7 @@ class Splicer:
         response = await self.upstreams.send(replica, "POST", GENERATE, content=orjson.dumps(generate), stream=True)
         try:
             if response.status_code >= 400:
-                text = await response.aread()
-                if response.status_code in (403, 404, 405, 501):
-                    raise SpliceUnavailable(f"{replica.name} {GENERATE} answered {response.status_code}")
-                raise answer_error(response.status_code, text, replica)
+                raise answer_error(response.status_code, await response.aread(), replica)
             state: dict[str, Any] | None = None
             first = True
             buffer = b""

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.services import ADMIN_KEY, ProxyProcess
+from tests.support.services import ADMIN_KEY, ProxyProcess, episode_record, new_episode, serving_proxy
 from trainer.client import Episode
 from trainer.data import DataStats, episode_samples
 
@@ -32,26 +32,8 @@ NAMED = {"type": "function", "function": {"name": "calculator"}}
 
 @pytest.fixture(scope="module")
 def proxy(vllm_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProcess]:
-    workdir = tmp_path_factory.mktemp("splice")
-    process = ProxyProcess(upstream_url=vllm_url, store_url=f"sqlite+aiosqlite:///{workdir / 'flywheel.db'}",
-                           workdir=workdir)
-    process.start()
-    try:
+    with serving_proxy(vllm_url, tmp_path_factory.mktemp("splice")) as process:
         yield process
-    finally:
-        process.stop()
-
-
-def new_episode(proxy: ProxyProcess) -> dict[str, Any]:
-    response = httpx.post(f"{proxy.url}/episodes", json={"task_id": "splice"}, headers=ADMIN)
-    assert response.status_code == 201, response.text
-    return dict(response.json())
-
-
-def recorded(proxy: ProxyProcess, episode_id: str) -> dict[str, Any]:
-    response = httpx.get(f"{proxy.url}/episodes/{episode_id}", headers=ADMIN)
-    assert response.status_code == 200
-    return dict(response.json())
 
 
 def follow_up(first: Any) -> list[dict[str, Any]]:
@@ -73,7 +55,7 @@ def rendered(vllm_url: str, messages: list[dict[str, Any]]) -> list[int]:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["non-streamed", "streamed"])
 def test_follow_up_prompts_extend_the_sampled_ids(proxy: ProxyProcess, vllm_url: str, stream: bool) -> None:
-    episode = new_episode(proxy)
+    episode = new_episode(proxy, "splice")
     client = openai.OpenAI(base_url=episode["base_url"], api_key=episode["api_key"], max_retries=0)
     first = client.chat.completions.create(model="policy", messages=QUESTION, tools=TOOLS,  # type: ignore[arg-type]
                                            tool_choice=NAMED, temperature=1.0, max_tokens=64)
@@ -92,7 +74,7 @@ def test_follow_up_prompts_extend_the_sampled_ids(proxy: ProxyProcess, vllm_url:
         assert tool_call.function.name == "calculator" and json.loads(tool_call.function.arguments)
         assert second.model_dump().get("prompt_token_ids") is None  # the client did not ask: standard response
 
-    raw = recorded(proxy, episode["id"])
+    raw = episode_record(proxy, episode["id"])
     one, two = sorted(raw["calls"], key=lambda c: c["ordinal"])
     sampled = one["prompt_token_ids"] + one["choices"][0]["token_ids"]
     assert two["prompt_token_ids"][:len(sampled)] == sampled
@@ -109,7 +91,7 @@ def test_follow_up_prompts_extend_the_sampled_ids(proxy: ProxyProcess, vllm_url:
 
 
 def test_a_turn_the_agent_edited_goes_the_ordinary_way_and_says_why(proxy: ProxyProcess) -> None:
-    episode = new_episode(proxy)
+    episode = new_episode(proxy, "splice")
     client = openai.OpenAI(base_url=episode["base_url"], api_key=episode["api_key"], max_retries=0)
     first = client.chat.completions.create(model="policy", messages=QUESTION, tools=TOOLS,  # type: ignore[arg-type]
                                            tool_choice=NAMED, temperature=1.0, max_tokens=64)
@@ -117,7 +99,7 @@ def test_a_turn_the_agent_edited_goes_the_ordinary_way_and_says_why(proxy: Proxy
     messages[2]["tool_calls"][0]["function"]["arguments"] = '{"a": 1, "op": "add", "b": 2}'
     client.chat.completions.create(model="policy", messages=messages, tools=TOOLS,  # type: ignore[arg-type]
                                    tool_choice=NAMED, temperature=1.0, max_tokens=64)
-    one, two = sorted(recorded(proxy, episode["id"])["calls"], key=lambda c: c["ordinal"])
+    one, two = sorted(episode_record(proxy, episode["id"])["calls"], key=lambda c: c["ordinal"])
     assert "continued" in two["notes"]["splice"]["skipped"]
     sampled = one["prompt_token_ids"] + one["choices"][0]["token_ids"]
     assert two["prompt_token_ids"][:len(sampled)] != sampled  # what the agent sent is what vLLM saw

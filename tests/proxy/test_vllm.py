@@ -15,7 +15,8 @@ import httpx
 import openai
 import pytest
 
-from tests.support.services import ADMIN_KEY, ProxyProcess
+from tests.support.services import ADMIN_KEY, ProxyProcess, episode_record, serving_proxy
+from tests.support.services import new_episode as support_new_episode
 
 pytestmark = pytest.mark.vllm
 ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
@@ -30,26 +31,16 @@ def prefix() -> str:
 
 @pytest.fixture(scope="module")
 def proxy(vllm_url: str, tmp_path_factory: pytest.TempPathFactory, prefix: str) -> Iterator[ProxyProcess]:
-    workdir = tmp_path_factory.mktemp("proxy")
-    process = ProxyProcess(upstream_url=vllm_url, store_url=f"sqlite+aiosqlite:///{workdir / 'flywheel.db'}",
-                           workdir=workdir, extra_env={"FLYWHEEL_POLICY__ADAPTER_PREFIX": prefix})
-    process.start()
-    try:
+    with serving_proxy(vllm_url, tmp_path_factory.mktemp("proxy"), FLYWHEEL_POLICY__ADAPTER_PREFIX=prefix) as process:
         yield process
-    finally:
-        process.stop()
 
 
 def new_episode(proxy: ProxyProcess) -> dict[str, Any]:
-    response = httpx.post(f"{proxy.url}/episodes", json={"task_id": "vllm-test"}, headers=ADMIN)
-    assert response.status_code == 201, response.text
-    return response.json()
+    return support_new_episode(proxy, "vllm-test")
 
 
 def recorded(proxy: ProxyProcess, episode_id: str) -> list[dict[str, Any]]:
-    response = httpx.get(f"{proxy.url}/episodes/{episode_id}", headers=ADMIN)
-    assert response.status_code == 200
-    return response.json()["calls"]
+    return list(episode_record(proxy, episode_id)["calls"])
 
 
 EOS = "<|im_end|>"

@@ -15,8 +15,11 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -111,3 +114,30 @@ class ProxyProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+
+
+@contextmanager
+def serving_proxy(upstream_url: str, workdir: Path, **extra_env: str) -> Iterator[ProxyProcess]:
+    """``python -m proxy serve`` on a fresh SQLite store in ``workdir``, routing to ``upstream_url``."""
+    process = ProxyProcess(upstream_url=upstream_url, store_url=f"sqlite+aiosqlite:///{workdir / 'flywheel.db'}",
+                           workdir=workdir, extra_env=dict(extra_env))
+    process.start()
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+def new_episode(proxy: ProxyProcess, task_id: str) -> dict[str, Any]:
+    """A new episode (id, base_url, api_key) through the control API."""
+    response = httpx.post(f"{proxy.url}/episodes", json={"task_id": task_id},
+                          headers={"authorization": f"Bearer {ADMIN_KEY}"})
+    assert response.status_code == 201, response.text
+    return dict(response.json())
+
+
+def episode_record(proxy: ProxyProcess, episode_id: str) -> dict[str, Any]:
+    """The stored episode with its calls."""
+    response = httpx.get(f"{proxy.url}/episodes/{episode_id}", headers={"authorization": f"Bearer {ADMIN_KEY}"})
+    assert response.status_code == 200, response.text
+    return dict(response.json())

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.services import ADMIN_KEY, ROOT, ProxyProcess
+from tests.support.services import ADMIN_KEY, ROOT, ProxyProcess, serving_proxy
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # before any test module imports litellm (tau2)
 
@@ -30,14 +30,8 @@ def agents_python() -> str:
 @pytest.fixture(scope="module")
 def proxy(vllm_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProcess]:
     """``python -m proxy serve`` on a fresh SQLite store, routing ``policy`` to the real vLLM."""
-    workdir = tmp_path_factory.mktemp("proxy")
-    server = ProxyProcess(upstream_url=vllm_url, store_url=f"sqlite+aiosqlite:///{workdir / 'flywheel.db'}",
-                          workdir=workdir)
-    server.start()
-    try:
+    with serving_proxy(vllm_url, tmp_path_factory.mktemp("proxy")) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def admin_get(proxy: ProxyProcess, path: str, **params: Any) -> Any:
