@@ -4,7 +4,8 @@ Why not httpx/aiohttp: on 2 cores a Python client spends about as much CPU per r
 it measures, and then the benchmark measures the client. Here every connection is a raw asyncio
 protocol on uvloop over a keep-alive socket; requests are pre-built bytes; responses go through
 httptools' C parser, and only the status and the last bytes of the body are kept (enough to tell a
-stream that ended with ``data: [DONE]`` from one that ended with an error event). The same
+stream that ended with its API's last event, ``data: [DONE]`` for chat, from one that ended with
+an error event). The same
 generator measures the direct baseline and the proxy, so the two are comparable.
 
 Each connection is one simulated agent: it sends its request, waits for the whole answer, sends
@@ -20,6 +21,17 @@ from dataclasses import dataclass, field
 import httptools
 
 DONE_TAIL = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEnd:
+    """How a complete stream ends: ``marker`` within its last ``keep`` bytes."""
+
+    marker: bytes = DONE_TAIL
+    keep: int = 64
+
+
+CHAT_END = StreamEnd()
 
 
 def build_request(host: str, port: int, path: str, body: bytes, headers: dict[str, str] | None = None) -> bytes:
@@ -46,6 +58,7 @@ class ClientConnection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.waiter: asyncio.Future[Answer] | None = None
         self.stream = False
+        self.end = CHAT_END
         self.sent = 0
         self.first = 0
         self.tail = b""
@@ -73,23 +86,23 @@ class ClientConnection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         if not self.first:
             self.first = time.perf_counter_ns()
-        self.tail = (self.tail + body)[-64:]
+        self.tail = (self.tail + body)[-self.end.keep:]
 
     def on_message_complete(self) -> None:
         now = time.perf_counter_ns()
         status = self.parser.get_status_code()
-        ok = status == 200 and (not self.stream or self.tail.endswith(DONE_TAIL))
+        ok = status == 200 and (not self.stream or self.end.marker in self.tail)
         first = self.first or now
         # Asked here: once feed_data returns, httptools says False for every message.
         keep_alive = self.parser.should_keep_alive()
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(Answer(status, ok, first - self.sent, now - self.sent, keep_alive))
 
-    def ask(self, request: bytes, *, stream: bool) -> asyncio.Future[Answer]:
+    def ask(self, request: bytes, *, stream: bool, end: StreamEnd = CHAT_END) -> asyncio.Future[Answer]:
         assert self.transport is not None
         self.parser = httptools.HttpResponseParser(self)
         self.waiter = asyncio.get_running_loop().create_future()
-        self.stream, self.first, self.tail = stream, 0, b""
+        self.stream, self.end, self.first, self.tail = stream, end, 0, b""
         self.sent = time.perf_counter_ns()
         self.transport.write(request)
         return self.waiter
@@ -129,7 +142,7 @@ class CellResult:
 
 
 async def run_cell(host: str, port: int, requests: list[bytes], *, stream: bool, warmup_s: float, measure_s: float,
-                   timeout_s: float = 30.0) -> CellResult:
+                   timeout_s: float = 30.0, end: StreamEnd = CHAT_END) -> CellResult:
     """One closed-loop connection per entry of ``requests``. Latencies and counts cover answers
     completed inside the measuring window (after ``warmup_s``); ``ok_per_conn`` covers the whole run."""
     result = CellResult(ok_per_conn=[0] * len(requests))
@@ -150,7 +163,7 @@ async def run_cell(host: str, port: int, requests: list[bytes], *, stream: bool,
         request = requests[index]
         while loop.time() < stop_at:
             try:
-                answer = await asyncio.wait_for(conns[index].ask(request, stream=stream), timeout_s)
+                answer = await asyncio.wait_for(conns[index].ask(request, stream=stream, end=end), timeout_s)
             except (TimeoutError, ConnectionError, httptools.HttpParserError) as exc:
                 if in_window():
                     result.error(type(exc).__name__)

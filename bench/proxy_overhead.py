@@ -7,6 +7,10 @@ client connection is one agent with its own episode (``POST /groups``), using th
 ``base_url`` and ``api_key`` as an agent would. Each cell runs the same closed-loop generator
 (bench/_loadgen.py: raw keep-alive sockets on uvloop, pre-built requests) first straight at the
 fake upstream, then through the proxy, at concurrency 1, 64 and 256, non-streamed and streamed.
+The proxy cells run once per API an agent may speak (``--apis``): chat completions, and the same
+conversation as a Responses request and as an Anthropic Messages request, which the proxy
+translates to chat and back (``proxy/dialects``); their cost is reported against the chat cells
+of the same run.
 
 After the run the proxy is stopped (SIGTERM drains it) and the store is read: every answer the
 client got as a success must be a recorded call of its episode with status 200.
@@ -15,9 +19,10 @@ Each cell also reports the CPU of every process (from /proc) and "other" (the re
 on a shared box req/s follows the share of the cores the proxy gets, so "CPU/req" (proxy CPU
 seconds per successful answer) is the figure that carries over between runs.
 
-Run from the repo root: ``python -m bench.proxy_overhead`` (about 2 minutes; ``--workers 2`` runs
+Run from the repo root: ``python -m bench.proxy_overhead`` (about 5 minutes with the three APIs; ``--workers 2`` runs
 two proxy processes, ``--proxy-src DIR`` another checkout for a before/after). The last line is
-one JSON object. Targets (2 cores): added p50 <= 1 ms at c=1; >= 1,000 recorded req/s at c=64.
+one JSON object. Targets (2 cores): added p50 <= 1 ms at c=1; >= 1,000 recorded req/s at c=64;
+Responses and Messages at most 1.5 ms p50 over chat at c=1 and at least 70% of its req/s at c=64.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from urllib.parse import urlsplit
 import orjson
 import uvloop
 
-from bench._loadgen import CellResult, build_request, run_cell
+from bench._loadgen import CHAT_END, CellResult, StreamEnd, build_request, run_cell
 from bench._procs import ROOT, FakeUpstreamProcess, ProxyUnderTest, cpu_seconds, exit_on_sigterm, load_average
 
 MESSAGES = [
@@ -49,6 +54,24 @@ def chat_body(model: str, *, stream: bool, max_tokens: int) -> bytes:
                          "stream": stream})
 
 
+def api_request(api: str, episode_path: str, *, stream: bool, max_tokens: int) -> tuple[str, bytes]:
+    """The path and body of the same conversation in ``api`` (episode_path: ``/episodes/<id>/v1``)."""
+    system, user = MESSAGES[0]["content"], MESSAGES[1]["content"]
+    if api == "responses":
+        return episode_path + "/responses", orjson.dumps({
+            "model": "policy", "instructions": system, "input": user, "max_output_tokens": max_tokens,
+            "temperature": 0.7, "stream": stream})
+    if api == "messages":
+        return episode_path.removesuffix("/v1") + "/v1/messages", orjson.dumps({
+            "model": "policy", "system": system, "messages": [{"role": "user", "content": user}],
+            "max_tokens": max_tokens, "temperature": 0.7, "stream": stream})
+    return episode_path + "/chat/completions", chat_body("policy", stream=stream, max_tokens=max_tokens)
+
+
+STREAM_ENDS = {"chat": CHAT_END, "responses": StreamEnd(b"event: response.completed\n", keep=4096),
+               "messages": StreamEnd(b"event: message_stop\n")}
+
+
 def busy_cpu_seconds() -> float:
     """CPU seconds all cores spent busy since boot (for "everything else on the machine")."""
     fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
@@ -59,6 +82,7 @@ def busy_cpu_seconds() -> float:
 @dataclass
 class Cell:
     target: str  # direct | proxy
+    api: str  # chat | responses | messages (what the agent speaks; direct is always chat)
     stream: bool
     concurrency: int
     result: CellResult
@@ -74,12 +98,13 @@ class Cell:
         return 1000 * self.proxy_cpu_s / answered if answered and self.target == "proxy" else float("nan")
 
 
-async def measure(target: str, host: str, port: int, requests: list[bytes], *, stream: bool, warmup_s: float,
-                  measure_s: float, pids: dict[str, int]) -> tuple[CellResult, dict[str, float], float]:
+async def measure(host: str, port: int, requests: list[bytes], *, stream: bool, warmup_s: float,
+                  measure_s: float, pids: dict[str, int], end: StreamEnd = CHAT_END
+                  ) -> tuple[CellResult, dict[str, float], float]:
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     own, busy = os.times(), busy_cpu_seconds()
     t0 = time.monotonic()
-    result = await run_cell(host, port, requests, stream=stream, warmup_s=warmup_s, measure_s=measure_s)
+    result = await run_cell(host, port, requests, stream=stream, warmup_s=warmup_s, measure_s=measure_s, end=end)
     wall = time.monotonic() - t0
     used = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
     after = os.times()
@@ -96,7 +121,7 @@ def recorded_ok(db_path: Path) -> dict[str, int]:
 
 
 def print_table(cells: list[Cell]) -> None:
-    header = (f"{'target':<7} {'mode':<7} {'conc':>5} {'ok':>7} {'err':>5} {'req/s':>8} {'p50 ms':>8} "
+    header = (f"{'target':<9} {'api':<9} {'mode':<7} {'conc':>5} {'ok':>7} {'err':>5} {'req/s':>8} {'p50 ms':>8} "
               f"{'p90 ms':>8} {'p99 ms':>8} {'CPU/req':>9}   cpu% proxy/upstream/loadgen/other")
     print(header)
     print("-" * len(header))
@@ -104,8 +129,9 @@ def print_table(cells: list[Cell]) -> None:
         r = cell.result
         cpu = "/".join(f"{cell.cpu.get(k, 0):.0f}" for k in ("proxy", "fake_upstream", "loadgen", "other"))
         proxy_cpu = f"{cell.proxy_cpu_ms_per_answer:.2f}ms" if cell.target == "proxy" else "-"
-        print(f"{cell.target:<7} {'stream' if cell.stream else 'plain':<7} {cell.concurrency:>5} {r.ok:>7} "
-              f"{r.errors:>5} {r.rps:>8.0f} {r.percentile_ms(0.5):>8.2f} {r.percentile_ms(0.9):>8.2f} "
+        mode = "stream" if cell.stream else "plain"
+        print(f"{cell.target:<9} {cell.api:<9} {mode:<7} {cell.concurrency:>5} {r.ok:>7} {r.errors:>5}"
+              f" {r.rps:>8.0f} {r.percentile_ms(0.5):>8.2f} {r.percentile_ms(0.9):>8.2f} "
               f"{r.percentile_ms(0.99):>8.2f} {proxy_cpu:>9}   {cpu}")
         if r.error_kinds:
             print(f"{'':>22}errors: {r.error_kinds}")
@@ -125,22 +151,25 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
         for stream in (False, True):
             direct_req = build_request(up.hostname or "", up.port or 0, "/v1/chat/completions",
                                        chat_body("policy-base", stream=stream, max_tokens=args.tokens))
-            proxy_reqs = [build_request(px.hostname or "", px.port or 0,
-                                        urlsplit(ep["base_url"]).path + "/chat/completions",
-                                        chat_body("policy", stream=stream, max_tokens=args.tokens),
-                                        {"authorization": f"Bearer {ep['api_key']}"}) for ep in episodes]
+            proxy_reqs = {api: [build_request(px.hostname or "", px.port or 0,
+                                              *api_request(api, urlsplit(ep["base_url"]).path, stream=stream,
+                                                           max_tokens=args.tokens),
+                                              {"authorization": f"Bearer {ep['api_key']}"}) for ep in episodes]
+                          for api in args.apis}
             for concurrency in args.concurrency:
-                for target in ("direct", "proxy"):
+                for target, api in (("direct", "chat"), *(("proxy", api) for api in args.apis)):
                     host, port = (up.hostname, up.port) if target == "direct" else (px.hostname, px.port)
-                    requests = [direct_req] * concurrency if target == "direct" else proxy_reqs[:concurrency]
-                    result, cpu, proxy_cpu_s = await measure(target, host or "", port or 0, requests, stream=stream,
-                                                             warmup_s=args.warmup, measure_s=args.seconds, pids=pids)
-                    cells.append(Cell(target, stream, concurrency, result, cpu, proxy_cpu_s))
+                    requests = [direct_req] * concurrency if target == "direct" else proxy_reqs[api][:concurrency]
+                    result, cpu, proxy_cpu_s = await measure(host or "", port or 0, requests, stream=stream,
+                                                             warmup_s=args.warmup, measure_s=args.seconds, pids=pids,
+                                                             end=STREAM_ENDS[api])
+                    cells.append(Cell(target, api, stream, concurrency, result, cpu, proxy_cpu_s))
                     if target == "proxy":
                         for ep, ok in zip(episodes, result.ok_per_conn, strict=False):
                             expected[ep["id"]] = expected.get(ep["id"], 0) + ok
-                    print(f"  {target} {'stream' if stream else 'plain'} c={concurrency}: {result.rps:.0f} req/s, "
-                          f"p50 {result.percentile_ms(0.5):.2f} ms, errors {result.errors}", flush=True)
+                    print(f"  {target} {api} {'stream' if stream else 'plain'} c={concurrency}: "
+                          f"{result.rps:.0f} req/s, p50 {result.percentile_ms(0.5):.2f} ms, errors {result.errors}",
+                          flush=True)
         load_after = load_average()
     finally:
         interrupted = proxy.interrupted()
@@ -152,9 +181,9 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
     print()
     print_table(cells)
 
-    def cell(target: str, stream: bool, concurrency: int) -> CellResult:
+    def cell(target: str, stream: bool, concurrency: int, api: str = "chat") -> CellResult:
         return next(c.result for c in cells
-                    if c.target == target and c.stream == stream and c.concurrency == concurrency)
+                    if c.target == target and c.api == api and c.stream == stream and c.concurrency == concurrency)
 
     summary: dict[str, object] = {}
     for stream, suffix in ((False, ""), (True, "_stream")):
@@ -172,9 +201,23 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
                 cell("proxy", stream, concurrency).percentile_ms(0.5), 2)
             summary[f"c{concurrency}_errors{suffix}"] = cell("proxy", stream, concurrency).errors
         for concurrency in args.concurrency:
-            spent = next(c for c in cells if c.target == "proxy" and c.stream == stream
+            spent = next(c for c in cells if c.target == "proxy" and c.api == "chat" and c.stream == stream
                          and c.concurrency == concurrency).proxy_cpu_ms_per_answer
             summary[f"c{concurrency}_proxy_cpu_ms_per_req{suffix}"] = round(spent, 3)
+        for api in args.apis:  # each API against chat through the same proxy in the same run
+            if api == "chat":
+                continue
+            if 1 in args.concurrency:
+                over = cell("proxy", stream, 1, api).percentile_ms(0.5) - cell("proxy", stream, 1).percentile_ms(0.5)
+                summary[f"{api}_c1_p50_ms_over_chat{suffix}"] = round(over, 3)
+            for concurrency in args.concurrency:
+                if concurrency == 1:
+                    continue
+                chat_rps = cell("proxy", stream, concurrency).rps
+                ratio = cell("proxy", stream, concurrency, api).rps / chat_rps if chat_rps else float("nan")
+                summary[f"{api}_c{concurrency}_rps{suffix}"] = round(cell("proxy", stream, concurrency, api).rps)
+                summary[f"{api}_c{concurrency}_rps_vs_chat{suffix}"] = round(ratio, 3)
+                summary[f"{api}_c{concurrency}_errors{suffix}"] = cell("proxy", stream, concurrency, api).errors
     summary.update({
         "errors_total": sum(c.result.errors for c in cells),
         "proxied_ok_total": sum(expected.values()),
@@ -202,12 +245,16 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0, help="measuring window per cell")
     parser.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each window")
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64, 256])
+    parser.add_argument("--apis", type=lambda s: s.split(","), default=["chat", "responses", "messages"],
+                        help="what the agents speak through the proxy (chat always runs: the others compare to it)")
     parser.add_argument("--tokens", type=int, default=16, help="completion tokens per answer (fake_upstream)")
     parser.add_argument("--workers", type=int, default=1, help="proxy worker processes")
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (store, proxy log)")
     parser.add_argument("--proxy-src", type=Path, default=ROOT,
                         help="checkout whose proxy/ and migrations/ run (e.g. an older commit, for before/after)")
     args = parser.parse_args()
+    if "chat" not in args.apis:
+        args.apis.insert(0, "chat")
     exit_on_sigterm()
     print(f"load average before: {load_average()} (2 cores; other engineers share them)", flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="flywheel-bench-"))

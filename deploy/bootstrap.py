@@ -67,7 +67,8 @@ def requirements(kind: str) -> list[list[str]]:
     extras = project["optional-dependencies"]
     if kind == "engine":
         engine = extras["engine-gpu"] if DEVICE == "gpu" else extras["engine-cpu"]
-        rest = project["dependencies"] + extras["postgres"] + extras["train"] + extras["dev"] + extras["bench"]
+        rest = (project["dependencies"] + extras["postgres"] + extras["train"] + extras["dev"] + extras["bench"]
+                + extras["clients"])
         # vLLM first: it pins torch and transformers, and the rest must fit around those pins.
         return [engine, engine + rest]
     return [project["dependencies"] + extras["agents"] + extras["dev"]]

@@ -23,12 +23,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from proxy.auth import KeyRing
 from proxy.deps import Services
+from proxy.dialects.messages import error_body as messages_error_body
 from proxy.errors import FlywheelError, InvalidRequest, NotFound, PayloadTooLarge
 from proxy.gate import EpisodeGate
 from proxy.metrics import Metrics
 from proxy.policy import PolicyRouter
 from proxy.recorder import Recorder
-from proxy.routes import chat, episodes, ops, policy, trainer
+from proxy.routes import chat, episodes, messages, ops, policy, responses, trainer
 from proxy.sampling import SamplingDefaults
 from proxy.settings import Settings
 from proxy.splice import Splicer
@@ -50,7 +51,7 @@ class BodyLimit:
             for name, value in scope["headers"]:
                 if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
                     error = PayloadTooLarge(f"request body is {int(value)} bytes; the limit is {self.max_bytes}")
-                    await JSONResponse(error.body(), status_code=413)(scope, receive, send)
+                    await _error_response(error, scope["path"])(scope, receive, send)
                     return
         await self.app(scope, receive, send)
 
@@ -64,8 +65,14 @@ async def _every(interval_s: float, name: str, job: Any) -> None:
         await asyncio.sleep(interval_s)
 
 
-def _error_response(error: FlywheelError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status_code)
+def _speaks_messages(path: str) -> bool:
+    """Anthropic Messages routes answer errors in Anthropic's shape, every other route in OpenAI's."""
+    return path.endswith(("/v1/messages", "/v1/messages/count_tokens"))
+
+
+def _error_response(error: FlywheelError, path: str) -> JSONResponse:
+    body = messages_error_body(error) if _speaks_messages(path) else error.body()
+    return JSONResponse(body, status_code=error.status_code)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -131,30 +138,32 @@ def create_app(settings: Settings, *, repo: Repository | None = None,
 
     app = FastAPI(title="Flywheel proxy", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible proxy that records agent episodes for RL training.")
-    for module in (chat, episodes, policy, trainer, ops):
+    for module in (chat, responses, messages, episodes, policy, trainer, ops):
         app.include_router(module.router)
 
     @app.exception_handler(FlywheelError)
-    async def _flywheel_error(_: Request, exc: FlywheelError) -> JSONResponse:
-        return _error_response(exc)
+    async def _flywheel_error(request: Request, exc: FlywheelError) -> JSONResponse:
+        return _error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return _error_response(InvalidRequest(message, param=param))
+        return _error_response(InvalidRequest(message, param=param), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 404:
-            return _error_response(NotFound(f"no route {exc.detail}" if exc.detail != "Not Found" else "no such route"))
+            missing = NotFound(f"no route {exc.detail}" if exc.detail != "Not Found" else "no such route")
+            return _error_response(missing, request.url.path)
         error = InvalidRequest(str(exc.detail))
         error.status_code = exc.status_code
-        return _error_response(error)
+        return _error_response(error, request.url.path)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=exc)
-        return _error_response(FlywheelError(f"internal error ({type(exc).__name__}); see the proxy log"))
+        error = FlywheelError(f"internal error ({type(exc).__name__}); see the proxy log")
+        return _error_response(error, request.url.path)
 
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     return app

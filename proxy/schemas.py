@@ -92,6 +92,9 @@ class CallOut(BaseModel):
     prompt_tokens: int | None
     completion_tokens: int | None
     notes: dict[str, Any] | None
+    api: str = "chat"
+    client_request: dict[str, Any] | None = None
+    response_id: str | None = None
 
 
 class EpisodeOut(BaseModel):

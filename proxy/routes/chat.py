@@ -19,6 +19,7 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
+from proxy.auth import Principal
 from proxy.capture import (
     Captured,
     Kind,
@@ -31,6 +32,7 @@ from proxy.capture import (
     usage_only,
 )
 from proxy.deps import Services, identify, json_body, services_of
+from proxy.dialects.base import EventStream, Translation
 from proxy.errors import (
     EpisodeClosed,
     FlywheelError,
@@ -83,12 +85,19 @@ def _protect(body: dict[str, Any], replica: Replica) -> dict[str, Any] | None:
 
 
 class ModelCall:
-    """One recorded (or passthrough) model call from request to acknowledged record."""
+    """One recorded (or passthrough) model call from request to acknowledged record.
 
-    def __init__(self, svc: Services, kind: Kind, body: dict[str, Any], episode_id: str | None) -> None:
+    ``translation``: a call in another API (``proxy/dialects``), run as its chat request and
+    answered in its own API.
+    """
+
+    def __init__(self, svc: Services, kind: Kind, body: dict[str, Any], episode_id: str | None,
+                 translation: Translation | None = None) -> None:
         self.svc = svc
         self.kind = kind
         self.body = body
+        self.translation = translation
+        self.events: EventStream | None = None
         self.episode_id = episode_id
         self.recorded = episode_id is not None
         self.started = time.time()
@@ -157,6 +166,9 @@ class ModelCall:
             prompt_tokens=captured.prompt_tokens if captured else None,
             completion_tokens=captured.completion_tokens if captured else None,
             notes=_noted(self._notes(), captured),
+            api=self.translation.api if self.translation else ("chat" if self.kind == "chat" else "completions"),
+            client_request=self.translation.client_request if self.translation else None,
+            response_id=self.translation.response_id if self.translation else None,
         )
 
     def _notes(self) -> dict[str, Any] | None:
@@ -197,8 +209,10 @@ class ModelCall:
         if self.recorded:
             captured = capture_response(data, self.kind)
             await self.svc.recorder.record(self._new_call(status=200, captured=captured, error=None, ttft_ms=None))
-            if strip_for_client(data, self.wants, self.kind) or raw is None:
+            if self.translation is None and (strip_for_client(data, self.wants, self.kind) or raw is None):
                 raw = orjson.dumps(data)
+        if self.translation is not None:
+            raw = orjson.dumps(self.translation.response(data))
         assert raw is not None
         self._observe(200, captured)
         return Response(raw, media_type="application/json", headers=self.headers())
@@ -277,6 +291,8 @@ class ModelCall:
             self._observe(exc.status_code, None)
             raise
         headers = {"cache-control": "no-cache", "x-accel-buffering": "no", **self.headers()}
+        if self.translation is not None:
+            self.events = self.translation.stream()
         return StreamingResponse(self._relay(events, close), media_type="text/event-stream", headers=headers)
 
     def _spliced_events(self, replica: Replica, body: dict[str, Any], plan: Plan
@@ -339,7 +355,7 @@ class ModelCall:
             if error is not None:
                 await self.record_error(error)
                 self._observe(error.status_code, None)
-                yield b"data: " + error.json() + b"\n\n"
+                yield self._error_event(error)
                 finished = True
                 return
             if self.recorded:
@@ -348,12 +364,12 @@ class ModelCall:
                     await self.svc.recorder.record(call)
                 except (RecordingFailed, EpisodeClosed) as exc:  # a refused record is an error event, no [DONE]
                     self._observe(exc.status_code, captured)
-                    yield b"data: " + exc.json() + b"\n\n"
+                    yield self._error_event(exc)
                     finished = True
                     return
             self._observe(200, captured)
             finished = True
-            yield SSE_DONE
+            yield SSE_DONE if self.events is None else self.events.done()
         finally:
             await close()
             if not finished and self.recorded:  # the client went away mid-stream: keep what happened
@@ -367,6 +383,12 @@ class ModelCall:
         self._observe(499, None)
         await self.svc.recorder.record(call)
 
+    def _error_event(self, error: FlywheelError) -> bytes:
+        """The event that ends a failed stream, in the client's API."""
+        if self.events is not None:
+            return self.events.error(error)
+        return b"data: " + error.json() + b"\n\n"
+
     def _event(self, event: bytes, capture: StreamCapture | None
                ) -> tuple[bytes | None, bool, bool, FlywheelError | None]:
         """(bytes for the client, carried content, was [DONE], upstream error)."""
@@ -374,21 +396,23 @@ class ModelCall:
         for line in event.split(b"\n"):
             if line.startswith(b"data:"):
                 data = line[5:].strip()
-        if data is None:
-            return event + b"\n\n", False, False, None  # comments, event names: pass through
+        if data is None:  # comments, event names: pass through (a dialect's client gets only its events)
+            return (event + b"\n\n" if self.events is None else None), False, False, None
         if data == b"[DONE]":
             return None, False, True, None
-        if capture is None:
+        if capture is None and self.events is None:
             return event + b"\n\n", True, False, None
         try:
             chunk = orjson.loads(data)
         except orjson.JSONDecodeError:
-            return event + b"\n\n", False, False, None
+            return (event + b"\n\n" if self.events is None else None), False, False, None
         if "error" in chunk and "choices" not in chunk:
             err = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
             return None, False, False, UpstreamError(f"upstream error mid-stream: {err.get('message')}",
                                                      code="upstream_error")
-        content = capture.feed(chunk)
+        content = capture.feed(chunk) if capture is not None else bool(chunk.get("choices"))
+        if self.events is not None:
+            return self.events.chunk(chunk) or None, content, False, None
         if usage_only(chunk, self.wants):  # the proxy asked for it (to count the ids), not the client
             return None, content, False, None
         if strip_for_client(chunk, self.wants, self.kind):
@@ -410,15 +434,27 @@ def _spawn(svc: Services, coro: Any) -> None:
     task.add_done_callback(tasks.discard)
 
 
-async def _handle(request: Request, kind: Kind, path_episode: str | None, *, recorded: bool) -> Response:
+async def read_call(request: Request) -> tuple[Principal, Services, dict[str, Any]]:
+    """The caller (401 without a valid key), the services and the JSON body of a model call."""
     who = identify(request)
     svc = services_of(request)
-    body = await json_body(request, svc.settings.max_body_bytes)
+    return who, svc, await json_body(request, svc.settings.max_body_bytes)
+
+
+async def episode_of(request: Request, svc: Services, who: Principal, path_episode: str | None, *,
+                     recorded: bool) -> str | None:
+    """The open episode a recorded call belongs to (None: passthrough)."""
+    if not recorded:
+        return None
+    episode_id = identify_episode(request.headers, canonical_id(path_episode) if path_episode else None, who)
+    await svc.gate.check_open(episode_id)
+    return episode_id
+
+
+async def _handle(request: Request, kind: Kind, path_episode: str | None, *, recorded: bool) -> Response:
+    who, svc, body = await read_call(request)
     _validate(body, kind)
-    episode_id = None
-    if recorded:
-        episode_id = identify_episode(request.headers, canonical_id(path_episode) if path_episode else None, who)
-        await svc.gate.check_open(episode_id)
+    episode_id = await episode_of(request, svc, who, path_episode, recorded=recorded)
     call = ModelCall(svc, kind, body, episode_id)
     if body.get("stream"):
         return await call.open_stream()

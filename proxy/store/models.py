@@ -94,6 +94,12 @@ class Call(Base):
     completion_tokens: Mapped[int | None]
     notes: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     """What the proxy changed on the way (e.g. a dropped ``seed``)."""
+    api: Mapped[str] = mapped_column(String(16), server_default="chat")
+    """The API the client spoke: chat | completions | responses | messages."""
+    client_request: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    """The client's own request, for the APIs translated to chat (``request`` is the chat request)."""
+    response_id: Mapped[str | None] = mapped_column(String(64), index=True)
+    """The answer's id as the client saw it, where the API has one (``previous_response_id``)."""
 
 
 class PolicyVersion(Base):

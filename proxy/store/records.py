@@ -30,6 +30,13 @@ class NewCall:
     prompt_tokens: int | None
     completion_tokens: int | None
     notes: dict[str, Any] | None = None
+    api: str = "chat"
+    """The API the client spoke: chat, completions, responses or messages (``proxy/dialects``)."""
+    client_request: dict[str, Any] | None = None
+    """The client's own request when it was not a chat or completions request (``request`` is then
+    the chat request the proxy executed)."""
+    response_id: str | None = None
+    """The id the client was given, where the API names answers (``resp_...``, ``msg_...``)."""
 
 
 @dataclass(slots=True, kw_only=True)

@@ -192,6 +192,14 @@ class Repository:
                 .order_by(Call.ordinal.desc()).limit(limit))
             return [_call(row) for row in result]
 
+    async def call_by_response_id(self, response_id: str) -> CallRecord | None:
+        """The answered call a client saw as ``response_id`` (a Responses ``previous_response_id``)."""
+        async with self._read() as session:
+            result = await session.execute(
+                select(Call.__table__).where(Call.response_id == response_id, Call.status_code == 200).limit(1))
+            row = result.first()
+            return _call(row) if row is not None else None
+
     async def list_episodes(self, *, status: str | None = None, group_id: str | None = None,
                             task_id: str | None = None, limit: int = 100, offset: int = 0) -> list[EpisodeRecord]:
         query = select(Episode).order_by(Episode.created_at.desc(), Episode.id).limit(limit).offset(offset)

@@ -93,7 +93,8 @@ def varied_calls(episode_id: str, other_id: str, t0: float) -> list[list[NewCall
                 choices=[{"index": 0, "token_ids": [0, 49151], "logprobs": [-1e-05, -9999.0, -0.0, 1e16],
                           "finish_reason": "length", "text": "", "tool_calls": None}],
                 notes={"dropped": ["seed"], 7: "int key", "big": 2**70}),
-        variant(other_id, t0 + 1, model_served=None, notes={}),
+        variant(other_id, t0 + 1, model_served=None, notes={}, api="messages", response_id="msg_01",
+                client_request={"system": [{"type": "text", "text": "ü"}], "max_tokens": 8}),
         variant(episode_id, t0 + 2, response={"choices": [], "usage": {"prompt_tokens": 3}}),  # tie: batch order
     ]
     return [first, [variant(episode_id, t0 - 5, policy_version=7, response={})]]  # continues the ordinals
@@ -151,6 +152,34 @@ async def test_the_sqlite_fast_path_and_the_engine_path_store_identical_calls(st
                     assert typed(getattr(fast_call, name)) == typed(getattr(engine_call, name)), name
     if is_sqlite(store_url):
         assert _raw_calls(fast_url) == _raw_calls(store_url)
+
+
+async def test_migrations_build_exactly_the_models_schema(store_url: str) -> None:
+    """Alembic's head and the ORM models agree, column for column and index for index."""
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from proxy.store.models import Base
+
+    engine = create_async_engine(store_url)
+    try:
+        async with engine.connect() as conn:
+            diff = await conn.run_sync(lambda c: compare_metadata(MigrationContext.configure(c), Base.metadata))
+    finally:
+        await engine.dispose()
+    assert diff == []
+
+
+async def test_a_call_is_found_by_the_answer_id_its_client_saw(repo: Repository) -> None:
+    episode = await repo.create_episode(task_id="t", metadata={})
+    translated = call(episode.id, started_at=time.time() + 1)
+    translated.api, translated.client_request, translated.response_id = "responses", {"input": "x"}, "resp_1"
+    await repo.insert_calls([call(episode.id), translated])
+    found = await repo.call_by_response_id("resp_1")
+    assert found is not None and (found.ordinal, found.api, found.client_request) == (1, "responses", {"input": "x"})
+    assert (await repo.get_episode(episode.id)).calls[0].api == "chat"  # type: ignore[index]
+    assert await repo.call_by_response_id("resp_2") is None
 
 
 async def test_reward_completes_the_group_once_all_are_finished(repo: Repository) -> None:

@@ -1,0 +1,8 @@
+"""Other model APIs spoken by agents, run as chat completions so one recorder serves them all.
+
+An agent that speaks the OpenAI Responses API (``responses.py``) or the Anthropic Messages API
+(``messages.py``) is answered in its own API, but its call is translated to a chat completions
+request and executed by the same ``ModelCall`` as a chat call: the same exact token ids and
+log-probs, sampling notes, splicing and record. The record keeps the chat request the engine saw
+(what the trainer reads) and the client's own request and API beside it.
+"""
