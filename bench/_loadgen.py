@@ -25,9 +25,9 @@ DONE_TAIL = b"data: [DONE]\n\n"
 
 @dataclass(frozen=True, slots=True)
 class StreamEnd:
-    """How a complete stream ends: ``marker`` within its last ``keep`` bytes."""
+    """How a complete stream ends: one of ``markers`` within its last ``keep`` bytes."""
 
-    marker: bytes = DONE_TAIL
+    markers: tuple[bytes, ...] = (DONE_TAIL,)
     keep: int = 64
 
 
@@ -91,7 +91,7 @@ class ClientConnection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         now = time.perf_counter_ns()
         status = self.parser.get_status_code()
-        ok = status == 200 and (not self.stream or self.end.marker in self.tail)
+        ok = status == 200 and (not self.stream or any(m in self.tail for m in self.end.markers))
         first = self.first or now
         # Asked here: once feed_data returns, httptools says False for every message.
         keep_alive = self.parser.should_keep_alive()

@@ -68,8 +68,9 @@ def api_request(api: str, episode_path: str, *, stream: bool, max_tokens: int) -
     return episode_path + "/chat/completions", chat_body("policy", stream=stream, max_tokens=max_tokens)
 
 
-STREAM_ENDS = {"chat": CHAT_END, "responses": StreamEnd(b"event: response.completed\n", keep=4096),
-               "messages": StreamEnd(b"event: message_stop\n")}
+STREAM_ENDS = {"chat": CHAT_END,  # the fake upstream stops on length: Responses then ends "incomplete"
+               "responses": StreamEnd((b"event: response.completed\n", b"event: response.incomplete\n"), keep=4096),
+               "messages": StreamEnd((b"event: message_stop\n",))}
 
 
 def busy_cpu_seconds() -> float:
