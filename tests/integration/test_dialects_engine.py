@@ -198,7 +198,7 @@ async def test_openai_agents_sdk_two_tool_agent_is_recorded_and_merged(proxy: Pr
         return str(a * b if op == "multiply" else a + b)
 
     @function_tool
-    def submit_answer(answer: str) -> str:
+    def submit_answer(answer: int) -> str:  # a number: a free string may run to max_output_tokens
         """Submit the final answer."""
         seen.append(("submit_answer", answer))
         return "submitted"
@@ -209,7 +209,7 @@ async def test_openai_agents_sdk_two_tool_agent_is_recorded_and_merged(proxy: Pr
                   tools=[calculator, submit_answer], reset_tool_choice=False,
                   tool_use_behavior=StopAtTools(stop_at_tool_names=["submit_answer"]),
                   model=OpenAIResponsesModel(model="policy", openai_client=client),
-                  model_settings=ModelSettings(tool_choice="required", temperature=1.0, max_tokens=96,
+                  model_settings=ModelSettings(tool_choice="required", temperature=1.0, max_tokens=128,
                                                parallel_tool_calls=False))
     try:
         await Runner.run(agent, QUESTION, max_turns=3)
