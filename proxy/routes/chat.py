@@ -196,6 +196,12 @@ class ModelCall:
             m.tokens.labels("prompt").inc(captured.prompt_tokens or 0)
             m.tokens.labels("completion").inc(captured.completion_tokens or 0)
 
+    async def respond(self) -> Response:
+        """The answer: a stream when the (chat) body asks for one, else one JSON body."""
+        if self.body.get("stream"):
+            return await self.open_stream()
+        return await self.complete()
+
     # -- non-streamed ------------------------------------------------------------------------
 
     async def complete(self) -> Response:
@@ -455,10 +461,7 @@ async def _handle(request: Request, kind: Kind, path_episode: str | None, *, rec
     who, svc, body = await read_call(request)
     _validate(body, kind)
     episode_id = await episode_of(request, svc, who, path_episode, recorded=recorded)
-    call = ModelCall(svc, kind, body, episode_id)
-    if body.get("stream"):
-        return await call.open_stream()
-    return await call.complete()
+    return await ModelCall(svc, kind, body, episode_id).respond()
 
 
 async def _models(request: Request) -> Response:

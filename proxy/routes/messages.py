@@ -25,10 +25,7 @@ async def _handle(request: Request, path_episode: str | None, *, recorded: bool)
     who, svc, body = await read_call(request)
     translation = MessagesTranslation.from_request(body)
     episode_id = await episode_of(request, svc, who, path_episode, recorded=recorded)
-    call = ModelCall(svc, "chat", translation.chat, episode_id, translation)
-    if translation.chat.get("stream"):
-        return await call.open_stream()
-    return await call.complete()
+    return await ModelCall(svc, "chat", translation.chat, episode_id, translation).respond()
 
 
 async def _count_tokens(request: Request, path_episode: str | None, *, recorded: bool) -> Response:

@@ -40,10 +40,7 @@ async def _handle(request: Request, path_episode: str | None, *, recorded: bool)
     episode_id = await episode_of(request, svc, who, path_episode, recorded=recorded)
     history = await _history(svc, parsed.previous_response_id, episode_id) if parsed.previous_response_id else []
     translation = ResponsesTranslation(parsed, body, history)
-    call = ModelCall(svc, "chat", translation.chat, episode_id, translation)
-    if parsed.stream:
-        return await call.open_stream()
-    return await call.complete()
+    return await ModelCall(svc, "chat", translation.chat, episode_id, translation).respond()
 
 
 @router.post("/v1/responses")
