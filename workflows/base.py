@@ -119,6 +119,15 @@ class Workflow(ABC, Generic[T, O]):
         """JSON stored on the group, so a group can be traced back to its task."""
         return {}
 
+    def stratum(self, task: T) -> str | None:
+        """A label the runner balances its task order over (a task kind), or None for a plain shuffle.
+
+        With strata, every run of consecutive groups holds each stratum in proportion to its share
+        of the split, so a trainer step of a few groups sees every kind instead of a random two:
+        with a shared output token (an operation name) a step of one kind pulls that token toward
+        that kind's answer for all of them."""
+        return None
+
     @abstractmethod
     async def run_episode(self, task: T, episode: Episode) -> Outcome:
         """Play ``task`` with an agent whose model calls go to ``episode``; return its reward."""

@@ -7,9 +7,9 @@ episode ends in exactly one of: rewarded (its function returned an ``Outcome``),
 function raised or timed out: the error is the reason; no reward is made up), or ``error`` (the
 proxy refused the reward or abandon, e.g. because its reaper abandoned the episode first).
 
-``loop`` keeps drawing tasks (cycling through a seeded shuffle) until ``stop()``; ``max_pending``
-pauses it while the trainer has that many complete groups left to claim, so the data it trains on
-stays close to the current policy.
+``loop`` keeps drawing tasks (cycling through a seeded shuffle, balanced over the workflow's
+strata) until ``stop()``; ``max_pending`` pauses it while the trainer has that many complete
+groups left to claim, so the data it trains on stays close to the current policy.
 """
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from workflows.base import EPISODE_POOL, Endpoint, Episode, EpisodeFailed, Outcome, Split, Workflow
 from workflows.client import EpisodeKey, ProxyClient, ProxyError
 
 PENDING_POLL_S = 2.0
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,30 @@ class RunConfig:
             raise ValueError(f"group_size must be >= 1 (got {self.group_size}); GRPO needs >= 2 to learn")
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1 (got {self.concurrency})")
+
+
+def task_order(tasks: list[T], seed: int, stratum: Callable[[T], str | None]) -> list[T]:
+    """The seeded order the runner draws groups in: a shuffle, balanced over strata where given.
+
+    Each stratum is shuffled apart, then the strata are interleaved by position: the i-th of n
+    tasks of a stratum sits at (i + 0.5) / n, so any window of consecutive tasks holds each
+    stratum in proportion to its size (ties in stratum order, which the seed also shuffles)."""
+    rng = random.Random(seed)
+    strata: dict[str | None, list[T]] = {}
+    for task in tasks:
+        strata.setdefault(stratum(task), []).append(task)
+    if list(strata) == [None]:
+        rng.shuffle(tasks)
+        return tasks
+    labels = list(strata)
+    rng.shuffle(labels)
+    keyed: list[tuple[float, int, T]] = []
+    for rank, label in enumerate(labels):
+        members = strata[label]
+        rng.shuffle(members)
+        keyed += [((i + 0.5) / len(members), rank, task) for i, task in enumerate(members)]
+    keyed.sort(key=lambda k: (k[0], k[1]))
+    return [task for _, _, task in keyed]
 
 
 Status = Literal["rewarded", "abandoned", "error"]
@@ -164,7 +189,7 @@ class Runner:
         tasks = list(self.workflow.tasks(self.config.split))
         if not tasks:
             raise ValueError(f"workflow {self.workflow.name!r} has no {self.config.split} tasks")
-        random.Random(self.config.seed).shuffle(tasks)
+        tasks = task_order(tasks, self.config.seed, self.workflow.stratum)
         in_flight = max(1, math.ceil(self.config.concurrency / self.config.group_size)) + 1
         group_slots = asyncio.Semaphore(in_flight)
         running: set[asyncio.Task[None]] = set()

@@ -19,7 +19,7 @@ from tests.support.services import ADMIN_KEY, ProxyProcess
 from tests.workflows.conftest import admin_get
 from workflows.base import Episode, Outcome, Split, Workflow
 from workflows.client import ProxyClient, ProxyError
-from workflows.runner import INFRASTRUCTURE, GroupResult, RunConfig, Runner, describe_error
+from workflows.runner import INFRASTRUCTURE, GroupResult, RunConfig, Runner, describe_error, task_order
 
 pytestmark = pytest.mark.vllm
 
@@ -130,3 +130,22 @@ async def test_a_wrong_admin_key_stops_the_run(proxy: ProxyProcess) -> None:
         await Runner(Scripted(ScriptOptions()), config(proxy, groups=2), client).run()
     await client.aclose()
     assert info.value.status == 401
+
+
+def test_task_order_without_strata_is_the_seeded_shuffle_it_always_was() -> None:
+    tasks = list(range(50))
+    expected = list(tasks)
+    __import__("random").Random(7).shuffle(expected)
+    assert task_order(list(tasks), 7, lambda _: None) == expected
+
+
+def test_task_order_balances_every_window_over_strata_in_proportion() -> None:
+    # 40 of kind a, 20 of b, 20 of c: every window of 4 consecutive tasks holds 2 a, 1 b, 1 c
+    tasks = [("a", i) for i in range(40)] + [("b", i) for i in range(20)] + [("c", i) for i in range(20)]
+    order = task_order(list(tasks), 3, lambda t: t[0])
+    assert sorted(order) == sorted(tasks)
+    for start in range(0, len(order), 4):
+        window = [kind for kind, _ in order[start:start + 4]]
+        assert sorted(window) == ["a", "a", "b", "c"], (start, window)
+    assert order != task_order(list(tasks), 4, lambda t: t[0])
+    assert [i for k, i in order if k == "a"] != list(range(40))  # shuffled inside the stratum too

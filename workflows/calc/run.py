@@ -156,6 +156,9 @@ class CalcWorkflow(Workflow[CalcTask, CalcOptions]):
         return {"kind": task.kind, "question": task.question, "answer": task.answer,
                 "steps": [f"{s.a} {s.op} {s.b}" for s in task.steps]}
 
+    def stratum(self, task: CalcTask) -> str:
+        return task.kind
+
     async def run_episode(self, task: CalcTask, episode: Episode) -> Outcome:
         # No client retries: a retried call would take a call ordinal of its own and shift call_rewards.
         async with AsyncOpenAI(base_url=episode.base_url, api_key=episode.api_key, timeout=TIMEOUT_S,
