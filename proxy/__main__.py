@@ -108,8 +108,7 @@ def migrate(config: ConfigOpt = None,
     """Create or upgrade the store's schema (Alembic); safe to run again."""
     from proxy.store.db import migrate as run_migrations
 
-    settings_url = _store_url(config)
-    run_migrations(settings_url)
+    run_migrations(_store_url(config), revision)
     typer.echo(f"schema at {revision}")
 
 
