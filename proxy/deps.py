@@ -63,11 +63,6 @@ def identify(request: Request) -> Principal:
     return found
 
 
-async def principal(request: Request) -> Principal:
-    """Dependency form of ``identify`` (async: a sync dependency would cost a thread hop per call)."""
-    return identify(request)
-
-
 async def admin(request: Request) -> Principal:
     """The admin key only: rewards, groups, publishing, the trainer API."""
     found = identify(request)
@@ -78,7 +73,6 @@ async def admin(request: Request) -> Principal:
 
 
 ServicesDep = Annotated[Services, Depends(services)]
-PrincipalDep = Annotated[Principal, Depends(principal)]
 AdminDep = Annotated[Principal, Depends(admin)]
 
 
