@@ -124,10 +124,11 @@ class VLLMServer:
             return
         if self.log_path:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        # A new session: stop() can signal the engine's worker processes along with the server.
-        self.process = subprocess.Popen(self.command(), env=self.env(), stdout=out, stderr=subprocess.STDOUT,
-                                        start_new_session=True, preexec_fn=die_with_parent)
+        # The child gets its own descriptor for the log; this process's copy closes once it has started.
+        with open(self.log_path or os.devnull, "ab") as out:
+            # A new session: stop() can signal the engine's worker processes along with the server.
+            self.process = subprocess.Popen(self.command(), env=self.env(), stdout=out, stderr=subprocess.STDOUT,
+                                            start_new_session=True, preexec_fn=die_with_parent)
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None

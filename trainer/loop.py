@@ -34,6 +34,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint import Checkpoints, CheckpointState, LeaseRecord
@@ -496,7 +497,7 @@ def data_rules(config: TrainerConfig) -> Rules:
 
 
 def _template(config: TrainerConfig) -> str | None:
-    return open(config.chat_template).read() if config.chat_template else None  # noqa: SIM115
+    return Path(config.chat_template).read_text() if config.chat_template else None
 
 
 def _stats(values: list[float]) -> tuple[float, float]:

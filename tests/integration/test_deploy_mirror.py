@@ -93,9 +93,9 @@ class Process:
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     def start(self) -> Process:
-        out = open(self.log, "ab")  # noqa: SIM115 - the child owns it
-        self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        with open(self.log, "ab") as out:  # the child has its own descriptor; ours closes here
+            self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
         return self
 
     def wait(self, timeout: float) -> int:

@@ -58,9 +58,10 @@ def start_trainer(proxy: TrainerProxy, out: Path, model: str, name: str) -> subp
             "max_staleness=5", "publish_every=1000"]  # no publishing: two runs would both number v1, v2, ...
     python = engine_python() if os.path.exists(engine_python()) else sys.executable
     out.mkdir(parents=True)
-    return subprocess.Popen([python, "-m", "trainer", "run", "--config", str(ROOT / "configs/trainer-local.yaml"),
-                             *args], cwd=ROOT, env=env, text=True, stdout=subprocess.DEVNULL,
-                            stderr=open(out / "stderr.log", "w"), start_new_session=True)  # noqa: SIM115
+    with open(out / "stderr.log", "w") as stderr:  # the child has its own descriptor; ours closes here
+        return subprocess.Popen([python, "-m", "trainer", "run", "--config", str(ROOT / "configs/trainer-local.yaml"),
+                                 *args], cwd=ROOT, env=env, text=True, stdout=subprocess.DEVNULL, stderr=stderr,
+                                start_new_session=True)
 
 
 def wait_until(what: str, check: Any, timeout: float, procs: list[subprocess.Popen[str]]) -> None:

@@ -95,10 +95,10 @@ class ProxyProcess:
 
     def start(self, timeout: float = 60.0) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [engine_python(), "-m", "proxy", "serve", "--workers", str(self.workers)],
-            cwd=self.workdir, env=self.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        with open(self.log_path, "ab") as log:  # the child has its own descriptor; ours closes here
+            self.proc = subprocess.Popen(
+                [engine_python(), "-m", "proxy", "serve", "--workers", str(self.workers)],
+                cwd=self.workdir, env=self.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         wait_http(f"{self.url}/openapi.json", timeout, self.proc, self.log_path)
 
     def kill9(self) -> None:
