@@ -24,7 +24,7 @@ dtype). Prompts, tasks and reward are the math workflow's own (``MathWorkflow.me
    end after ``--minutes`` of training (TRL's clock starts at ``on_train_begin``, after the model is
    loaded; Flywheel's includes its trainer's start-up, so the budget favours TRL slightly). Its
    LoRA adapter is saved in PEFT's format.
-2. **flywheel**: the launcher's own pieces (``deploy.loop``: ``Stack``, ``_evaluate``, ``_train``)
+2. **flywheel**: the launcher's own pieces (``deploy.stack.Stack``, ``deploy.loop``'s ``_evaluate``, ``_train``)
    with a run config derived from ``configs/run-local.yaml`` (its data_dir in a temp directory,
    ``resume: false``, free ports for vLLM and the proxy, the seed): vLLM and the proxy start, the
    base model is evaluated, then the trainer and the math workflow run side by side for
@@ -57,6 +57,7 @@ removed at the end unless ``--keep`` or the run failed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -82,8 +83,9 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from bench._procs import free_port, load_average  # noqa: E402
-from deploy.local import Stack, load_run_config  # noqa: E402
 from deploy.loop import _evaluate, _steps, _train  # noqa: E402
+from deploy.run_config import RunConfig, load_run_config  # noqa: E402
+from deploy.stack import Stack  # noqa: E402
 from deploy.vllm import DEFAULT_TEMPLATE  # noqa: E402
 from trainer.config import TrainerConfig, load_config  # noqa: E402
 from trainer.lora import resolve_dtype  # noqa: E402
@@ -106,7 +108,7 @@ def log(message: str) -> None:
 class Shared:
     """The task, sampling and learner settings both sides use, read from the run config."""
 
-    run_config: dict[str, Any]
+    run_config: RunConfig
     options: MathOptions
     group_size: int
     trainer: TrainerConfig
@@ -129,11 +131,9 @@ def workflow_settings(args: list[str]) -> tuple[MathOptions, int]:
 
 def shared_settings(seed: int, model: str) -> Shared:
     config = load_run_config(RUN_CONFIG)
-    options, group_size = workflow_settings(list(config.get("workflow", {}).get("args", [])))
-    trainer_cfg = config.get("trainer", {})
-    overrides = [f"{k}={v}" for k, v in trainer_cfg.get("overrides", {}).items()]
-    trainer = load_config(ROOT / trainer_cfg.get("config", "configs/trainer-local.yaml"),
-                          [f"model={model}", f"seed={seed}", *overrides])
+    options, group_size = workflow_settings(list(config.workflow.args))
+    overrides = [f"{k}={v}" for k, v in config.trainer.overrides.items()]
+    trainer = load_config(config.trainer_config_path, [f"model={model}", f"seed={seed}", *overrides])
     return Shared(config, options, group_size, trainer, model)
 
 
@@ -251,21 +251,20 @@ def train_trl(shared: Shared, workdir: Path, *, minutes: float, seed: int, threa
 
 # -- Flywheel and the shared evaluation ------------------------------------------------------------
 
-def derived_run_config(shared: Shared, workdir: Path, *, minutes: float, seed: int) -> dict[str, Any]:
+def derived_run_config(shared: Shared, workdir: Path, *, minutes: float, seed: int) -> RunConfig:
     """``run-local.yaml`` with this run's data directory, seed, budget and free ports (never 8000/8100)."""
-    config = json.loads(json.dumps(shared.run_config))
-    proxy_file = ROOT / config.get("proxy_config", "configs/local.yaml")
-    proxy_config = yaml.safe_load(proxy_file.read_text())
+    proxy_config = yaml.safe_load(shared.run_config.proxy_config_path.read_text())
     vllm_port, proxy_port = free_port(), free_port()
     while proxy_port == vllm_port:
         proxy_port = free_port()
     proxy_config["proxy"]["upstreams"][0]["url"] = f"http://127.0.0.1:{vllm_port}"
     (workdir / "proxy.yaml").write_text(yaml.safe_dump(proxy_config))
-    config.update(data_dir=str(workdir), proxy_config=str(workdir / "proxy.yaml"), proxy_port=proxy_port,
-                  seed=seed, resume=False, budget_minutes=minutes, min_train_minutes=minutes)
-    config.setdefault("engine", {})["model"] = shared.model
-    (workdir / "run.yaml").write_text(yaml.safe_dump(config))
-    return dict(config)
+    config = dataclasses.replace(
+        shared.run_config, data_dir=str(workdir), proxy_config=str(workdir / "proxy.yaml"), proxy_port=proxy_port,
+        seed=seed, resume=False, budget_minutes=minutes, min_train_minutes=minutes,
+        engine=dataclasses.replace(shared.run_config.engine, model=shared.model))
+    (workdir / "run.yaml").write_text(yaml.safe_dump(config.to_dict()))
+    return config
 
 
 def count_episodes(stack: Stack) -> dict[str, int]:
@@ -295,7 +294,7 @@ def publish(stack: Stack, adapter: Path) -> int:
     return int(response.json()["version"])
 
 
-def flywheel_and_evaluations(config: dict[str, Any], run_dir: Path, trl: TrlResult, *, minutes: float,
+def flywheel_and_evaluations(config: RunConfig, run_dir: Path, trl: TrlResult, *, minutes: float,
                              stop: list[bool]) -> dict[str, Any]:
     """Base evaluation, Flywheel's training and evaluation, then TRL's adapter on the same evaluator."""
     stack = Stack(config, data_dir=run_dir)
@@ -358,7 +357,7 @@ def main() -> None:
     from deploy.model import fetch
 
     model = os.environ.get("FLYWHEEL_MODEL_DIR") or str(fetch())
-    seed = opts.seed if opts.seed is not None else int(load_run_config(RUN_CONFIG).get("seed", 0))
+    seed = opts.seed if opts.seed is not None else load_run_config(RUN_CONFIG).seed
     shared = shared_settings(seed, model)
     stop = [False]
 
@@ -383,7 +382,7 @@ def main() -> None:
         raise
     steps = fly["steps"]
     result = {
-        "model": config.get("model_name", Path(model).name), "seed": seed, "minutes": opts.minutes,
+        "model": config.model_name, "seed": seed, "minutes": opts.minutes,
         "eval_n": fly["after"]["n"],
         "flywheel": summary(fly["before"], fly["after"], steps=len(steps), train_seconds=fly["train_seconds"],
                             completions=fly["episodes"]["rewarded"],

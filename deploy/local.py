@@ -1,180 +1,26 @@
 """The local launcher behind ``make serve`` and ``make run``: one machine, every process supervised.
 
 ``serve`` brings up vLLM (restarted if its engine dies) and the proxy on SQLite, then waits for
-Ctrl-C. ``run`` (see ``deploy/loop.py``) adds the trainer and the math workflow for a time budget,
-evaluates before and after, and writes a report. Either way, every child is stopped on exit: they
-run in their own process groups with a parent-death signal, so even a killed launcher leaves no
-orphans behind.
+Ctrl-C. ``run`` (``deploy/loop.py``) adds the trainer and a workflow for a time budget, evaluates
+before and after, and writes a report. Both read a run config (``deploy/run_config.py``); the
+processes they share are in ``deploy/stack.py``. Either way, every child is stopped on exit.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import secrets
+import argparse
 import signal
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import httpx
-import yaml
-
-from deploy.vllm import DEFAULT_TEMPLATE, Supervisor, VLLMServer, die_with_parent
-
-ROOT = Path(__file__).resolve().parent.parent
-
-def log(message: str) -> None:
-    print(f"[flywheel {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+from deploy.loop import run
+from deploy.run_config import RunConfig, RunConfigError, load_run_config
+from deploy.stack import Stack, log
 
 
-def load_run_config(path: str | Path) -> dict[str, Any]:
-    data = yaml.safe_load(Path(path).read_text()) or {}
-    if not isinstance(data, dict):
-        raise SystemExit(f"{path}: expected a mapping")
-    return data
-
-
-def admin_key(data_dir: Path) -> str:
-    """The admin key: FLYWHEEL_ADMIN_KEY, else ``data/admin.key`` (created 0600 on first use)."""
-    if os.environ.get("FLYWHEEL_ADMIN_KEY"):
-        return os.environ["FLYWHEEL_ADMIN_KEY"]
-    path = data_dir / "admin.key"
-    if not path.exists():
-        data_dir.mkdir(parents=True, exist_ok=True)
-        path.write_text(secrets.token_urlsafe(32) + "\n")
-        path.chmod(0o600)
-    return path.read_text().strip()
-
-
-@dataclass
-class Child:
-    """A supervised child process with its own log file."""
-
-    name: str
-    argv: list[str]
-    log_path: Path
-    env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
-    proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        out = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it for its lifetime
-        self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                     start_new_session=True, preexec_fn=die_with_parent)
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def stop(self, timeout: float = 60.0) -> None:
-        if not self.alive():
-            return
-        assert self.proc is not None
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-
-class Stack:
-    """vLLM + proxy, the part ``serve`` and ``run`` share."""
-
-    def __init__(self, config: dict[str, Any], *, data_dir: Path) -> None:
-        self.config = config
-        self.data_dir = data_dir
-        self.logs = data_dir / "logs"
-        engine = config.get("engine", {})
-        self.proxy_config = ROOT / config.get("proxy_config", "configs/local.yaml")
-        proxy_settings = (yaml.safe_load(self.proxy_config.read_text()) or {}).get("proxy", {})
-        port = config.get("proxy_port") or proxy_settings.get("port", 8100)
-        self.proxy_url = f"http://{proxy_settings.get('host', '127.0.0.1')}:{port}"
-        self.model_dir = engine.get("model") or self._model()
-        self.key = admin_key(data_dir)
-        env = dict(os.environ, FLYWHEEL_ADMIN_KEY=self.key, FLYWHEEL_PORT=str(port))
-        store_url = proxy_settings.get("store", {}).get("url", "")
-        if store_url.startswith("sqlite") and "///data/" in store_url:  # keep the store beside this run's data
-            env["FLYWHEEL_STORE__URL"] = store_url.replace("///data/", f"///{data_dir.resolve()}/")
-        if Path(self.model_dir).is_dir():  # what vLLM applies to omitted sampling fields (proxy/sampling.py)
-            env.setdefault("FLYWHEEL_SAMPLING__GENERATION_CONFIG", str(self.model_dir))
-        self.vllm: VLLMServer | None = None
-        self.restarts: list[str] = []
-        if engine.get("url"):  # an engine someone else runs (and supervises): route to it, start nothing
-            env["FLYWHEEL_UPSTREAMS"] = json.dumps([{"name": "vllm-0", "url": engine["url"],
-                                                     "seed_policy": engine.get("seed_policy", "drop")}])
-        else:
-            upstream_url = proxy_settings["upstreams"][0]["url"]
-            self.vllm = VLLMServer(
-                model=self.model_dir, served_name=engine.get("served_name", "policy-base"),
-                port=int(upstream_url.rsplit(":", 1)[1].split("/")[0]), device=engine.get("device", "cpu"),
-                max_lora_rank=engine.get("max_lora_rank", 16), max_loras=engine.get("max_loras", 4),
-                max_model_len=engine.get("max_model_len", 8192), dtype=engine.get("dtype", "auto"),
-                cpu_kv_cache_gib=engine.get("cpu_kv_cache_gib", 4),
-                chat_template=engine.get("chat_template", str(DEFAULT_TEMPLATE)) or None,
-                tool_call_parser=engine.get("tool_call_parser", "hermes") or None,
-                gpu_memory_utilization=engine.get("gpu_memory_utilization", 0.85),
-                log_path=self.logs / "vllm.log", extra_args=list(engine.get("extra_args", [])))
-            self.supervisor = Supervisor(self.vllm, on_restart=self._on_restart)
-        self.proxy = Child("proxy", [sys.executable, "-m", "proxy", "serve", "--config", str(self.proxy_config)],
-                           self.logs / "proxy.log", env)
-        self.children: list[Child] = []
-        """Processes started on top of the stack (trainer, workflow, evaluation): stopped first."""
-
-    def spawn(self, child: Child) -> Child:
-        self.children.append(child)
-        child.start()
-        return child
-
-    @staticmethod
-    def _model() -> str:
-        from deploy.model import fetch
-
-        return str(fetch())
-
-    def _on_restart(self, reason: str) -> None:
-        self.restarts.append(reason)
-        log(f"vLLM restarted ({reason}); the proxy reloads the current adapter before routing to it")
-
-    def start(self) -> None:
-        if self.vllm is not None:
-            log(f"starting vLLM (log: {self.vllm.log_path}); about a minute on CPU")
-            self.vllm.start()
-            self.vllm.wait_healthy(timeout=900)
-            self.supervisor.start()
-            log(f"vLLM healthy at {self.vllm.url}")
-        self.proxy.start()
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if not self.proxy.alive():
-                raise SystemExit(f"the proxy exited; see {self.proxy.log_path}")
-            try:
-                if httpx.get(f"{self.proxy_url}/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise SystemExit(f"the proxy did not become healthy; see {self.proxy.log_path}")
-        log(f"proxy healthy at {self.proxy_url} (log: {self.proxy.log_path})")
-
-    def stop(self) -> None:
-        for child in reversed(self.children):
-            child.stop()
-        if self.vllm is not None:
-            self.supervisor.stop()
-        self.proxy.stop()
-        if self.vllm is not None:
-            self.vllm.stop()
-        log("stopped the proxy" + (" and vLLM" if self.vllm is not None else ""))
-
-
-def serve(config_path: str) -> None:
-    config = load_run_config(config_path)
-    data_dir = ROOT / config.get("data_dir", "data")
+def serve(config: RunConfig) -> None:
+    data_dir = config.data_path
     stack = Stack(config, data_dir=data_dir)
     stopping = False
 
@@ -201,19 +47,20 @@ def serve(config_path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m deploy.local")
+    parser = argparse.ArgumentParser(prog="python -m deploy.local", description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=["serve", "run"])
-    parser.add_argument("--config", default="configs/run-local.yaml")
+    parser.add_argument("--config", default="configs/run-local.yaml", help="the run config (configs/run-*.yaml)")
     parser.add_argument("--seed", type=int, help="override the config's seed (run: a new run with this seed)")
     args = parser.parse_args(argv)
+    try:
+        config = load_run_config(args.config).with_seed(args.seed)
+    except RunConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     if args.command == "serve":
-        serve(args.config)
+        serve(config)
     else:
-        from deploy.loop import run
-
-        run(args.config, seed=args.seed)
+        run(config)
 
 
 if __name__ == "__main__":

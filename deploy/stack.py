@@ -1,0 +1,161 @@
+"""The processes ``make serve`` and ``make run`` share: vLLM (supervised) and the proxy, as children.
+
+Every child runs in its own process group with a parent-death signal, so even a killed launcher
+leaves no orphans behind; ``Stack.stop`` stops them in reverse order of start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import yaml
+
+from deploy.run_config import RunConfig
+from deploy.vllm import ROOT, Supervisor, VLLMServer, die_with_parent
+
+
+def log(message: str) -> None:
+    print(f"[flywheel {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def admin_key(data_dir: Path) -> str:
+    """The admin key: FLYWHEEL_ADMIN_KEY, else ``data/admin.key`` (created 0600 on first use)."""
+    if os.environ.get("FLYWHEEL_ADMIN_KEY"):
+        return os.environ["FLYWHEEL_ADMIN_KEY"]
+    path = data_dir / "admin.key"
+    if not path.exists():
+        data_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(secrets.token_urlsafe(32) + "\n")
+        path.chmod(0o600)
+    return path.read_text().strip()
+
+
+@dataclass
+class Child:
+    """A supervised child process with its own log file."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        out = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it for its lifetime
+        self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                     start_new_session=True, preexec_fn=die_with_parent)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if not self.alive():
+            return
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+class Stack:
+    """vLLM + proxy, the part ``serve`` and ``run`` share."""
+
+    def __init__(self, config: RunConfig, *, data_dir: Path) -> None:
+        self.config = config
+        self.data_dir = data_dir
+        self.logs = data_dir / "logs"
+        engine = config.engine
+        self.proxy_config = config.proxy_config_path
+        # The proxy's own file (proxy/settings.py validates it when the proxy starts); read here only
+        # for the addresses the launcher must know before that.
+        proxy_settings = (yaml.safe_load(self.proxy_config.read_text()) or {}).get("proxy", {})
+        port = config.proxy_port or proxy_settings.get("port", 8100)
+        self.proxy_url = f"http://{proxy_settings.get('host', '127.0.0.1')}:{port}"
+        self.model_dir = engine.model or self._model()
+        self.key = admin_key(data_dir)
+        env = dict(os.environ, FLYWHEEL_ADMIN_KEY=self.key, FLYWHEEL_PORT=str(port))
+        store_url = proxy_settings.get("store", {}).get("url", "")
+        if store_url.startswith("sqlite") and "///data/" in store_url:  # keep the store beside this run's data
+            env["FLYWHEEL_STORE__URL"] = store_url.replace("///data/", f"///{data_dir.resolve()}/")
+        if Path(self.model_dir).is_dir():  # what vLLM applies to omitted sampling fields (proxy/sampling.py)
+            env.setdefault("FLYWHEEL_SAMPLING__GENERATION_CONFIG", str(self.model_dir))
+        self.vllm: VLLMServer | None = None
+        self.restarts: list[str] = []
+        if engine.url:  # an engine someone else runs (and supervises): route to it, start nothing
+            env["FLYWHEEL_UPSTREAMS"] = json.dumps([{"name": "vllm-0", "url": engine.url,
+                                                     "seed_policy": engine.seed_policy}])
+        else:
+            upstream_url = proxy_settings["upstreams"][0]["url"]
+            self.vllm = VLLMServer(
+                model=self.model_dir, served_name=engine.served_name,
+                port=int(upstream_url.rsplit(":", 1)[1].split("/")[0]), device=engine.device,
+                max_lora_rank=engine.max_lora_rank, max_loras=engine.max_loras,
+                max_model_len=engine.max_model_len, dtype=engine.dtype, cpu_kv_cache_gib=engine.cpu_kv_cache_gib,
+                chat_template=engine.chat_template, tool_call_parser=engine.tool_call_parser,
+                gpu_memory_utilization=engine.gpu_memory_utilization,
+                log_path=self.logs / "vllm.log", extra_args=list(engine.extra_args))
+            self.supervisor = Supervisor(self.vllm, on_restart=self._on_restart)
+        self.proxy = Child("proxy", [sys.executable, "-m", "proxy", "serve", "--config", str(self.proxy_config)],
+                           self.logs / "proxy.log", env)
+        self.children: list[Child] = []
+        """Processes started on top of the stack (trainer, workflow, evaluation): stopped first."""
+
+    def spawn(self, child: Child) -> Child:
+        self.children.append(child)
+        child.start()
+        return child
+
+    @staticmethod
+    def _model() -> str:
+        from deploy.model import fetch
+
+        return str(fetch())
+
+    def _on_restart(self, reason: str) -> None:
+        self.restarts.append(reason)
+        log(f"vLLM restarted ({reason}); the proxy reloads the current adapter before routing to it")
+
+    def start(self) -> None:
+        if self.vllm is not None:
+            log(f"starting vLLM (log: {self.vllm.log_path}); about a minute on CPU")
+            self.vllm.start()
+            self.vllm.wait_healthy(timeout=900)
+            self.supervisor.start()
+            log(f"vLLM healthy at {self.vllm.url}")
+        self.proxy.start()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if not self.proxy.alive():
+                raise SystemExit(f"the proxy exited; see {self.proxy.log_path}")
+            try:
+                if httpx.get(f"{self.proxy_url}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            raise SystemExit(f"the proxy did not become healthy; see {self.proxy.log_path}")
+        log(f"proxy healthy at {self.proxy_url} (log: {self.proxy.log_path})")
+
+    def stop(self) -> None:
+        for child in reversed(self.children):
+            child.stop()
+        if self.vllm is not None:
+            self.supervisor.stop()
+        self.proxy.stop()
+        if self.vllm is not None:
+            self.vllm.stop()
+        log("stopped the proxy" + (" and vLLM" if self.vllm is not None else ""))
