@@ -51,9 +51,10 @@ class Child:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        out = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it for its lifetime
-        self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                     start_new_session=True, preexec_fn=die_with_parent)
+        # The child gets its own descriptor for the log; this process's copy closes once it has started.
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True, preexec_fn=die_with_parent)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
