@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from proxy.auth import KeyRing
 from proxy.deps import Services
 from proxy.dialects.messages import error_body as messages_error_body
-from proxy.errors import FlywheelError, InvalidRequest, NotFound, PayloadTooLarge
+from proxy.errors import FlywheelError, InvalidRequest, NotFound, PayloadTooLarge, RequestRejected
 from proxy.gate import EpisodeGate
 from proxy.metrics import Metrics
 from proxy.policy import PolicyRouter
@@ -155,9 +155,7 @@ def create_app(settings: Settings, *, repo: Repository | None = None,
         if exc.status_code == 404:
             missing = NotFound(f"no route {exc.detail}" if exc.detail != "Not Found" else "no such route")
             return _error_response(missing, request.url.path)
-        error = InvalidRequest(str(exc.detail))
-        error.status_code = exc.status_code
-        return _error_response(error, request.url.path)
+        return _error_response(RequestRejected(str(exc.detail), status_code=exc.status_code), request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

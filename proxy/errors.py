@@ -7,7 +7,8 @@ as a bare 500 or an empty body.
     FlywheelError (500 server_error)
     ├── InvalidRequest (400 invalid_request_error)
     │   ├── MissingEpisode (400)            model call that names no episode
-    │   └── UnsafeRequest (400)             a request that would harm the upstream engine
+    │   ├── UnsafeRequest (400)             a request that would harm the upstream engine
+    │   └── RequestRejected (4xx, given)    refused with another status: by vLLM (422, 429, ...) or routing (405)
     ├── AuthenticationFailed (401 authentication_error)
     ├── PermissionDenied (403 permission_error)
     ├── NotFound (404 not_found_error)
@@ -56,6 +57,14 @@ class MissingEpisode(InvalidRequest):
 
 class UnsafeRequest(InvalidRequest):
     pass
+
+
+class RequestRejected(InvalidRequest):
+    """The request's fault, under the status that refused it (vLLM's 4xx answer, Starlette's 405)."""
+
+    def __init__(self, message: str, *, status_code: int, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message, param=param, code=code)
+        self.status_code = status_code
 
 
 class AuthenticationFailed(FlywheelError):

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import orjson
 
-from proxy.errors import FlywheelError, InvalidRequest, NotFound, UpstreamError, UpstreamTimeout, UpstreamUnavailable
+from proxy.errors import FlywheelError, NotFound, RequestRejected, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from proxy.settings import Settings, UpstreamSettings
 from proxy.transport import Http1Transport
 
@@ -57,7 +57,11 @@ def map_transport_error(exc: httpx.TransportError, replica: Replica) -> Upstream
 
 
 def answer_error(status: int, text: bytes, replica: Replica | None) -> FlywheelError:
-    """Turn a vLLM error answer into ours: 4xx keep their status (the request's fault), 5xx become 502."""
+    """Turn a vLLM error answer into ours: 4xx keep their status (the request's fault), 5xx become 502.
+
+    A 401 is the proxy's fault, not the client's: the replica refused the key the proxy sent it
+    (``upstreams[].api_key``), so the client gets a 502, not a 401 that would blame its own key.
+    """
     try:
         err = orjson.loads(text).get("error") or {}
         message = err.get("message") if isinstance(err, dict) else str(err)
@@ -66,12 +70,13 @@ def answer_error(status: int, text: bytes, replica: Replica | None) -> FlywheelE
     message = message or f"upstream answered {status}"
     if status == 404:
         return NotFound(message, param="model", code="model_not_found")
+    name = replica.name if replica else "?"
+    if status == 401:
+        return UpstreamError(f"upstream {name} refused the proxy's API key ({status}): {message}",
+                             code="upstream_auth_failed")
     if 400 <= status < 500:
-        error = InvalidRequest(message, code="upstream_rejected")
-        error.status_code = status if status != 401 else 502
-        return error
-    return UpstreamError(f"upstream {replica.name if replica else '?'} failed ({status}): {message}",
-                         code="upstream_error")
+        return RequestRejected(message, status_code=status, code="upstream_rejected")
+    return UpstreamError(f"upstream {name} failed ({status}): {message}", code="upstream_error")
 
 
 class Upstreams:

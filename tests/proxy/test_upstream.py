@@ -40,11 +40,14 @@ async def test_transport_failures_become_errors_and_are_recorded(sqlite_url: str
         assert call["status_code"] == status and call["error"]["type"] == type_ and call["choices"] == []
 
 
-@pytest.mark.parametrize("upstream_status,status,type_", [
-    (400, 400, "invalid_request_error"), (404, 404, "not_found_error"), (500, 502, "upstream_error"),
+@pytest.mark.parametrize("upstream_status,status,type_,code", [
+    (400, 400, "invalid_request_error", "upstream_rejected"), (422, 422, "invalid_request_error", "upstream_rejected"),
+    (404, 404, "not_found_error", "model_not_found"), (500, 502, "upstream_error", "upstream_error"),
+    # The replica refused the proxy's own key: a bad gateway, not the client's request or key.
+    (401, 502, "upstream_error", "upstream_auth_failed"),
 ])
 async def test_upstream_error_answers_keep_their_message(sqlite_url: str, upstream_status: int, status: int,
-                                                         type_: str) -> None:
+                                                         type_: str, code: str) -> None:
     def answer(request: httpx.Request, _body: dict[str, Any]) -> httpx.Response | None:
         if request.url.path == "/v1/chat/completions":
             return httpx.Response(upstream_status, json={"error": {"message": "max_tokens is too large",
@@ -56,7 +59,7 @@ async def test_upstream_error_answers_keep_their_message(sqlite_url: str, upstre
         for stream in (False, True):
             response = await client.post("/v1/chat/completions", json={**CHAT, "stream": stream},
                                          headers=episode_auth(group))
-            assert "max_tokens is too large" in assert_error(response, status, type_)["message"]
+            assert "max_tokens is too large" in assert_error(response, status, type_, code)["message"]
         assert [c["status_code"] for c in await _calls(client, group["episode_keys"][0]["id"])] == [status, status]
 
 
