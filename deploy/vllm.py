@@ -28,6 +28,8 @@ from pathlib import Path
 
 import httpx
 
+from trainer.config import cpu_has_native_bf16
+
 ROOT = Path(__file__).resolve().parent.parent
 _PR_SET_PDEATHSIG = 1
 
@@ -38,15 +40,6 @@ def die_with_parent() -> None:
 
 
 DEFAULT_TEMPLATE = ROOT / "configs" / "templates" / "smollm2_tools.jinja"
-
-
-def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: elsewhere (e.g. AVX2-only CPUs) bf16 is emulated and far slower than fp32."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 @dataclass

@@ -372,3 +372,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(f"unknown trainer setting {hint}")
     values = {k: _coerce(k, v, hints[k]) for k, v in data.items()}
     return TrainerConfig(**values)
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether the CPU multiplies bf16 natively (AVX512-BF16 or AMX), which ``dtype: auto`` decides by.
+
+    Elsewhere (e.g. AVX2-only CPUs) bf16 is emulated and far slower than fp32. Kept here, free of
+    torch, so the launcher (``deploy/vllm.py``, vLLM's ``--dtype auto``) decides by the same test.
+    """
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags

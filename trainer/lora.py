@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from trainer.config import ConfigError, TrainerConfig
+from trainer.config import ConfigError, TrainerConfig, cpu_has_native_bf16
 from trainer.logprobs import LogProbs, Truncation, selected_logprobs
 from trainer.packing import MicroBatch
 
@@ -169,21 +169,12 @@ def check_logit_head(model: torch.nn.Module, backbone: torch.nn.Module) -> None:
                           "(the head transforms them), which the trainer's log-prob path does not do (not supported)")
 
 
-def cpu_has_bf16() -> bool:
-    """Native bf16 matmuls (AVX512-BF16 or AMX); elsewhere bf16 on CPU is emulated and slower than fp32."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def resolve_dtype(name: str, device: str) -> torch.dtype:
     if name == "float32":
         return torch.float32
     if name == "bfloat16" or device != "cpu":
         return torch.bfloat16
-    return torch.bfloat16 if cpu_has_bf16() else torch.float32
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
 class Policy:
