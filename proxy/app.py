@@ -29,6 +29,7 @@ from proxy.gate import EpisodeGate
 from proxy.metrics import Metrics
 from proxy.policy import PolicyRouter
 from proxy.recorder import Recorder
+from proxy.relay import Relay
 from proxy.routes import chat, episodes, messages, ops, policy, responses, trainer
 from proxy.sampling import SamplingDefaults
 from proxy.settings import Settings
@@ -102,12 +103,14 @@ def create_app(settings: Settings, *, repo: Repository | None = None,
         upstreams = Upstreams(settings, transport)
         router = PolicyRouter(settings.policy, store, upstreams)
         recorder = Recorder(store, batch_max=settings.store.batch_max, on_batch=metrics.on_batch)
+        relay = Relay(upstreams=upstreams, policies=router, recorder=recorder, metrics=metrics, sampling=sampling,
+                      sampling_rules=settings.sampling,
+                      splicer=Splicer(upstreams, store, depth=settings.splice.depth)
+                      if settings.splice.enabled else None)
         svc = Services(settings=settings, repo=store, upstreams=upstreams, router=router, recorder=recorder,
                        keys=KeyRing(settings.auth.admin_key.get_secret_value(),
                                     [k.get_secret_value() for k in settings.auth.agent_keys]),
-                       gate=EpisodeGate(store), metrics=metrics, sampling=sampling,
-                       splicer=Splicer(upstreams, store, depth=settings.splice.depth)
-                       if settings.splice.enabled else None)
+                       gate=EpisodeGate(store), metrics=metrics, relay=relay)
         log.info("sampling defaults for omitted fields", extra={"defaults": sampling.values, "source": sampling.source})
         app.state.services = svc
         recorder.start()
@@ -128,8 +131,8 @@ def create_app(settings: Settings, *, repo: Repository | None = None,
             for task in loops:
                 task.cancel()
             await asyncio.gather(*loops, return_exceptions=True)
-            if svc.background:
-                await asyncio.gather(*svc.background, return_exceptions=True)
+            if relay.background:
+                await asyncio.gather(*relay.background, return_exceptions=True)
             await recorder.close()
             await upstreams.close()
             if repo is None:

@@ -1,9 +1,8 @@
-"""Request-scoped dependencies: the app's services, the caller's identity, and JSON bodies."""
+"""Request-scoped dependencies: the app's services, the caller's identity and episode, and JSON bodies."""
 
 from __future__ import annotations
 
-import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import orjson
@@ -11,13 +10,12 @@ from fastapi import Depends, Request
 
 from proxy.auth import KeyRing, Principal, bearer
 from proxy.errors import AuthenticationFailed, InvalidRequest, PayloadTooLarge, PermissionDenied
-from proxy.gate import EpisodeGate
+from proxy.gate import EpisodeGate, canonical_id, identify_episode
 from proxy.metrics import Metrics
 from proxy.policy import PolicyRouter
 from proxy.recorder import Recorder
-from proxy.sampling import SamplingDefaults
+from proxy.relay import Relay
 from proxy.settings import Settings
-from proxy.splice import Splicer
 from proxy.store.repository import Repository
 from proxy.upstream import Upstreams
 
@@ -34,12 +32,8 @@ class Services:
     keys: KeyRing
     gate: EpisodeGate
     metrics: Metrics
-    sampling: SamplingDefaults
-    """The model's defaults for omitted sampling fields (``proxy/sampling.py``)."""
-    splicer: Splicer | None = None
-    """Token-in-token-out follow-up calls (``proxy/splice.py``); None when ``splice.enabled`` is off."""
-    background: set[asyncio.Task[Any]] = field(default_factory=set)
-    """Tasks that outlive their request (e.g. recording a disconnected stream); drained on shutdown."""
+    relay: Relay
+    """Runs and records model calls (``proxy/relay.py``)."""
 
 
 def services_of(request: Request) -> Services:
@@ -93,3 +87,20 @@ async def json_body(request: Request, max_bytes: int) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
     return body
+
+
+async def read_call(request: Request) -> tuple[Principal, Services, dict[str, Any]]:
+    """The caller (401 without a valid key), the services and the JSON body of a model call."""
+    who = identify(request)
+    svc = services_of(request)
+    return who, svc, await json_body(request, svc.settings.max_body_bytes)
+
+
+async def episode_of(request: Request, svc: Services, who: Principal, path_episode: str | None, *,
+                     recorded: bool) -> str | None:
+    """The open episode a recorded call belongs to (None: passthrough)."""
+    if not recorded:
+        return None
+    episode_id = identify_episode(request.headers, canonical_id(path_episode) if path_episode else None, who)
+    await svc.gate.check_open(episode_id)
+    return episode_id

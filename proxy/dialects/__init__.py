@@ -2,7 +2,7 @@
 
 An agent that speaks the OpenAI Responses API (``responses.py``) or the Anthropic Messages API
 (``messages.py``) is answered in its own API, but its call is translated to a chat completions
-request and executed by the same ``ModelCall`` as a chat call: the same exact token ids and
+request and executed by the same ``ModelCall`` (``proxy/relay.py``) as a chat call: the same exact token ids and
 log-probs, sampling notes, splicing and record. The record keeps the chat request the engine saw
 (what the trainer reads) and the client's own request and API beside it.
 """

@@ -1,7 +1,7 @@
 """What a dialect gives the chat route: the chat body, and the answer and stream events in its API.
 
 A translation is built from the client's validated request (``InvalidRequest`` for anything the
-dialect refuses, before anything reaches vLLM). ``ModelCall`` then sends ``chat`` upstream exactly
+dialect refuses, before anything reaches vLLM). ``ModelCall`` (``proxy/relay.py``) then sends ``chat`` upstream exactly
 as it would a client's chat request, and hands the dialect the upstream's full answer (with
 ``prompt_token_ids``, per-choice ``token_ids`` and ``logprobs``, ``usage``) or, streamed, every
 chunk in order. The terminal event (``done``) is sent only after the call's record committed, as

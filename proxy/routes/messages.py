@@ -13,9 +13,9 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from proxy.deps import episode_of, read_call
 from proxy.dialects.messages import MessagesTranslation, count_tokens_chat
 from proxy.errors import UpstreamError
-from proxy.routes.chat import ModelCall, episode_of, read_call
 from proxy.upstream import answer_error
 
 router = APIRouter(tags=["anthropic"])
@@ -25,7 +25,7 @@ async def _handle(request: Request, path_episode: str | None, *, recorded: bool)
     who, svc, body = await read_call(request)
     translation = MessagesTranslation.from_request(body)
     episode_id = await episode_of(request, svc, who, path_episode, recorded=recorded)
-    return await ModelCall(svc, "chat", translation.chat, episode_id, translation).respond()
+    return await svc.relay.respond("chat", translation.chat, episode_id, translation)
 
 
 async def _count_tokens(request: Request, path_episode: str | None, *, recorded: bool) -> Response:

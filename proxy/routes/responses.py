@@ -12,10 +12,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from proxy.deps import Services
+from proxy.deps import Services, episode_of, read_call
 from proxy.dialects.responses import ResponsesTranslation, history_of, parse
 from proxy.errors import InvalidRequest, NotFound, PermissionDenied
-from proxy.routes.chat import ModelCall, episode_of, read_call
 
 router = APIRouter(tags=["openai"])
 
@@ -40,7 +39,7 @@ async def _handle(request: Request, path_episode: str | None, *, recorded: bool)
     episode_id = await episode_of(request, svc, who, path_episode, recorded=recorded)
     history = await _history(svc, parsed.previous_response_id, episode_id) if parsed.previous_response_id else []
     translation = ResponsesTranslation(parsed, body, history)
-    return await ModelCall(svc, "chat", translation.chat, episode_id, translation).respond()
+    return await svc.relay.respond("chat", translation.chat, episode_id, translation)
 
 
 @router.post("/v1/responses")
