@@ -43,7 +43,9 @@ class Recorder:
     async def record(self, call: NewCall) -> None:
         """Return once ``call`` is committed. Raises ``EpisodeClosed`` if its episode was finished
         before the record was written (the call is not stored), ``RecordingFailed`` if the store failed."""
-        if self._closing and self._task is None:
+        # Once closing, only a batch loop still running will take the call: one that has ended (or
+        # never ran) would leave it waiting for ever.
+        if self._closing and (self._task is None or self._task.done()):
             raise RecordingFailed("the proxy is shutting down; the call was not recorded")
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending.append((call, future))
