@@ -67,6 +67,9 @@ class PolicyRouter:
                       metadata: dict[str, Any]) -> PolicyVersionRecord:
         """Load on every healthy replica, switch routing, unload what falls out of the window."""
         async with self._publish_lock:
+            # The store's version, not only this replica's last refresh: another proxy may have published
+            # since, and loading a version it already holds would replace the adapter serving under that name.
+            await self.refresh()
             version = version if version is not None else await self._repo.next_policy_version()
             current = self.current.version if self.current else 0
             if version <= current:
