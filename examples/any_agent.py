@@ -1,12 +1,13 @@
 """Any OpenAI-SDK agent becomes a Flywheel data source: give it a base URL, then post a reward.
 
-    FLYWHEEL_ADMIN_KEY=... python examples/any_agent.py --proxy http://127.0.0.1:8100
+    FLYWHEEL_ADMIN_KEY=... PYTHONPATH=. python examples/any_agent.py --proxy http://127.0.0.1:8100
 
 The agent below is ordinary OpenAI-SDK code and knows nothing about Flywheel: it only gets a
 ``base_url`` and an ``api_key``, the ones the proxy hands out for each episode. The proxy records
 every call it makes (exact token ids, logprobs, policy version); afterwards whoever can judge the
 result posts the episode's reward with the admin key. A group of episodes on one task is what
-GRPO trains on. Only httpx and openai are needed.
+GRPO trains on. Needed: openai, and the control API's client ``proxy.client`` from this repository
+(httpx and pydantic only; ``AsyncProxyClient`` is the same for async code).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from __future__ import annotations
 import argparse
 import os
 
-import httpx
 from openai import OpenAI
+
+from proxy.client import ProxyClient
 
 QUESTION = "What is the capital of France? Answer in one word."
 
@@ -33,16 +35,14 @@ def main() -> None:
     parser.add_argument("--proxy", default="http://127.0.0.1:8100")
     parser.add_argument("--group-size", type=int, default=2)
     args = parser.parse_args()
-    admin = httpx.Client(base_url=args.proxy, headers={"Authorization": f"Bearer {os.environ['FLYWHEEL_ADMIN_KEY']}"},
-                         timeout=300)
-
-    group = admin.post("/groups", json={"task_id": "capital-of-france", "size": args.group_size}).json()
-    for key in group["episode_keys"]:
-        answer = my_agent(key["base_url"], key["api_key"])  # 1. the agent runs on the episode's base URL
-        reward = float("paris" in answer.lower())  # 2. judge the result however you like
-        admin.post(f"/episodes/{key['id']}/reward", json={"reward": reward}).raise_for_status()  # 3. post it
-        print(f"episode {key['id']}: reward {reward} for {answer!r}")
-    print("group", group["id"], "is", admin.get(f"/groups/{group['id']}").json()["status"])
+    with ProxyClient(args.proxy, os.environ["FLYWHEEL_ADMIN_KEY"], timeout_s=300) as admin:
+        group = admin.create_group("capital-of-france", args.group_size)
+        for key in group.episode_keys:
+            answer = my_agent(key.base_url, key.api_key)  # 1. the agent runs on the episode's base URL
+            reward = float("paris" in answer.lower())  # 2. judge the result however you like
+            admin.reward(key.id, reward)  # 3. post it (a ProxyError if the proxy refuses it)
+            print(f"episode {key.id}: reward {reward} for {answer!r}")
+        print("group", group.id, "is", admin.group(group.id).status)
 
 
 if __name__ == "__main__":

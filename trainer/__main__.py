@@ -20,7 +20,7 @@ from typing import Annotated
 
 import typer
 
-from trainer.client import ProxyClient, ProxyError
+from proxy.client import ProxyClient, ProxyError, RetryPolicy
 from trainer.config import ConfigError, TrainerConfig, load_config
 
 cli = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
@@ -39,7 +39,7 @@ def preflight(config: TrainerConfig) -> ProxyClient:
         raise ConfigError(f"model directory not found or not a Hugging Face model: {str(model)!r}; set `model:` or "
                           "FLYWHEEL_MODEL_DIR (`python -m deploy.model path` prints the local SmolLM2)")
     try:
-        with ProxyClient(config.proxy_url, config.admin_key(), timeout_s=10.0, retries=3) as probe:
+        with ProxyClient(config.proxy_url, config.admin_key(), timeout_s=10.0, retry=RetryPolicy(attempts=3)) as probe:
             probe.policy()  # fail fast at start; the training client retries for longer
     except ProxyError as exc:
         if exc.status == 401:

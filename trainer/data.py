@@ -45,7 +45,7 @@ from typing import Any, Literal
 
 import torch
 
-from trainer.client import Call, Episode, Group
+from proxy.client import Call, Episode, Group
 from trainer.loss import group_advantages
 
 NAN = float("nan")

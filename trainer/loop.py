@@ -37,8 +37,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from proxy.client import Group, ProxyClient, ProxyError
 from trainer.checkpoint import Checkpoints, CheckpointState, LeaseRecord
-from trainer.client import Group, ProxyClient, ProxyError
 from trainer.config import TrainerConfig
 from trainer.data import Batch, ChatRetokenizer, Rules, Sample, build_batch, staleness
 from trainer.distributed import World

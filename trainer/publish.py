@@ -23,8 +23,7 @@ from typing import Any
 
 import torch
 
-from trainer.client import Policy as PolicyInfo
-from trainer.client import ProxyClient, ProxyError
+from proxy.client import PolicyVersion, ProxyClient, ProxyError
 from trainer.lora import Policy
 
 
@@ -56,7 +55,7 @@ class Publisher:
         tmp.rename(final)
         return final
 
-    def publish(self, policy: Policy, version: int, metadata: dict[str, Any]) -> tuple[PolicyInfo, float]:
+    def publish(self, policy: Policy, version: int, metadata: dict[str, Any]) -> tuple[PolicyVersion, float]:
         """Save + load on vLLM + switch. Returns the proxy's record and the seconds it all took."""
         started = time.perf_counter()
         directory = self.save(policy, version)
@@ -69,7 +68,7 @@ class Publisher:
         self._prune(version)
         return record, time.perf_counter() - started
 
-    def _already(self, version: int, directory: Path, exc: ProxyError) -> PolicyInfo:
+    def _already(self, version: int, directory: Path, exc: ProxyError) -> PolicyVersion:
         for known in self.client.policy_versions():
             if known.version == version and known.adapter_path == str(directory):
                 return known

@@ -24,8 +24,8 @@ from typing import Annotated, Any
 
 import typer
 
+from proxy.client import AsyncProxyClient, ProxyError
 from workflows.base import Endpoint, Split, Workflow
-from workflows.client import ProxyClient, ProxyError
 from workflows.options import OptionError, describe, parse_options
 from workflows.registry import BUILTIN, load
 
@@ -95,7 +95,7 @@ def run(name: Annotated[str, typer.Argument(help="math, tau2, tac, or package.mo
         raise typer.BadParameter(str(exc)) from exc
 
     async def main() -> dict[str, Any]:
-        client = ProxyClient(config.proxy_url, config.admin_key)
+        client = AsyncProxyClient(config.proxy_url, config.admin_key, timeout_s=60.0)
         with RunProgress(None if loop else groups * group_size) as progress:
             runner = Runner(workflow, config, client, on_episode=progress.episode, on_group=progress.group)
             job = asyncio.current_task()

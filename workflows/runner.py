@@ -25,8 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+from proxy.client import AsyncProxyClient, EpisodeKey, ProxyError
 from workflows.base import EPISODE_POOL, Endpoint, Episode, EpisodeFailed, Outcome, Split, Workflow
-from workflows.client import EpisodeKey, ProxyClient, ProxyError
 
 PENDING_POLL_S = 2.0
 T = TypeVar("T")
@@ -162,7 +162,7 @@ def describe_error(exc: BaseException) -> str:
 
 
 class Runner:
-    def __init__(self, workflow: Workflow[Any, Any], config: RunConfig, client: ProxyClient, *,
+    def __init__(self, workflow: Workflow[Any, Any], config: RunConfig, client: AsyncProxyClient, *,
                  on_episode: Callable[[EpisodeResult], None] | None = None,
                  on_group: Callable[[GroupResult], None] | None = None) -> None:
         self.workflow = workflow

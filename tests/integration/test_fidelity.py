@@ -21,10 +21,10 @@ from typing import Any
 import httpx
 import pytest
 
+from proxy.client import Episode
 from proxy.store.db import migrate_async
 from tests.proxy.conftest import ADMIN, make_settings, running_app
 from tests.support.services import engine_python, free_port
-from trainer.client import Episode
 from trainer.config import TrainerConfig
 from trainer.data import DataStats, Rules, Sample, build_batch, episode_samples
 from trainer.learner import Learner
@@ -196,7 +196,7 @@ async def test_n_choices_become_group_members_or_follow_the_continued_choice(vll
         multi = Episode.model_validate((await client.get(f"/episodes/{second}", headers=ADMIN,
                                                          params={"calls": "true"})).json())
 
-    from trainer.client import Group
+    from proxy.client import Group
 
     batch = build_batch([Group(id=group["id"], task_id="n4", status="complete", episodes=[episode])],
                         rules=Rules(min_rewarded=2, scale_rewards="none"))

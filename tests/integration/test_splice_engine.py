@@ -17,8 +17,8 @@ import httpx
 import openai
 import pytest
 
+from proxy.client import Episode
 from tests.support.services import ADMIN_KEY, ProxyProcess, episode_record, new_episode, serving_proxy
-from trainer.client import Episode
 from trainer.data import DataStats, episode_samples
 
 pytestmark = pytest.mark.vllm

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from trainer.client import Call, Episode, Group
+from proxy.client import Call, Episode, Group
 from trainer.data import ChatRetokenizer, DataStats, Rules, build_batch, episode_samples
 from trainer.packing import collate, plan
 

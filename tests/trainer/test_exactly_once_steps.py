@@ -18,9 +18,9 @@ import httpx
 import pytest
 import torch
 
+from proxy.client import ProxyClient
 from tests.support.services import ADMIN_KEY
 from tests.trainer.conftest import ADMIN, TrainerProxy
-from trainer.client import ProxyClient
 from trainer.config import TrainerConfig
 from trainer.distributed import World
 from trainer.loop import Trainer

@@ -10,9 +10,9 @@ from typing import Any
 import httpx
 import pytest
 
+from proxy.client import ProxyClient
 from tests.support.services import ADMIN_KEY
 from tests.trainer.conftest import ADMIN, TrainerProxy
-from trainer.client import ProxyClient
 from trainer.config import TrainerConfig
 from trainer.loop import Trainer
 from trainer.lora import Policy

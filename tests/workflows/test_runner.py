@@ -15,10 +15,10 @@ from typing import Any
 import httpx
 import pytest
 
+from proxy.client import AsyncProxyClient, ProxyError
 from tests.support.services import ADMIN_KEY, ProxyProcess
 from tests.workflows.conftest import admin_get
 from workflows.base import Episode, Outcome, Split, Workflow
-from workflows.client import ProxyClient, ProxyError
 from workflows.runner import INFRASTRUCTURE, GroupResult, RunConfig, Runner, describe_error, task_order
 
 pytestmark = pytest.mark.vllm
@@ -63,7 +63,7 @@ def config(proxy: ProxyProcess, **kw: Any) -> RunConfig:
 
 
 async def test_each_episode_ends_rewarded_or_abandoned_with_its_error(proxy: ProxyProcess) -> None:
-    client = ProxyClient(proxy.url, ADMIN_KEY)
+    client = AsyncProxyClient(proxy.url, ADMIN_KEY)
     runner = Runner(Scripted(ScriptOptions()), config(proxy, groups=1, group_size=4, concurrency=4,
                                                       episode_timeout_s=3.0), client)
     stats = await runner.run()
@@ -98,7 +98,7 @@ def test_abandons_caused_by_the_proxy_or_engine_are_marked_as_not_the_agents_doi
 
 
 async def test_a_non_finite_reward_is_not_posted(proxy: ProxyProcess) -> None:
-    client = ProxyClient(proxy.url, ADMIN_KEY)
+    client = AsyncProxyClient(proxy.url, ADMIN_KEY)
     stats = await Runner(Scripted(ScriptOptions(script=("nan", "reward:1"))),
                          config(proxy, groups=1, group_size=2, concurrency=2), client).run()
     await client.aclose()
@@ -110,7 +110,7 @@ async def test_a_non_finite_reward_is_not_posted(proxy: ProxyProcess) -> None:
 
 
 async def test_loop_runs_until_stopped_and_leaves_nothing_open(proxy: ProxyProcess) -> None:
-    client = ProxyClient(proxy.url, ADMIN_KEY)
+    client = AsyncProxyClient(proxy.url, ADMIN_KEY)
     seen: list[GroupResult] = []
     runner = Runner(Scripted(ScriptOptions(script=("reward:1", "reward:0"))),
                     config(proxy, group_size=2, concurrency=2, loop=True, seed=3), client,
@@ -125,7 +125,7 @@ async def test_loop_runs_until_stopped_and_leaves_nothing_open(proxy: ProxyProce
 
 
 async def test_a_wrong_admin_key_stops_the_run(proxy: ProxyProcess) -> None:
-    client = ProxyClient(proxy.url, "not-the-admin-key-at-all")
+    client = AsyncProxyClient(proxy.url, "not-the-admin-key-at-all")
     with pytest.raises(ProxyError) as info:
         await Runner(Scripted(ScriptOptions()), config(proxy, groups=2), client).run()
     await client.aclose()
