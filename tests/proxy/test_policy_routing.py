@@ -332,3 +332,27 @@ async def test_a_conflicting_publish_from_a_lagging_replica_leaves_the_served_ad
     assert cluster.engines == {host: {"policy-v1": "/a/1", "policy-v2": "/trainer-a/2"} for host in HOSTS}
     stored = await cluster.repo.current_policy()
     assert stored is not None and stored.adapter_path == "/trainer-a/2"
+
+
+async def test_a_stale_adapter_under_the_published_name_is_replaced_on_every_replica(cluster: Cluster) -> None:
+    """Left by another run on a shared engine: another adapter under the name is unloaded and ours
+    loaded, never served silently."""
+    for engine in cluster.engines.values():
+        engine["policy-v1"] = "/old/run/adapter"
+    await publish(cluster.router(), "/new/adapter")
+    assert cluster.engines == {host: {"policy-v1": "/new/adapter"} for host in HOSTS}
+
+
+async def test_an_engine_error_page_is_quoted_not_parsed(sqlite_url: str) -> None:
+    def error_page(request: httpx.Request, body: dict[str, Any]) -> httpx.Response | None:
+        if request.url.path == "/v1/load_lora_adapter":
+            return httpx.Response(503, text="<html>Service Unavailable</html>")
+        return None
+
+    cluster = Cluster(sqlite_url, error_page)
+    try:
+        with pytest.raises(UpstreamError) as failed:
+            await publish(cluster.router(), "/a/1")
+        assert failed.value.status_code == 502 and "503 <html>Service Unavailable</html>" in failed.value.message
+    finally:
+        await cluster.close()
