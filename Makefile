@@ -47,7 +47,7 @@ test: setup lint test-engine test-agents
 test-engine:
 	FLYWHEEL_ENGINE_PYTHON=$(ENGINE_PY) FLYWHEEL_AGENTS_PYTHON=$(AGENTS_PY) \
 	FLYWHEEL_MODEL_DIR=$$($(ENGINE_PY) -m deploy.model path) \
-	$(ENGINE_PY) -m pytest -m "not agents" $(PYTEST_ARGS)
+	$(ENGINE_PY) -m pytest -m "not agents" --cov $(PYTEST_ARGS)
 
 test-agents:
 	FLYWHEEL_ENGINE_PYTHON=$(ENGINE_PY) FLYWHEEL_AGENTS_PYTHON=$(AGENTS_PY) \
@@ -66,4 +66,4 @@ bench: setup
 	$(ENGINE_PY) -m bench.trainer_step
 
 clean:
-	rm -rf data runs .pytest_cache .ruff_cache
+	rm -rf data runs .pytest_cache .ruff_cache .coverage
