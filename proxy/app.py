@@ -27,7 +27,7 @@ from proxy.dialects.messages import error_body as messages_error_body
 from proxy.errors import FlywheelError, InvalidRequest, NotFound, PayloadTooLarge, RequestRejected
 from proxy.gate import EpisodeGate
 from proxy.metrics import Metrics
-from proxy.policy import PolicyRouter
+from proxy.policy_table import PolicyTable
 from proxy.recorder import Recorder
 from proxy.relay import Relay
 from proxy.routes import chat, episodes, messages, ops, policy, responses, trainer
@@ -101,13 +101,13 @@ def create_app(settings: Settings, *, repo: Repository | None = None,
                                    min_rewarded=settings.episodes.min_rewarded)
         metrics = Metrics()
         upstreams = Upstreams(settings, transport)
-        router = PolicyRouter(settings.policy, store, upstreams)
+        policies = PolicyTable(settings.policy, store, upstreams)
         recorder = Recorder(store, batch_max=settings.store.batch_max, on_batch=metrics.on_batch)
-        relay = Relay(upstreams=upstreams, policies=router, recorder=recorder, metrics=metrics, sampling=sampling,
+        relay = Relay(upstreams=upstreams, policies=policies, recorder=recorder, metrics=metrics, sampling=sampling,
                       sampling_rules=settings.sampling,
                       splicer=Splicer(upstreams, store, depth=settings.splice.depth)
                       if settings.splice.enabled else None)
-        svc = Services(settings=settings, repo=store, upstreams=upstreams, router=router, recorder=recorder,
+        svc = Services(settings=settings, repo=store, upstreams=upstreams, policies=policies, recorder=recorder,
                        keys=KeyRing(settings.auth.admin_key.get_secret_value(),
                                     [k.get_secret_value() for k in settings.auth.agent_keys]),
                        gate=EpisodeGate(store), metrics=metrics, relay=relay)
@@ -115,11 +115,11 @@ def create_app(settings: Settings, *, repo: Repository | None = None,
         app.state.services = svc
         recorder.start()
         with contextlib.suppress(Exception):
-            await router.refresh()
-        await upstreams.check_all(router.sync_replica)
+            await policies.refresh()
+        await upstreams.check_all(policies.sync_replica)
         loops = [
-            asyncio.create_task(upstreams.health_loop(settings.health_interval_s, router.sync_replica)),
-            asyncio.create_task(router.refresh_loop()),
+            asyncio.create_task(upstreams.health_loop(settings.health_interval_s, policies.sync_replica)),
+            asyncio.create_task(policies.refresh_loop()),
             asyncio.create_task(_every(settings.episodes.reaper_interval_s, "reaper",
                                        lambda: store.abandon_expired(idle_s=settings.episodes.deadline_s))),
         ]

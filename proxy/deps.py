@@ -12,7 +12,7 @@ from proxy.auth import KeyRing, Principal, bearer
 from proxy.errors import AuthenticationFailed, InvalidRequest, PayloadTooLarge, PermissionDenied
 from proxy.gate import EpisodeGate, canonical_id, identify_episode
 from proxy.metrics import Metrics
-from proxy.policy import PolicyRouter
+from proxy.policy_table import PolicyTable
 from proxy.recorder import Recorder
 from proxy.relay import Relay
 from proxy.settings import Settings
@@ -27,7 +27,8 @@ class Services:
     settings: Settings
     repo: Repository
     upstreams: Upstreams
-    router: PolicyRouter
+    policies: PolicyTable
+    """The published policy versions: which adapter a requested model means; publishing (``policy_table.py``)."""
     recorder: Recorder
     keys: KeyRing
     gate: EpisodeGate

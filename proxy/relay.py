@@ -44,7 +44,7 @@ from proxy.errors import (
     UpstreamUnavailable,
 )
 from proxy.metrics import Metrics
-from proxy.policy import PolicyRouter
+from proxy.policy_table import PolicyTable
 from proxy.recorder import Recorder
 from proxy.sampling import SamplingDefaults
 from proxy.sampling import resolve as resolve_sampling
@@ -64,7 +64,7 @@ class Relay:
     """What a model call needs, built once per app (``app.py``)."""
 
     upstreams: Upstreams
-    policies: PolicyRouter
+    policies: PolicyTable
     """Which adapter a requested model name is served by, and its policy version."""
     recorder: Recorder
     metrics: Metrics

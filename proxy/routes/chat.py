@@ -47,11 +47,11 @@ async def _models(request: Request) -> Response:
     svc = services_of(request)
     replica = svc.upstreams.pick(None)
     models = await svc.upstreams.list_models(replica)
-    current = svc.router.current
-    for alias in svc.router.settings.aliases:
+    current = svc.policies.current
+    for alias in svc.policies.settings.aliases:
         models.append({"id": alias, "object": "model", "owned_by": "flywheel", "created": int(time.time()),
-                       "parent": svc.router.settings.base_model,
-                       "root": current.name if current else svc.router.settings.base_model,
+                       "parent": svc.policies.settings.base_model,
+                       "root": current.name if current else svc.policies.settings.base_model,
                        "policy_version": current.version if current else 0})
     return Response(orjson.dumps({"object": "list", "data": models}), media_type="application/json")
 

@@ -32,7 +32,7 @@ async def _count_tokens(request: Request, path_episode: str | None, *, recorded:
     who, svc, body = await read_call(request)
     chat = count_tokens_chat(body)
     await episode_of(request, svc, who, path_episode, recorded=recorded)
-    chat["model"], _ = svc.router.resolve(chat["model"])
+    chat["model"], _ = svc.policies.resolve(chat["model"])
     replica = svc.upstreams.pick(None)
     response = await svc.upstreams.send(replica, "POST", "/tokenize", content=orjson.dumps(chat))
     if response.status_code >= 400:

@@ -19,8 +19,8 @@ router = APIRouter(prefix="/trainer", tags=["trainer"])
 
 @router.post("/claim", response_model=ClaimOut)
 async def claim(body: ClaimIn, svc: ServicesDep, _: AdminDep) -> ClaimOut:
-    await svc.router.refresh()
-    current = svc.router.current.version if svc.router.current else 0
+    await svc.policies.refresh()
+    current = svc.policies.current.version if svc.policies.current else 0
     result = await svc.repo.claim_groups(owner=body.trainer_id, max_groups=body.max_groups, lease_s=body.lease_s,
                                          max_staleness=body.max_staleness, current_version=current,
                                          lease_id=body.lease_id)

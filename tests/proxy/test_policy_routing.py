@@ -1,4 +1,4 @@
-"""PolicyRouter on its own: which upstream model a requested name means, publishing to every
+"""PolicyTable on its own: which upstream model a requested name means, publishing to every
 replica, and what a failed or conflicting publish leaves serving.
 
 The store is real (SQLite in a temp dir). The replicas are the named fake upstream: one fake vLLM
@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from proxy.errors import Conflict, InvalidRequest, UpstreamError, UpstreamUnavailable
-from proxy.policy import PolicyRouter
+from proxy.policy_table import PolicyTable
 from proxy.store.records import PolicyVersionRecord
 from proxy.store.repository import Repository
 from proxy.upstream import Upstreams
@@ -39,15 +39,15 @@ def fake_replicas(engines: dict[str, dict[str, str]], seen: list[tuple[str, dict
 
 
 class Proxy(NamedTuple):
-    """One proxy replica's router and the upstream replicas it sees."""
+    """One proxy replica's policy table and the upstream replicas it sees."""
 
-    router: PolicyRouter
+    table: PolicyTable
     upstreams: Upstreams
 
 
 class Cluster:
     """Two fake vLLM replicas and a real SQLite store; ``proxy()`` makes one more proxy replica's
-    router over them (several share the store and the engines, as proxy replicas do)."""
+    policy table over them (several share the store and the engines, as proxy replicas do)."""
 
     def __init__(self, sqlite_url: str, respond: Respond | None = None, **policy: Any) -> None:
         self.engines: dict[str, dict[str, str]] = {host: {} for host in HOSTS}
@@ -66,10 +66,10 @@ class Cluster:
         for replica in upstreams.replicas:
             replica.healthy = True  # as the health loop leaves them once the engines answer
         self._upstreams.append(upstreams)
-        return Proxy(PolicyRouter(self.settings.policy, repo or self.repo, upstreams), upstreams)
+        return Proxy(PolicyTable(self.settings.policy, repo or self.repo, upstreams), upstreams)
 
-    def router(self) -> PolicyRouter:
-        return self.proxy().router
+    def table(self) -> PolicyTable:
+        return self.proxy().table
 
     def loads(self) -> list[tuple[str, str]]:
         """(host, adapter name) of every load request the engines received."""
@@ -100,32 +100,32 @@ def refuse_loads_on(hosts: tuple[str, ...], status: int, message: str = "boom") 
     return respond
 
 
-async def publish(router: PolicyRouter, path: str, version: int | None = None) -> PolicyVersionRecord:
-    return await router.publish(adapter_path=path, version=version, metadata={"source": "test"})
+async def publish(table: PolicyTable, path: str, version: int | None = None) -> PolicyVersionRecord:
+    return await table.publish(adapter_path=path, version=version, metadata={"source": "test"})
 
 
 # -- resolving a requested model ------------------------------------------------------------------
 
 async def test_names_resolve_to_the_base_model_before_anything_is_published(cluster: Cluster) -> None:
-    router = cluster.router()
-    assert router.resolve("policy") == ("policy-base", 0)
-    assert router.resolve("policy-base") == ("policy-base", 0)
-    assert router.resolve("policy-v7") == ("policy-v7", 7)  # an explicit version passes through
-    assert router.resolve("policy-v") == ("policy-v", None)
-    assert router.resolve("policy-v7-old") == ("policy-v7-old", None)
-    assert router.resolve("gpt-4o") == ("gpt-4o", None)  # not an alias unless configured
-    assert router.is_alias("policy") and not router.is_alias("policy-base") and not router.is_alias("policy-v1")
+    table = cluster.table()
+    assert table.resolve("policy") == ("policy-base", 0)
+    assert table.resolve("policy-base") == ("policy-base", 0)
+    assert table.resolve("policy-v7") == ("policy-v7", 7)  # an explicit version passes through
+    assert table.resolve("policy-v") == ("policy-v", None)
+    assert table.resolve("policy-v7-old") == ("policy-v7-old", None)
+    assert table.resolve("gpt-4o") == ("gpt-4o", None)  # not an alias unless configured
+    assert table.is_alias("policy") and not table.is_alias("policy-base") and not table.is_alias("policy-v1")
 
 
 async def test_aliases_follow_the_published_version(sqlite_url: str) -> None:
     cluster = Cluster(sqlite_url, aliases=["policy", "gpt-4o"])
     try:
-        router = cluster.router()
-        await publish(router, "/a/1")
-        await publish(router, "/a/2")
-        assert [router.resolve(m) for m in ("policy", "gpt-4o")] == [("policy-v2", 2)] * 2
-        assert router.resolve("policy-v1") == ("policy-v1", 1)  # an older version stays addressable
-        assert router.resolve("policy-base") == ("policy-base", 0)
+        table = cluster.table()
+        await publish(table, "/a/1")
+        await publish(table, "/a/2")
+        assert [table.resolve(m) for m in ("policy", "gpt-4o")] == [("policy-v2", 2)] * 2
+        assert table.resolve("policy-v1") == ("policy-v1", 1)  # an older version stays addressable
+        assert table.resolve("policy-base") == ("policy-base", 0)
     finally:
         await cluster.close()
 
@@ -133,18 +133,18 @@ async def test_aliases_follow_the_published_version(sqlite_url: str) -> None:
 async def test_the_adapter_prefix_is_matched_literally(sqlite_url: str) -> None:
     cluster = Cluster(sqlite_url, adapter_prefix="run.1+v")
     try:
-        router = cluster.router()
-        assert router.resolve("run.1+v3") == ("run.1+v3", 3)
-        assert router.resolve("runX1+v3") == ("runX1+v3", None)  # "." and "+" are not patterns
-        assert router.resolve("run.11v3") == ("run.11v3", None)
-        assert (await publish(router, "/a/1")).name == "run.1+v1"
-        assert router.resolve("policy") == ("run.1+v1", 1)
+        table = cluster.table()
+        assert table.resolve("run.1+v3") == ("run.1+v3", 3)
+        assert table.resolve("runX1+v3") == ("runX1+v3", None)  # "." and "+" are not patterns
+        assert table.resolve("run.11v3") == ("run.11v3", None)
+        assert (await publish(table, "/a/1")).name == "run.1+v1"
+        assert table.resolve("policy") == ("run.1+v1", 1)
     finally:
         await cluster.close()
 
 
 async def test_another_replicas_publish_is_seen_on_refresh(cluster: Cluster) -> None:
-    mine, theirs = cluster.router(), cluster.router()
+    mine, theirs = cluster.table(), cluster.table()
     await publish(theirs, "/a/1")
     assert mine.resolve("policy") == ("policy-base", 0)  # until it re-reads the store
     await mine.refresh()
@@ -164,17 +164,17 @@ async def test_the_refresh_loop_outlives_a_store_failure(sqlite_url: str) -> Non
     cluster = Cluster(sqlite_url, refresh_s=0.01)
     flaky = FlakyRepository(sqlite_url)
     try:
-        await publish(cluster.router(), "/a/1")
-        router = cluster.proxy(flaky).router
-        loop = asyncio.create_task(router.refresh_loop())
+        await publish(cluster.table(), "/a/1")
+        table = cluster.proxy(flaky).table
+        loop = asyncio.create_task(table.refresh_loop())
         try:
             for _ in range(500):
-                if router.current is not None:
+                if table.current is not None:
                     break
                 await asyncio.sleep(0.01)
         finally:
             loop.cancel()
-        assert flaky.failures == 0 and router.resolve("policy") == ("policy-v1", 1)
+        assert flaky.failures == 0 and table.resolve("policy") == ("policy-v1", 1)
     finally:
         await flaky.close()
         await cluster.close()
@@ -183,56 +183,56 @@ async def test_the_refresh_loop_outlives_a_store_failure(sqlite_url: str) -> Non
 # -- publishing -----------------------------------------------------------------------------------
 
 async def test_publish_loads_the_adapter_on_every_replica_then_switches(cluster: Cluster) -> None:
-    router, upstreams = cluster.proxy()
-    record = await router.publish(adapter_path="/a/1", version=None, metadata={"step": 1})
+    table, upstreams = cluster.proxy()
+    record = await table.publish(adapter_path="/a/1", version=None, metadata={"step": 1})
     assert (record.version, record.name, record.adapter_path, record.metadata) == (1, "policy-v1", "/a/1", {"step": 1})
     assert cluster.engines == {host: {"policy-v1": "/a/1"} for host in HOSTS}
     assert sorted(cluster.loads()) == [(host, "policy-v1") for host in HOSTS]
     assert all(r.adapters == {"policy-v1"} for r in upstreams.replicas)
-    assert router.resolve("policy") == ("policy-v1", 1)
+    assert table.resolve("policy") == ("policy-v1", 1)
     stored = await cluster.repo.current_policy()
     assert stored is not None and (stored.version, stored.adapter_path) == (1, "/a/1")
 
 
 async def test_only_the_last_keep_versions_stay_loaded(cluster: Cluster) -> None:
-    router, upstreams = cluster.proxy()
+    table, upstreams = cluster.proxy()
     for version in (1, 2, 3, 4):
-        await publish(router, f"/a/{version}")
+        await publish(table, f"/a/{version}")
     assert cluster.engines == {host: {"policy-v3": "/a/3", "policy-v4": "/a/4"} for host in HOSTS}
     assert all(r.adapters == {"policy-v3", "policy-v4"} for r in upstreams.replicas)
 
 
 async def test_an_explicit_version_may_skip_numbers_but_never_go_back(cluster: Cluster) -> None:
-    router = cluster.router()
-    assert (await publish(router, "/a/5", version=5)).name == "policy-v5"
+    table = cluster.table()
+    assert (await publish(table, "/a/5", version=5)).name == "policy-v5"
     cluster.seen.clear()
     for stale in (5, 3):
         with pytest.raises(Conflict) as refused:
-            await publish(router, f"/a/{stale}", version=stale)
+            await publish(table, f"/a/{stale}", version=stale)
         assert (refused.value.status_code, refused.value.code, refused.value.param) == (409, "version_conflict",
                                                                                         "version")
     assert cluster.loads() == []  # refused before any replica was touched
-    assert (await publish(router, "/a/6")).version == 6
+    assert (await publish(table, "/a/6")).version == 6
 
 
 async def test_concurrent_publishes_get_distinct_versions(cluster: Cluster) -> None:
-    router = cluster.router()
-    records = await asyncio.gather(*(publish(router, f"/a/{i}") for i in range(3)))
+    table = cluster.table()
+    records = await asyncio.gather(*(publish(table, f"/a/{i}") for i in range(3)))
     assert sorted(r.version for r in records) == [1, 2, 3]
-    assert router.resolve("policy") == ("policy-v3", 3)
+    assert table.resolve("policy") == ("policy-v3", 3)
 
 
 async def test_a_replica_that_misses_the_adapter_leaves_rotation_and_gets_it_on_sync(sqlite_url: str) -> None:
     cluster = Cluster(sqlite_url, refuse_loads_on(("upstream-1",), 500), keep_versions=2)
     try:
-        router, upstreams = cluster.proxy()
-        record = await publish(router, "/a/1")
+        table, upstreams = cluster.proxy()
+        record = await publish(table, "/a/1")
         ok, missed = upstreams.replicas
-        assert record.version == 1 and router.resolve("policy") == ("policy-v1", 1)
+        assert record.version == 1 and table.resolve("policy") == ("policy-v1", 1)
         assert ok.healthy and not missed.healthy  # not routed to until it holds the adapter
         assert cluster.engines == {"upstream-0": {"policy-v1": "/a/1"}, "upstream-1": {}}
         cluster.respond = None  # the replica recovers; the health loop syncs it before it takes traffic
-        await upstreams.check_all(router.sync_replica)
+        await upstreams.check_all(table.sync_replica)
         assert missed.healthy and cluster.engines["upstream-1"] == {"policy-v1": "/a/1"}
     finally:
         await cluster.close()
@@ -246,8 +246,8 @@ async def test_an_unreachable_replica_does_not_stop_the_publish(sqlite_url: str)
 
     cluster = Cluster(sqlite_url, unreachable)
     try:
-        router, upstreams = cluster.proxy()
-        assert (await publish(router, "/a/1")).version == 1
+        table, upstreams = cluster.proxy()
+        assert (await publish(table, "/a/1")).version == 1
         assert [r.healthy for r in upstreams.replicas] == [False, True]
         assert cluster.engines["upstream-1"] == {"policy-v1": "/a/1"}
     finally:
@@ -255,14 +255,14 @@ async def test_an_unreachable_replica_does_not_stop_the_publish(sqlite_url: str)
 
 
 async def test_only_healthy_replicas_are_loaded_while_one_is(cluster: Cluster) -> None:
-    router, upstreams = cluster.proxy()
+    table, upstreams = cluster.proxy()
     upstreams.replicas[1].healthy = False
-    await publish(router, "/a/1")
+    await publish(table, "/a/1")
     assert cluster.loads() == [("upstream-0", "policy-v1")]
     cluster.seen.clear()
     for replica in upstreams.replicas:
         replica.healthy = False
-    await publish(router, "/a/2")  # none healthy: every replica is tried
+    await publish(table, "/a/2")  # none healthy: every replica is tried
     assert sorted(cluster.loads()) == [(host, "policy-v2") for host in HOSTS]
 
 
@@ -276,20 +276,20 @@ async def test_a_publish_no_replica_takes_leaves_the_old_version_serving(
         sqlite_url: str, status: int, message: str, error: type[Exception], http: int, hint: bool) -> None:
     cluster = Cluster(sqlite_url)
     try:
-        router, upstreams = cluster.proxy()
-        await publish(router, "/a/1")
+        table, upstreams = cluster.proxy()
+        await publish(table, "/a/1")
         cluster.respond = refuse_loads_on(HOSTS, status, message)
         with pytest.raises(error) as failed:
-            await publish(router, "/a/2")
+            await publish(table, "/a/2")
         assert getattr(failed.value, "status_code", None) == http and message in str(failed.value)
         assert ("VLLM_ALLOW_RUNTIME_LORA_UPDATING" in str(failed.value)) is hint
-        assert router.resolve("policy") == ("policy-v1", 1)
+        assert table.resolve("policy") == ("policy-v1", 1)
         stored = await cluster.repo.current_policy()
         assert stored is not None and stored.version == 1
         assert cluster.engines == {host: {"policy-v1": "/a/1"} for host in HOSTS}  # nothing unloaded
         assert all(r.healthy for r in upstreams.replicas)  # a refused adapter takes no replica out of rotation
         cluster.respond = None
-        assert (await publish(router, "/a/2")).version == 2  # the failed attempt used up no version
+        assert (await publish(table, "/a/2")).version == 2  # the failed attempt used up no version
     finally:
         await cluster.close()
 
@@ -300,10 +300,10 @@ async def test_no_replica_at_all_is_unavailable(sqlite_url: str) -> None:
 
     cluster = Cluster(sqlite_url, down)
     try:
-        router = cluster.router()
+        table = cluster.table()
         with pytest.raises(UpstreamUnavailable) as failed:
-            await publish(router, "/a/1")
-        assert failed.value.status_code == 502 and router.current is None
+            await publish(table, "/a/1")
+        assert failed.value.status_code == 502 and table.current is None
         assert await cluster.repo.current_policy() is None
     finally:
         await cluster.close()
@@ -313,8 +313,8 @@ async def test_republishing_the_same_adapter_under_its_name_is_accepted(cluster:
     """A retried publish (or a restarted proxy) finds the adapter loaded already: same path, no reload."""
     for engine in cluster.engines.values():
         engine["policy-v1"] = "/a/1"
-    router, upstreams = cluster.proxy()
-    assert (await publish(router, "/a/1", version=1)).version == 1
+    table, upstreams = cluster.proxy()
+    assert (await publish(table, "/a/1", version=1)).version == 1
     assert not [b for p, b in cluster.seen if p.endswith("/unload_lora_adapter")]
     assert all(r.adapters == {"policy-v1"} for r in upstreams.replicas)
 
@@ -323,7 +323,7 @@ async def test_a_conflicting_publish_from_a_lagging_replica_leaves_the_served_ad
     """Two proxy replicas, one store, one set of engines. The second has not refreshed since the first
     published v2; a publish of v2 through it (another trainer's adapter) is refused, and the engines
     keep serving the published v2 under that name, not the refused adapter."""
-    first, lagging = cluster.router(), cluster.router()
+    first, lagging = cluster.table(), cluster.table()
     await publish(first, "/a/1")
     await lagging.refresh()
     await publish(first, "/trainer-a/2")
@@ -339,7 +339,7 @@ async def test_a_stale_adapter_under_the_published_name_is_replaced_on_every_rep
     loaded, never served silently."""
     for engine in cluster.engines.values():
         engine["policy-v1"] = "/old/run/adapter"
-    await publish(cluster.router(), "/new/adapter")
+    await publish(cluster.table(), "/new/adapter")
     assert cluster.engines == {host: {"policy-v1": "/new/adapter"} for host in HOSTS}
 
 
@@ -352,7 +352,7 @@ async def test_an_engine_error_page_is_quoted_not_parsed(sqlite_url: str) -> Non
     cluster = Cluster(sqlite_url, error_page)
     try:
         with pytest.raises(UpstreamError) as failed:
-            await publish(cluster.router(), "/a/1")
+            await publish(cluster.table(), "/a/1")
         assert failed.value.status_code == 502 and "503 <html>Service Unavailable</html>" in failed.value.message
     finally:
         await cluster.close()

@@ -223,7 +223,7 @@ async def test_a_restarted_replica_gets_the_kept_adapters_back(sqlite_url: str) 
         services = client.app.state.services  # type: ignore[attr-defined]
         replica = services.upstreams.replicas[0]
         replica.healthy = False
-        await services.upstreams.check_all(services.router.sync_replica)
+        await services.upstreams.check_all(services.policies.sync_replica)
         assert replica.healthy and engine == {"policy-v2": "/a/2", "policy-v3": "/a/3"}
 
 

@@ -1,4 +1,4 @@
-"""Which adapter serves "the policy", and publishing a new one.
+"""The policy table: which adapter serves "the policy" (and any version asked by name), and publishing a new one.
 
 The current version lives in the store (highest published version), so every proxy replica agrees;
 each replica re-reads it every ``refresh_s``. Publishing loads the adapter into every replica under
@@ -24,7 +24,10 @@ from proxy.upstream import Replica, Upstreams
 log = logging.getLogger("flywheel.policy")
 
 
-class PolicyRouter:
+class PolicyTable:
+    """The published policy versions as a routing table: a requested model name to the adapter name
+    sent upstream and its version (``resolve``); publishing adds a version and switches the aliases."""
+
     def __init__(self, settings: PolicySettings, repo: Repository, upstreams: Upstreams) -> None:
         self.settings = settings
         self._repo = repo
