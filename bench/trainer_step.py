@@ -73,7 +73,7 @@ from proxy.client import ProxyClient  # noqa: E402
 from trainer.config import TrainerConfig, load_config  # noqa: E402
 from trainer.data import Sample, build_batch  # noqa: E402
 from trainer.learner import Learner  # noqa: E402
-from trainer.lora import Policy, resolve_dtype  # noqa: E402
+from trainer.lora import LoraPolicy, resolve_dtype  # noqa: E402
 from trainer.loss import Totals, grpo_loss  # noqa: E402
 from trainer.publish import Publisher  # noqa: E402
 
@@ -143,7 +143,7 @@ class FlywheelStep:
     """The trainer's own step (``Learner.step``); the constructor warms it up on a few samples."""
 
     def __init__(self, config: TrainerConfig, samples: list[Sample]) -> None:
-        self.policy = Policy(config)
+        self.policy = LoraPolicy(config)
         self.learner = Learner(self.policy, config)
         self.samples = samples
         self.learner.weights_version = 0  # the zero adapter is the base model that served the recorded batch

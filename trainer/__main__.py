@@ -63,11 +63,11 @@ def run(ctx: typer.Context, config: ConfigOpt = None) -> None:
         _fail(str(exc))
         return
     from trainer.loop import Trainer, follow
-    from trainer.lora import Policy
+    from trainer.lora import LoraPolicy
     from trainer.report import Reporter
 
     try:
-        policy = Policy(cfg)
+        policy = LoraPolicy(cfg)
     except ConfigError as exc:
         _fail(str(exc))
         return

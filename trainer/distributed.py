@@ -113,6 +113,6 @@ def init_world(timeout_s: float) -> World:
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()
     if cuda:
-        torch.cuda.set_device(local_rank)  # "cuda" now names this rank's GPU (Policy moves the model there)
+        torch.cuda.set_device(local_rank)  # "cuda" now names this rank's GPU (LoraPolicy moves the model there)
     torch.distributed.init_process_group(backend="nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
     return World(rank=rank, size=size, local_rank=local_rank)

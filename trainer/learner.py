@@ -28,7 +28,7 @@ import torch
 from trainer.config import TrainerConfig
 from trainer.data import MODES, Sample
 from trainer.distributed import World
-from trainer.lora import Policy
+from trainer.lora import LoraPolicy
 from trainer.loss import Totals, grpo_loss
 from trainer.packing import MicroBatch, pack
 
@@ -78,7 +78,7 @@ class StepStats:
 
 
 class Learner:
-    def __init__(self, policy: Policy, config: TrainerConfig, world: World | None = None) -> None:
+    def __init__(self, policy: LoraPolicy, config: TrainerConfig, world: World | None = None) -> None:
         self.policy = policy
         self.config = config
         self.world = world or World()

@@ -43,7 +43,7 @@ from trainer.config import TrainerConfig
 from trainer.data import Batch, ChatRetokenizer, Rules, Sample, build_batch, staleness
 from trainer.distributed import World
 from trainer.learner import Learner, StepStats
-from trainer.lora import Policy
+from trainer.lora import LoraPolicy
 from trainer.publish import Publisher
 from trainer.report import Reporter, finite
 
@@ -122,7 +122,7 @@ class LeaseKeeper:
 
 
 class Trainer:
-    def __init__(self, config: TrainerConfig, client: ProxyClient, policy: Policy, reporter: Reporter,
+    def __init__(self, config: TrainerConfig, client: ProxyClient, policy: LoraPolicy, reporter: Reporter,
                  world: World | None = None) -> None:
         self.config = config
         self.client = client
@@ -449,7 +449,7 @@ class Trainer:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def follow(config: TrainerConfig, policy: Policy, world: World) -> int:
+def follow(config: TrainerConfig, policy: LoraPolicy, world: World) -> int:
     """A follower rank: load the leader's start state, then train its share of each step the leader sends.
 
     Signals are the leader's to act on (torchrun sends them to every rank): a first one is ignored

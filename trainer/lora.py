@@ -177,8 +177,9 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
-class Policy:
-    """Model + tokenizer + adapter. ``logprobs`` on a micro-batch is the only compute entry point."""
+class LoraPolicy:
+    """The policy being trained: base model + tokenizer + LoRA adapter (the proxy's published versions
+    are its saved adapters). ``logprobs`` on a micro-batch is the only compute entry point."""
 
     def __init__(self, config: TrainerConfig) -> None:
         from peft import LoraConfig, get_peft_model

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from proxy.client import PolicyVersion, ProxyClient, ProxyError
-from trainer.lora import Policy
+from trainer.lora import LoraPolicy
 
 
 class PublishError(RuntimeError):
@@ -40,7 +40,7 @@ class Publisher:
     def path(self, version: int) -> Path:
         return self.root / f"v{version}"
 
-    def save(self, policy: Policy, version: int) -> Path:
+    def save(self, policy: LoraPolicy, version: int) -> Path:
         final = self.path(version)
         if final.exists():
             problem = _differs(final, policy.adapter_state())
@@ -55,7 +55,7 @@ class Publisher:
         tmp.rename(final)
         return final
 
-    def publish(self, policy: Policy, version: int, metadata: dict[str, Any]) -> tuple[PolicyVersion, float]:
+    def publish(self, policy: LoraPolicy, version: int, metadata: dict[str, Any]) -> tuple[PolicyVersion, float]:
         """Save + load on vLLM + switch. Returns the proxy's record and the seconds it all took."""
         started = time.perf_counter()
         directory = self.save(policy, version)

@@ -28,7 +28,7 @@ from tests.support.services import engine_python, free_port
 from trainer.config import TrainerConfig
 from trainer.data import DataStats, Rules, Sample, build_batch, episode_samples
 from trainer.learner import Learner
-from trainer.lora import Policy
+from trainer.lora import LoraPolicy
 
 pytestmark = [pytest.mark.vllm]
 TOLERANCE = 0.01
@@ -46,9 +46,9 @@ CASES: dict[str, dict[str, Any]] = {
 
 
 @pytest.fixture(scope="module")
-def policy(vllm_model_dir: str) -> Policy:
+def policy(vllm_model_dir: str) -> LoraPolicy:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    return Policy(TrainerConfig(model=vllm_model_dir, dtype="float32", lora_r=8, threads=1))
+    return LoraPolicy(TrainerConfig(model=vllm_model_dir, dtype="float32", lora_r=8, threads=1))
 
 
 async def record(url: str, tmp_path: Path, bodies: list[dict[str, Any]], **settings: Any) -> list[Episode]:
@@ -76,7 +76,7 @@ def samples_of(episodes: list[Episode]) -> list[Sample]:
     return samples
 
 
-def engine_gap(policy: Policy, samples: list[Sample]) -> dict[str, Any]:
+def engine_gap(policy: LoraPolicy, samples: list[Sample]) -> dict[str, Any]:
     """The learner's engine-mismatch figures for samples served by the base model (version 0)."""
     learner = Learner(policy, TrainerConfig(model=str(policy.config.model_dir), dtype="float32", lora_r=8,
                                             learning_rate=1e-12, engine_logp_check_samples=0))
@@ -86,7 +86,7 @@ def engine_gap(policy: Policy, samples: list[Sample]) -> dict[str, Any]:
     return learner.step(samples).engine
 
 
-async def test_every_sampling_mode_matches_vllm_within_a_hundredth_of_a_nat(vllm_url: str, policy: Policy,
+async def test_every_sampling_mode_matches_vllm_within_a_hundredth_of_a_nat(vllm_url: str, policy: LoraPolicy,
                                                                           tmp_path: Path) -> None:
     figures: dict[str, tuple[float, float]] = {}
     for name, sampling in CASES.items():
@@ -133,7 +133,7 @@ def defaults_engine(vllm_model_dir: str, tmp_path_factory: pytest.TempPathFactor
 
 
 async def test_omitted_fields_take_the_model_defaults_and_are_reproduced(defaults_engine: tuple[str, Path],
-                                                                        policy: Policy, tmp_path: Path) -> None:
+                                                                        policy: LoraPolicy, tmp_path: Path) -> None:
     url, model = defaults_engine
     bodies = [{"model": "policy", "messages": [{"role": "user", "content": q}], "max_tokens": 24} for q in QUESTIONS]
     episodes = await record(url, tmp_path, bodies, sampling={"generation_config": str(model)})
@@ -216,7 +216,7 @@ async def test_n_choices_become_group_members_or_follow_the_continued_choice(vll
     assert (stats.merged, stats.breaks, stats.choices_unused) == (1, 0, 1)
 
 
-async def test_grammar_constrained_calls_are_reported_apart_with_forced_tokens_out(vllm_url: str, policy: Policy,
+async def test_grammar_constrained_calls_are_reported_apart_with_forced_tokens_out(vllm_url: str, policy: LoraPolicy,
                                                                                  tmp_path: Path) -> None:
     tool = {"type": "function", "function": {"name": "add", "parameters": {
         "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},

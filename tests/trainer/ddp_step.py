@@ -12,7 +12,7 @@ from tests.trainer.samples import chat_sample
 from trainer.config import TrainerConfig
 from trainer.distributed import init_world
 from trainer.learner import Learner
-from trainer.lora import Policy
+from trainer.lora import LoraPolicy
 from trainer.packing import pack
 
 QUESTIONS = [("What is 2+3?", "5", 1.0), ("What is 7+1?", "The answer is 8.", -0.5),
@@ -24,7 +24,7 @@ def main(model_dir: str, out: Path) -> None:
     world = init_world(600)
     config = TrainerConfig(model=model_dir, dtype="float32", learning_rate=1e-3, loss_type=sys.argv[3],
                            max_seq_len=128, micro_batch_tokens=128, threads=1)
-    policy = Policy(config)
+    policy = LoraPolicy(config)
     learner = Learner(policy, config, world)
     samples = [chat_sample(policy, *q) for q in QUESTIONS]
     stats = [learner.step(samples[i:] + samples[:i]) for i in range(3)]

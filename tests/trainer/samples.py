@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from trainer.data import Sample
-from trainer.lora import Policy
+from trainer.lora import LoraPolicy
 
 NAN = float("nan")
 
 
-def chat_sample(policy: Policy, question: str, answer: str, advantage: float, temperature: float = 1.0) -> Sample:
+def chat_sample(policy: LoraPolicy, question: str, answer: str, advantage: float, temperature: float = 1.0) -> Sample:
     """A one-turn chat: the prompt masked out, ``answer`` + EOS as the sampled completion."""
     tok = policy.tokenizer
     prompt = list(tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,

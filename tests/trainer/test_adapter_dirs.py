@@ -14,16 +14,16 @@ import torch
 
 from trainer.checkpoint import Checkpoints, CheckpointState
 from trainer.config import TrainerConfig
-from trainer.lora import Policy
+from trainer.lora import LoraPolicy
 from trainer.publish import Publisher, PublishError
 
 
 @pytest.fixture(scope="module")
-def policy(vllm_model_dir: str) -> Iterator[Policy]:
-    yield Policy(TrainerConfig(model=vllm_model_dir))
+def policy(vllm_model_dir: str) -> Iterator[LoraPolicy]:
+    yield LoraPolicy(TrainerConfig(model=vllm_model_dir))
 
 
-def nudge(policy: Policy, seed: int) -> dict[str, torch.Tensor]:
+def nudge(policy: LoraPolicy, seed: int) -> dict[str, torch.Tensor]:
     """Give the adapter new weights (as a training step would) and return them."""
     generator = torch.Generator().manual_seed(seed)
     state = {k: v + 0.01 * torch.randn(v.shape, generator=generator, dtype=v.dtype) for k, v in
@@ -32,7 +32,7 @@ def nudge(policy: Policy, seed: int) -> dict[str, torch.Tensor]:
     return state
 
 
-def test_restart_reuses_the_directory_of_the_same_adapter(policy: Policy, tmp_path: Path) -> None:
+def test_restart_reuses_the_directory_of_the_same_adapter(policy: LoraPolicy, tmp_path: Path) -> None:
     publisher = Publisher(client=None, output_dir=tmp_path, keep=3)  # save needs no proxy
     trained = nudge(policy, 1)
     checkpoints = Checkpoints(tmp_path, keep=1)
@@ -48,7 +48,7 @@ def test_restart_reuses_the_directory_of_the_same_adapter(policy: Policy, tmp_pa
     assert (directory / "adapter_model.safetensors").stat().st_mtime_ns == written  # reused as it was
 
 
-def test_a_directory_left_by_another_run_is_never_published(policy: Policy, tmp_path: Path) -> None:
+def test_a_directory_left_by_another_run_is_never_published(policy: LoraPolicy, tmp_path: Path) -> None:
     earlier = Publisher(client=None, output_dir=tmp_path, keep=3)
     nudge(policy, 3)
     stale = earlier.save(policy, 1)

@@ -17,7 +17,7 @@ from tests.trainer.samples import chat_sample
 from trainer.config import TrainerConfig
 from trainer.data import MODES, Sample
 from trainer.learner import Learner
-from trainer.lora import Policy
+from trainer.lora import LoraPolicy
 from trainer.packing import collate
 
 NAN = float("nan")
@@ -25,11 +25,11 @@ OFFSETS = {"sampled": 0.01, "truncated": 0.03, "constrained": 0.2}
 
 
 @pytest.fixture(scope="module")
-def policy(vllm_model_dir: str) -> Iterator[Policy]:
-    yield Policy(TrainerConfig(model=vllm_model_dir, dtype="float32", micro_batch_tokens=512, max_seq_len=512))
+def policy(vllm_model_dir: str) -> Iterator[LoraPolicy]:
+    yield LoraPolicy(TrainerConfig(model=vllm_model_dir, dtype="float32", micro_batch_tokens=512, max_seq_len=512))
 
 
-def served(policy: Policy, sample: Sample, *, mode: str, version: int, offset: float,
+def served(policy: LoraPolicy, sample: Sample, *, mode: str, version: int, offset: float,
            reference: bool = False) -> Sample:
     """``sample`` as if ``version`` sampled it in ``mode``, the engine off by ``offset`` nats on every token."""
     n = len(sample)
@@ -45,12 +45,12 @@ def served(policy: Policy, sample: Sample, *, mode: str, version: int, offset: f
     return dataclasses.replace(marked, behaviour_logprobs=behaviour, advantage=0.0)
 
 
-def learner_for(policy: Policy, **fields: object) -> Learner:
+def learner_for(policy: LoraPolicy, **fields: object) -> Learner:
     config = TrainerConfig(model=str(policy.config.model_dir), dtype="float32", learning_rate=1e-12, **fields)
     return Learner(policy, config)  # type: ignore[arg-type]
 
 
-def test_fresh_tokens_are_compared_per_mode_and_unknown_is_none(policy: Policy) -> None:
+def test_fresh_tokens_are_compared_per_mode_and_unknown_is_none(policy: LoraPolicy) -> None:
     samples = [served(policy, chat_sample(policy, f"Question {i}?", f"Answer {i}.", 0.0), mode=mode, version=0,
                       offset=OFFSETS[mode]) for i, mode in enumerate(OFFSETS)]
     learner = learner_for(policy)
@@ -68,7 +68,7 @@ def test_fresh_tokens_are_compared_per_mode_and_unknown_is_none(policy: Policy) 
     assert engine["policy/engine_logp_diff_mean"] is None and engine["policy/engine_logp_tokens"] == 0
 
 
-def test_stale_tokens_are_rescored_under_the_version_that_served_them(policy: Policy) -> None:
+def test_stale_tokens_are_rescored_under_the_version_that_served_them(policy: LoraPolicy) -> None:
     learner = learner_for(policy)
     base = policy.adapter_state()
     # Version 3 served these samples; the weights have moved on since (now published as version 4).

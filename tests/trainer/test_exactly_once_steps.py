@@ -24,15 +24,15 @@ from tests.trainer.conftest import ADMIN, TrainerProxy
 from trainer.config import TrainerConfig
 from trainer.distributed import World
 from trainer.loop import Trainer
-from trainer.lora import Policy
+from trainer.lora import LoraPolicy
 from trainer.report import Reporter
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def policy(vllm_model_dir: str) -> Iterator[Policy]:
-    yield Policy(TrainerConfig(model=vllm_model_dir))
+def policy(vllm_model_dir: str) -> Iterator[LoraPolicy]:
+    yield LoraPolicy(TrainerConfig(model=vllm_model_dir))
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class Hooked(World):
         self.hook(list(params))
 
 
-def make_trainer(proxy: TrainerProxy, out: Path, model: str, policy: Policy, client: ProxyClient,
+def make_trainer(proxy: TrainerProxy, out: Path, model: str, policy: LoraPolicy, client: ProxyClient,
                  hook: Callable[[list[torch.nn.Parameter]], None]) -> Trainer:
     config = TrainerConfig(model=model, proxy_url=proxy.url, output_dir=str(out), groups_per_step=1, batch_wait_s=0,
                            poll_interval_s=0.2, learning_rate=1e-2, lease_s=60, progress=False, tensorboard=False)
@@ -55,7 +55,7 @@ def make_trainer(proxy: TrainerProxy, out: Path, model: str, policy: Policy, cli
     return trainer
 
 
-def snapshot(policy: Policy) -> dict[str, torch.Tensor]:
+def snapshot(policy: LoraPolicy) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in policy.adapter_state().items()}
 
 
@@ -70,7 +70,7 @@ def assert_unchanged(trainer: Trainer, before: dict[str, torch.Tensor], proxy: T
 
 
 def test_a_non_finite_gradient_changes_nothing_and_its_groups_are_acked_skipped(
-        trainer_proxy: TrainerProxy, tmp_path: Path, policy: Policy, vllm_model_dir: str) -> None:
+        trainer_proxy: TrainerProxy, tmp_path: Path, policy: LoraPolicy, vllm_model_dir: str) -> None:
     poisoned = trainer_proxy.record_group([1.0, 0.0], question="What is 1+1?")
     hooked = {"steps": 0}
 
@@ -99,7 +99,7 @@ def test_a_non_finite_gradient_changes_nothing_and_its_groups_are_acked_skipped(
 
 
 def test_a_step_whose_lease_was_taken_is_rolled_back_never_checkpointed_or_acked(
-        trainer_proxy: TrainerProxy, tmp_path: Path, policy: Policy, vllm_model_dir: str) -> None:
+        trainer_proxy: TrainerProxy, tmp_path: Path, policy: LoraPolicy, vllm_model_dir: str) -> None:
     """While the step trains, its lease is released and the group claimed by another trainer (as
     after an expiry): the update is undone, the group stays the other trainer's, and once handed
     back it is trained exactly once."""

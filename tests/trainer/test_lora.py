@@ -14,26 +14,26 @@ from trainer.checkpoint import Checkpoints, CheckpointState
 from trainer.config import ConfigError, TrainerConfig
 from trainer.data import Sample
 from trainer.learner import Learner
-from trainer.lora import ATTENTION, PackingError, Policy, check_logit_head, packed_sdpa
+from trainer.lora import ATTENTION, LoraPolicy, PackingError, check_logit_head, packed_sdpa
 from trainer.packing import collate
 
 NAN = float("nan")
 
 
 @pytest.fixture(scope="module")
-def policy(vllm_model_dir: str) -> Iterator[Policy]:
-    yield Policy(TrainerConfig(model=vllm_model_dir, learning_rate=1e-3, micro_batch_tokens=512, max_seq_len=512,
+def policy(vllm_model_dir: str) -> Iterator[LoraPolicy]:
+    yield LoraPolicy(TrainerConfig(model=vllm_model_dir, learning_rate=1e-3, micro_batch_tokens=512, max_seq_len=512,
                                logprob_chunk_rows=7))
 
 
-def sequence_logprobs(policy: Policy, samples: list[Sample], *, reference: bool = False) -> list[float]:
+def sequence_logprobs(policy: LoraPolicy, samples: list[Sample], *, reference: bool = False) -> list[float]:
     with torch.no_grad():
         mb = collate(samples)
         table = mb.table(policy.logprobs(mb, reference=reference)[0])
     return (table * mb.mask).sum(-1).tolist()
 
 
-def test_packed_logprobs_match_a_plain_forward_per_sample(policy: Policy) -> None:
+def test_packed_logprobs_match_a_plain_forward_per_sample(policy: LoraPolicy) -> None:
     samples = [chat_sample(policy, "What is 2+3?", "5", 1.0),
                chat_sample(policy, "Name a colour.", "Blue, like the sky.", -1.0, temperature=0.7)]
     mb = collate(samples)
@@ -49,7 +49,7 @@ def test_packed_logprobs_match_a_plain_forward_per_sample(policy: Policy) -> Non
             assert (packed[b, :len(wanted)] - wanted).abs().mean() < 5e-3
 
 
-def test_a_real_step_raises_positive_completions_relative_to_negative(policy: Policy) -> None:
+def test_a_real_step_raises_positive_completions_relative_to_negative(policy: LoraPolicy) -> None:
     good = chat_sample(policy, "What is 2+3?", "2 + 3 = 5", advantage=1.0)
     bad = chat_sample(policy, "What is 2+3?", "2 + 3 = 7", advantage=-1.0)
     before = sequence_logprobs(policy, [good, bad])
@@ -69,7 +69,7 @@ def test_a_real_step_raises_positive_completions_relative_to_negative(policy: Po
     assert sequence_logprobs(policy, [good, bad], reference=True) == pytest.approx(before, abs=1e-3)
 
 
-def test_checkpoint_round_trip_restores_the_adapter_and_optimizer(policy: Policy, tmp_path: Path) -> None:
+def test_checkpoint_round_trip_restores_the_adapter_and_optimizer(policy: LoraPolicy, tmp_path: Path) -> None:
     learner = Learner(policy, dataclasses.replace(policy.config, beta=0.1))  # with the KL term to the base model
     pair = [chat_sample(policy, "Say hi.", "Hi!", advantage=1.0), chat_sample(policy, "Say hi.", "No.", advantage=-1.0)]
     learner.step(pair)
@@ -94,7 +94,7 @@ def test_checkpoint_round_trip_restores_the_adapter_and_optimizer(policy: Policy
 # -- loud failures instead of silent fallbacks -----------------------------------------------------------
 
 
-def test_packed_samples_fail_loudly_when_their_boundaries_stop_arriving(policy: Policy,
+def test_packed_samples_fail_loudly_when_their_boundaries_stop_arriving(policy: LoraPolicy,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """If ``cu_seq_lens_q`` no longer reached the attention function, packed samples would attend
     across each other: that must be an error, not a quietly wrong log-prob."""
@@ -112,7 +112,7 @@ def test_packed_samples_fail_loudly_when_their_boundaries_stop_arriving(policy: 
         policy.logprobs(collate(pair[:1]))  # one sample alone has nothing to attend across
 
 
-def test_packed_samples_fail_loudly_when_the_model_bypasses_the_packed_attention(policy: Policy) -> None:
+def test_packed_samples_fail_loudly_when_the_model_bypasses_the_packed_attention(policy: LoraPolicy) -> None:
     pair = [chat_sample(policy, "What is 2+3?", "5", 1.0), chat_sample(policy, "Name a colour.", "Blue.", -1.0)]
     base = policy.model.get_base_model()
     base.set_attn_implementation("sdpa")
@@ -186,4 +186,4 @@ def test_policy_refuses_a_soft_capped_model_at_start(tmp_path: Path, vllm_model_
         if (Path(vllm_model_dir) / name).exists():
             shutil.copy(Path(vllm_model_dir) / name, tmp_path / name)
     with pytest.raises(ConfigError, match="model type 'gemma2' sets final_logit_softcapping=30.0"):
-        Policy(TrainerConfig(model=str(tmp_path)))
+        LoraPolicy(TrainerConfig(model=str(tmp_path)))

@@ -15,7 +15,7 @@ from tests.support.services import ADMIN_KEY
 from tests.trainer.conftest import ADMIN, TrainerProxy
 from trainer.config import TrainerConfig
 from trainer.loop import Trainer
-from trainer.lora import Policy
+from trainer.lora import LoraPolicy
 from trainer.report import Reporter
 
 FIXED = {"model": "policy", "messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 6,
@@ -25,11 +25,11 @@ pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def policy(vllm_model_dir: str) -> Iterator[Policy]:
-    yield Policy(TrainerConfig(model=vllm_model_dir))
+def policy(vllm_model_dir: str) -> Iterator[LoraPolicy]:
+    yield LoraPolicy(TrainerConfig(model=vllm_model_dir))
 
 
-def train(config: TrainerConfig, policy: Policy) -> int:
+def train(config: TrainerConfig, policy: LoraPolicy) -> int:
     """``python -m trainer run`` in-process (resume, then steps until max_steps)."""
     reporter = Reporter(config.out, tensorboard=config.tensorboard, progress=False, max_steps=config.max_steps,
                         start_step=0)
@@ -49,7 +49,7 @@ def served(url: str) -> tuple[str | None, list[float]]:
 
 
 def test_publish_loads_the_adapter_on_vllm_and_switches_the_policy(trainer_proxy: TrainerProxy, tmp_path: Path,
-                                                                   policy: Policy, vllm_model_dir: str) -> None:
+                                                                   policy: LoraPolicy, vllm_model_dir: str) -> None:
     version, base_logprobs = served(trainer_proxy.url)
     assert version == "0"
     group_id = trainer_proxy.record_group([1.0, 0.0])
@@ -89,8 +89,8 @@ def test_publish_loads_the_adapter_on_vllm_and_switches_the_policy(trainer_proxy
     assert list((config.out / "tensorboard").glob("events.out.tfevents.*"))
 
 
-def test_sync_mode_drops_stale_groups_and_acks_equal_rewards_as_skipped(trainer_proxy: TrainerProxy, tmp_path: Path,
-                                                                        policy: Policy, vllm_model_dir: str) -> None:
+def test_sync_mode_drops_stale_groups_and_acks_equal_rewards_as_skipped(
+        trainer_proxy: TrainerProxy, tmp_path: Path, policy: LoraPolicy, vllm_model_dir: str) -> None:
     first = trainer_proxy.record_group([1.0, 0.0], question="What is 5+5?")
     behind = trainer_proxy.record_group([0.0, 1.0], question="What is 6+6?")
     config = TrainerConfig(model=vllm_model_dir, proxy_url=trainer_proxy.url, output_dir=str(tmp_path / "run"),
