@@ -18,9 +18,9 @@ Pure functions and small accumulators: no I/O, so they are tested on recorded vL
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-Kind = Literal["chat", "completion"]
+from proxy.vocabulary import CallKind
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +32,7 @@ class Wants:
     usage: bool = True  # False: a stream whose usage chunk only the proxy asked for
 
 
-def prepare(body: dict[str, Any], kind: Kind) -> tuple[dict[str, Any], Wants]:
+def prepare(body: dict[str, Any], kind: CallKind) -> tuple[dict[str, Any], Wants]:
     """The upstream body (a shallow copy with token ids, sampled-token logprobs and, on a stream,
     the final usage chunk requested)."""
     upstream = dict(body)
@@ -59,7 +59,7 @@ def _true(value: Any) -> bool:
     return value is True or (type(value) is int and value == 1)
 
 
-def _asked_logprobs(body: dict[str, Any], kind: Kind) -> bool:
+def _asked_logprobs(body: dict[str, Any], kind: CallKind) -> bool:
     value = body.get("logprobs")
     if kind == "chat":
         return value is True
@@ -78,7 +78,7 @@ def usage_only(data: dict[str, Any], wants: Wants) -> bool:
     return not wants.usage and not data.get("choices") and data.get("usage") is not None
 
 
-def strip_for_client(data: dict[str, Any], wants: Wants, kind: Kind) -> bool:
+def strip_for_client(data: dict[str, Any], wants: Wants, kind: CallKind) -> bool:
     """Reset the fields the proxy added; True if ``data`` changed (then it must be re-serialised)."""
     changed = False
     if not wants.usage and data.get("usage") is not None:
@@ -99,7 +99,7 @@ def strip_for_client(data: dict[str, Any], wants: Wants, kind: Kind) -> bool:
     return changed
 
 
-def _sampled_logprobs(logprobs: dict[str, Any] | None, kind: Kind) -> list[float]:
+def _sampled_logprobs(logprobs: dict[str, Any] | None, kind: CallKind) -> list[float]:
     if not logprobs:
         return []
     if kind == "chat":
@@ -185,7 +185,7 @@ def _usage(usage: dict[str, Any] | None, prompt_ids: list[int] | None,
 _HEAVY_CHOICE_KEYS = ("logprobs", "token_ids", "prompt_token_ids", "prompt_logprobs")
 
 
-def capture_response(data: dict[str, Any], kind: Kind) -> Captured:
+def capture_response(data: dict[str, Any], kind: CallKind) -> Captured:
     """Capture a non-streamed response. ``data`` is left as the upstream sent it."""
     prompt_ids = data.get("prompt_token_ids")
     captures: list[ChoiceCapture] = []
@@ -221,7 +221,7 @@ def capture_response(data: dict[str, Any], kind: Kind) -> Captured:
 class StreamCapture:
     """Accumulate SSE chunks of one streamed response into the record a non-streamed call gets."""
 
-    def __init__(self, kind: Kind) -> None:
+    def __init__(self, kind: CallKind) -> None:
         self.kind = kind
         self.prompt_token_ids: list[int] | None = None
         self.choices: dict[int, ChoiceCapture] = {}

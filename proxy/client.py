@@ -5,12 +5,12 @@ publishing for trainers. The trainer, the workflows and users' own scripts all u
 they still talk to the proxy over HTTP only.
 
 Why it lives here: it depends on httpx and pydantic alone. Importing ``proxy.client`` loads
-``proxy/__init__.py`` (a docstring) and ``proxy.schemas`` (pydantic), never FastAPI, SQLAlchemy,
-the store or torch, so it imports in the engine venv (Python 3.11: the trainer) and the agents
-venv (3.12: the workflows) alike, and the request bodies are the proxy's own wire models: a field
-renamed in ``schemas.py`` is renamed here by the type checker, not found missing at run time. Replies
-are read into this module's lenient models (unknown fields ignored, most fields optional), which
-keep what trainers and workflows read.
+``proxy/__init__.py`` (a docstring), ``proxy.schemas`` (pydantic) and ``proxy.vocabulary`` (the
+statuses as ``Literal`` aliases), never FastAPI, SQLAlchemy, the store or torch, so it imports in
+the engine venv (Python 3.11: the trainer) and the agents venv (3.12: the workflows) alike. The
+request bodies are the proxy's own wire models: a field renamed in ``schemas.py`` is renamed here
+by the type checker, not found missing at run time. Replies are read into this module's lenient
+models (unknown fields ignored, most fields optional), which keep what trainers and workflows read.
 
 Retry policy (``RetryPolicy``; one rule for both variants). Every call is one of two kinds:
 
@@ -60,6 +60,7 @@ from proxy.schemas import (
     RewardIn,
     StepIn,
 )
+from proxy.vocabulary import AckStatus, CallKind, EpisodeStatus, GroupStatus, TrainStatus
 
 __all__ = [
     "AsyncProxyClient", "Call", "CallRewards", "Claim", "CreatedEpisode", "CreatedGroup", "Episode", "EpisodeKey",
@@ -134,7 +135,7 @@ class Call(_Reply):
     """One recorded model call of an episode (``CallOut``), the fields a trainer reads."""
 
     ordinal: int
-    kind: str = "chat"
+    kind: CallKind = "chat"
     request: dict[str, Any] = Field(default_factory=dict)
     status_code: int = 200
     prompt_token_ids: list[int] | None = None
@@ -150,7 +151,7 @@ class Episode(_Reply):
     id: str
     group_id: str | None = None
     task_id: str | None = None
-    status: str
+    status: EpisodeStatus
     reward: float | None = None
     call_rewards: dict[str, float] | None = None
     abandon_reason: str | None = None
@@ -167,8 +168,8 @@ class CreatedEpisode(Episode):
 class Group(_Reply):
     id: str
     task_id: str
-    status: str
-    train_status: str = "pending"
+    status: GroupStatus
+    train_status: TrainStatus = "pending"
     trained_step: int | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
     counts: dict[str, int] = Field(default_factory=dict)
@@ -298,7 +299,7 @@ class _Api:
         return _Request("POST", "/trainer/release", "safe", lambda reply: int(reply["released"]), body)
 
     @staticmethod
-    def ack(lease_id: str, group_ids: list[str], step: int, status: Literal["trained", "skipped"],
+    def ack(lease_id: str, group_ids: list[str], step: int, status: AckStatus,
             note: str | None) -> _Request[list[Group]]:
         body = AckIn.model_construct(lease_id=lease_id, group_ids=group_ids, step=step, status=status, note=note)
         return _Request("POST", "/trainer/ack", "safe", _data(Group.model_validate), body)
@@ -432,7 +433,7 @@ class ProxyClient:
         """Hand a lease's untrained groups back now instead of when it expires."""
         return self._send(_Api.release(lease_id, group_ids))
 
-    def ack(self, *, lease_id: str, group_ids: list[str], step: int, status: Literal["trained", "skipped"],
+    def ack(self, *, lease_id: str, group_ids: list[str], step: int, status: AckStatus,
             note: str | None = None) -> list[Group]:
         return self._send(_Api.ack(lease_id, group_ids, step, status, note))
 
@@ -526,7 +527,7 @@ class AsyncProxyClient:
     async def release(self, *, lease_id: str, group_ids: list[str] | None = None) -> int:
         return await self._send(_Api.release(lease_id, group_ids))
 
-    async def ack(self, *, lease_id: str, group_ids: list[str], step: int, status: Literal["trained", "skipped"],
+    async def ack(self, *, lease_id: str, group_ids: list[str], step: int, status: AckStatus,
                   note: str | None = None) -> list[Group]:
         return await self._send(_Api.ack(lease_id, group_ids, step, status, note))
 

@@ -25,7 +25,6 @@ from fastapi.responses import Response, StreamingResponse
 
 from proxy.capture import (
     Captured,
-    Kind,
     StreamCapture,
     Wants,
     capture_response,
@@ -52,10 +51,11 @@ from proxy.settings import SamplingSettings
 from proxy.splice import Plan, Splicer, SpliceUnavailable
 from proxy.store.records import NewCall
 from proxy.upstream import Replica, Upstreams, answer_error, map_transport_error
+from proxy.vocabulary import CallKind
 
 log = logging.getLogger("flywheel.relay")
 
-PATHS: dict[Kind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+PATHS: dict[CallKind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 SSE_DONE = b"data: [DONE]\n\n"
 
 
@@ -77,7 +77,7 @@ class Relay:
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     """Tasks that outlive their request (recording a disconnected stream); drained on shutdown."""
 
-    async def respond(self, kind: Kind, body: dict[str, Any], episode_id: str | None,
+    async def respond(self, kind: CallKind, body: dict[str, Any], episode_id: str | None,
                       translation: Translation | None = None) -> Response:
         """Run the call and answer it; ``episode_id`` None: passthrough (sent, not recorded)."""
         return await ModelCall(self, kind, body, episode_id, translation).respond()
@@ -106,7 +106,7 @@ class ModelCall:
     answered in its own API.
     """
 
-    def __init__(self, relay: Relay, kind: Kind, body: dict[str, Any], episode_id: str | None,
+    def __init__(self, relay: Relay, kind: CallKind, body: dict[str, Any], episode_id: str | None,
                  translation: Translation | None = None) -> None:
         self.relay = relay
         self.kind = kind

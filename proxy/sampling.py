@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from proxy.errors import InvalidRequest
+from proxy.settings import Constrained, Penalties
 
 log = logging.getLogger("flywheel.sampling")
 
@@ -125,8 +126,8 @@ def _number(body: dict[str, Any], key: str) -> float | None:
     return float(value)
 
 
-def resolve(body: dict[str, Any], defaults: SamplingDefaults, *, penalties: Literal["flag", "reject"],
-            constrained: Literal["train", "exclude", "reject"]) -> dict[str, Any]:
+def resolve(body: dict[str, Any], defaults: SamplingDefaults, *, penalties: Penalties,
+            constrained: Constrained) -> dict[str, Any]:
     """Fill ``body`` (the upstream copy) with every effective sampling field; return the call's record.
 
     The record is stored with the call (``notes.sampling``): ``temperature``, ``top_p``, ``top_k``,

@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from proxy.vocabulary import AckStatus, CallApi, CallKind, EpisodeStatus, GroupStatus, TrainStatus
+
 
 def _finite_json(value: Any, path: str = "") -> Any:
     if isinstance(value, float) and not math.isfinite(value):
@@ -73,7 +75,7 @@ class CallOut(BaseModel):
 
     id: int
     ordinal: int
-    kind: str
+    kind: CallKind
     stream: bool
     request: dict[str, Any]
     response: dict[str, Any] | None
@@ -92,7 +94,7 @@ class CallOut(BaseModel):
     prompt_tokens: int | None
     completion_tokens: int | None
     notes: dict[str, Any] | None
-    api: str = "chat"
+    api: CallApi = "chat"
     client_request: dict[str, Any] | None = None
     response_id: str | None = None
 
@@ -105,7 +107,7 @@ class EpisodeOut(BaseModel):
     group_index: int | None
     task_id: str | None
     metadata: dict[str, Any]
-    status: Literal["open", "rewarded", "abandoned"]
+    status: EpisodeStatus
     reward: float | None
     call_rewards: dict[str, float] | None
     reward_metadata: dict[str, Any] | None
@@ -127,10 +129,10 @@ class GroupOut(BaseModel):
     task_id: str
     size: int
     metadata: dict[str, Any]
-    status: Literal["open", "complete", "failed"]
+    status: GroupStatus
     created_at: float
     completed_at: float | None
-    train_status: str
+    train_status: TrainStatus
     trained_step: int | None
     train_note: str | None
     counts: dict[str, int]
@@ -204,7 +206,7 @@ class AckIn(_In):
     lease_id: str = Field(min_length=1)
     group_ids: list[str] = Field(min_length=1)
     step: int = Field(ge=0)
-    status: Literal["trained", "skipped"] = "trained"
+    status: AckStatus = "trained"
     note: str | None = Field(None, max_length=4000)
 
 

@@ -17,6 +17,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 ENV_PREFIX = "FLYWHEEL_"
+Penalties = Literal["flag", "reject"]
+"""What happens to a recorded call that sets a penalty (``SamplingSettings.penalties``)."""
+Constrained = Literal["train", "exclude", "reject"]
+"""What happens to a grammar-constrained recorded call (``SamplingSettings.constrained``)."""
 SHORTCUTS = {"FLYWHEEL_ADMIN_KEY": ("auth", "admin_key"), "FLYWHEEL_STORE_URL": ("store", "url")}
 
 
@@ -90,11 +94,11 @@ class SamplingSettings(_Section):
     Either way the proxy sends every field explicitly, so the record is what vLLM applied."""
     defaults: dict[str, float] = {}
     """Overrides of the model's defaults (temperature, top_p, top_k, min_p) for omitted fields."""
-    penalties: Literal["flag", "reject"] = "flag"
+    penalties: Penalties = "flag"
     """Requests setting a penalty, logit_bias, bad_words, allowed_token_ids, min_tokens or beam search:
     ``flag`` passes them on and marks the call ``penalized`` (context only, counted by the trainer);
     ``reject`` answers 400. Omitted penalties are always pinned neutral."""
-    constrained: Literal["train", "exclude", "reject"] = "train"
+    constrained: Constrained = "train"
     """Grammar-constrained calls (tool_choice required/named, response_format json): ``train`` on the
     unmasked policy with importance weights (forced tokens out of the loss), ``exclude`` (context
     only), or ``reject`` (400)."""

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.client import Group, ProxyClient, ProxyError
+from proxy.vocabulary import AckStatus
 from trainer.checkpoint import Checkpoints, CheckpointState, LeaseRecord
 from trainer.config import TrainerConfig
 from trainer.data import Batch, ChatRetokenizer, Rules, Sample, build_batch, staleness
@@ -205,7 +206,8 @@ class Trainer:
     def _ack(self, lease: LeaseRecord, step: int) -> None:
         """Ack a lease's groups for ``step``. If the proxy refuses (409: a group was lost, its update
         may be trained twice) each group is acked alone, so the others still are, and the refusal is logged."""
-        for status, ids in (("trained", lease.trained), ("skipped", list(lease.skipped))):
+        acks: tuple[tuple[AckStatus, list[str]], ...] = (("trained", lease.trained), ("skipped", list(lease.skipped)))
+        for status, ids in acks:
             if not ids:
                 continue
             note = "; ".join(sorted(set(lease.skipped.values())))[:4000] if status == "skipped" else None
@@ -230,16 +232,16 @@ class Trainer:
                         self.reporter.log(f"[warning] ack of group {group_id} ({status}) for step {step} refused: "
                                           f"{one.message}")
 
-    def _ack_groups(self, lease_id: str, ids: list[str], step: int, status: str, note: str | None) -> None:
+    def _ack_groups(self, lease_id: str, ids: list[str], step: int, status: AckStatus, note: str | None) -> None:
         """One ack. A lease that lapsed since the step was committed (a restart, a slow disk) is
         renewed and the ack retried: the renewal succeeds only if nobody claimed the groups meanwhile."""
         try:
-            self.client.ack(lease_id=lease_id, group_ids=ids, step=step, status=status, note=note)  # type: ignore[arg-type]
+            self.client.ack(lease_id=lease_id, group_ids=ids, step=step, status=status, note=note)
         except ProxyError as exc:
             if exc.code != "lease_expired":
                 raise
             self.client.renew(lease_id=lease_id, group_ids=ids, lease_s=self.config.lease_s)
-            self.client.ack(lease_id=lease_id, group_ids=ids, step=step, status=status, note=note)  # type: ignore[arg-type]
+            self.client.ack(lease_id=lease_id, group_ids=ids, step=step, status=status, note=note)
 
     def _publish(self, step: int) -> dict[str, Any]:
         version = self.version_base + step

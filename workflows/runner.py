@@ -246,6 +246,7 @@ class Runner:
             episode_metadata=[{"index": i} for i in range(cfg.group_size)])
         results = await asyncio.gather(*(self._episode(task, task_id, created.id, key, i, pool)
                                          for i, key in enumerate(created.episode_keys)))
+        status: str  # the proxy's GroupStatus, or why it is unknown
         try:
             status = (await self.client.group(created.id)).status
         except ProxyError as exc:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from proxy.errors import FlywheelError
+from proxy.vocabulary import CallApi
 
 
 class EventStream(Protocol):
@@ -34,7 +35,7 @@ class EventStream(Protocol):
 class Translation(Protocol):
     """One client request in another API, as the chat request the proxy executes."""
 
-    api: str
+    api: CallApi
     """The API the client spoke: ``responses`` or ``messages`` (stored with the call)."""
     client_request: dict[str, Any]
     """The client's request as it came (stored with the call)."""

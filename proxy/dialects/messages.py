@@ -58,6 +58,7 @@ from proxy.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
+from proxy.vocabulary import CallApi
 
 RAW_ARGUMENTS = "_raw_arguments"
 """The key of a tool_use ``input`` that carries arguments text which is not a JSON object."""
@@ -454,7 +455,7 @@ def _tool_id() -> str:
 class MessagesTranslation:
     """A validated Messages request and the chat body that runs it."""
 
-    api = "messages"
+    api: CallApi = "messages"
 
     __slots__ = ("client_request", "chat", "response_id", "model", "stop_sequences")
 

@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from proxy.errors import FlywheelError, InvalidRequest
 from proxy.store.records import CallRecord
+from proxy.vocabulary import CallApi
 
 INCLUDABLE = frozenset({"message.output_text.logprobs", "reasoning.encrypted_content"})
 _ENCRYPTED_PREFIX = "flywheel:"
@@ -281,7 +282,7 @@ def _text_logprobs(items: list[dict[str, Any]], text: str) -> list[dict[str, Any
 class ResponsesTranslation:
     """One Responses request as a chat completions request, and its answer back."""
 
-    api = "responses"
+    api: CallApi = "responses"
 
     def __init__(self, request: ResponsesRequest, body: dict[str, Any], history: list[dict[str, Any]]) -> None:
         self.request = request

@@ -15,15 +15,15 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from proxy.capture import Kind
 from proxy.deps import episode_of, identify, read_call, services_of
 from proxy.errors import InvalidRequest
 from proxy.gate import canonical_id, identify_episode
+from proxy.vocabulary import CallKind
 
 router = APIRouter(tags=["openai"])
 
 
-def _validate(body: dict[str, Any], kind: Kind) -> None:
+def _validate(body: dict[str, Any], kind: CallKind) -> None:
     if not isinstance(body.get("model"), str) or not body["model"]:
         raise InvalidRequest("'model' is required and must be a non-empty string", param="model")
     if kind == "chat":
@@ -36,7 +36,7 @@ def _validate(body: dict[str, Any], kind: Kind) -> None:
         raise InvalidRequest("'stream' must be a boolean", param="stream")
 
 
-async def _handle(request: Request, kind: Kind, path_episode: str | None, *, recorded: bool) -> Response:
+async def _handle(request: Request, kind: CallKind, path_episode: str | None, *, recorded: bool) -> Response:
     who, svc, body = await read_call(request)
     _validate(body, kind)
     episode_id = await episode_of(request, svc, who, path_episode, recorded=recorded)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 from fastapi import APIRouter, Query, Request
 
 from proxy.deps import AdminDep, ServicesDep
@@ -22,6 +20,7 @@ from proxy.schemas import (
     ListOut,
     RewardIn,
 )
+from proxy.vocabulary import EpisodeStatus, GroupStatus, TrainStatus
 
 router = APIRouter(tags=["episodes"])
 
@@ -58,9 +57,9 @@ async def create_group(body: GroupCreate, svc: ServicesDep, _: AdminDep, request
 
 @router.get("/groups", response_model=ListOut)
 async def list_groups(svc: ServicesDep, _: AdminDep,
-                      status: Literal["open", "complete", "failed"] | None = None,
+                      status: GroupStatus | None = None,
                       task_id: str | None = None,
-                      train_status: Literal["pending", "trained", "skipped", "stale"] | None = None,
+                      train_status: TrainStatus | None = None,
                       limit: Limit = 100, offset: int = Query(0, ge=0)) -> ListOut:
     groups = await svc.repo.list_groups(status=status, task_id=task_id, train_status=train_status,
                                         limit=limit, offset=offset)
@@ -84,7 +83,7 @@ async def create_episode(body: EpisodeCreate, svc: ServicesDep, _: AdminDep, req
 
 @router.get("/episodes", response_model=ListOut)
 async def list_episodes(svc: ServicesDep, _: AdminDep,
-                        status: Literal["open", "rewarded", "abandoned"] | None = None,
+                        status: EpisodeStatus | None = None,
                         group_id: str | None = None, task_id: str | None = None,
                         limit: Limit = 100, offset: int = Query(0, ge=0)) -> ListOut:
     episodes = await svc.repo.list_episodes(

@@ -13,6 +13,8 @@ from typing import Any
 from sqlalchemy import JSON, Boolean, Double, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from proxy.vocabulary import CallApi, CallKind, EpisodeStatus, GroupStatus, TrainStatus
+
 
 class Base(DeclarativeBase):
     type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON, float: Double}
@@ -27,12 +29,11 @@ class Group(Base):
     task_id: Mapped[str] = mapped_column(String(256), index=True)
     size: Mapped[int] = mapped_column(Integer)
     meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
-    status: Mapped[str] = mapped_column(String(16), index=True)  # open | complete | failed
+    status: Mapped[GroupStatus] = mapped_column(String(16), index=True)
     created_at: Mapped[float]
     completed_at: Mapped[float | None]
     # Trainer side: a lease makes a claim exclusive; an expired lease offers the group again.
-    train_status: Mapped[str] = mapped_column(String(16), default="pending", index=True)
-    # pending | trained | skipped | stale
+    train_status: Mapped[TrainStatus] = mapped_column(String(16), default="pending", index=True)
     lease_id: Mapped[str | None] = mapped_column(String(36), index=True)
     lease_owner: Mapped[str | None] = mapped_column(String(128))
     lease_expires_at: Mapped[float | None]
@@ -51,7 +52,7 @@ class Episode(Base):
     """Position in its group (0..size-1), so episodes list in creation order."""
     task_id: Mapped[str | None] = mapped_column(String(256), index=True)
     meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
-    status: Mapped[str] = mapped_column(String(16), index=True)  # open | rewarded | abandoned
+    status: Mapped[EpisodeStatus] = mapped_column(String(16), index=True)
     reward: Mapped[float | None]
     call_rewards: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     reward_metadata: Mapped[dict[str, Any] | None] = mapped_column(JSON)
@@ -72,7 +73,7 @@ class Call(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     episode_id: Mapped[str] = mapped_column(ForeignKey("episodes.id"))
     ordinal: Mapped[int]
-    kind: Mapped[str] = mapped_column(String(16))  # chat | completion
+    kind: Mapped[CallKind] = mapped_column(String(16))
     stream: Mapped[bool] = mapped_column(Boolean)
     request: Mapped[dict[str, Any]] = mapped_column(JSON)
     response: Mapped[dict[str, Any] | None] = mapped_column(JSON)
@@ -94,8 +95,8 @@ class Call(Base):
     completion_tokens: Mapped[int | None]
     notes: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     """What the proxy changed on the way (e.g. a dropped ``seed``)."""
-    api: Mapped[str] = mapped_column(String(16), server_default="chat")
-    """The API the client spoke: chat | completions | responses | messages."""
+    api: Mapped[CallApi] = mapped_column(String(16), server_default="chat")
+    """The API the client spoke."""
     client_request: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     """The client's own request, for the APIs translated to chat (``request`` is the chat request)."""
     response_id: Mapped[str | None] = mapped_column(String(64), index=True)

@@ -5,13 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from proxy.vocabulary import CallApi, CallKind, EpisodeStatus, GroupStatus, TrainStatus
+
 
 @dataclass(slots=True)
 class NewCall:
     """A finished model call, ready to be written. The ordinal is assigned by the store."""
 
     episode_id: str
-    kind: str
+    kind: CallKind
     stream: bool
     request: dict[str, Any]
     response: dict[str, Any] | None
@@ -30,8 +32,8 @@ class NewCall:
     prompt_tokens: int | None
     completion_tokens: int | None
     notes: dict[str, Any] | None = None
-    api: str = "chat"
-    """The API the client spoke: chat, completions, responses or messages (``proxy/dialects``)."""
+    api: CallApi = "chat"
+    """The API the client spoke (``proxy/dialects``)."""
     client_request: dict[str, Any] | None = None
     """The client's own request when it was not a chat or completions request (``request`` is then
     the chat request the proxy executed)."""
@@ -54,7 +56,7 @@ class EpisodeRecord:
     group_index: int | None
     task_id: str | None
     metadata: dict[str, Any]
-    status: str
+    status: EpisodeStatus
     reward: float | None
     call_rewards: dict[str, float] | None
     reward_metadata: dict[str, Any] | None
@@ -70,10 +72,10 @@ class GroupRecord:
     task_id: str
     size: int
     metadata: dict[str, Any]
-    status: str
+    status: GroupStatus
     created_at: float
     completed_at: float | None
-    train_status: str
+    train_status: TrainStatus
     trained_step: int | None
     train_note: str | None
     episodes: list[EpisodeRecord] | None = None

@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Final
 
 from sqlalchemy import Select, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
@@ -37,10 +37,13 @@ from proxy.store.records import (
 )
 from proxy.store.rows import CALL_FIELDS, admit, call_values
 from proxy.store.sqlite_fast import SqliteFastPath
+from proxy.vocabulary import AckStatus, EpisodeStatus, GroupStatus, TrainStatus
 
 log = logging.getLogger("flywheel.store")
 
-OPEN, REWARDED, ABANDONED = "open", "rewarded", "abandoned"
+OPEN: Final = "open"
+REWARDED: Final = "rewarded"
+ABANDONED: Final = "abandoned"
 FINISHED = (REWARDED, ABANDONED)
 
 
@@ -200,7 +203,7 @@ class Repository:
             row = result.first()
             return _call(row) if row is not None else None
 
-    async def list_episodes(self, *, status: str | None = None, group_id: str | None = None,
+    async def list_episodes(self, *, status: EpisodeStatus | None = None, group_id: str | None = None,
                             task_id: str | None = None, limit: int = 100, offset: int = 0) -> list[EpisodeRecord]:
         query = select(Episode).order_by(Episode.created_at.desc(), Episode.id).limit(limit).offset(offset)
         if status:
@@ -221,8 +224,9 @@ class Repository:
                 select(Episode).where(Episode.group_id == group_id).order_by(Episode.group_index, Episode.id))).all()
         return _group(row, [_episode(e) for e in episodes])
 
-    async def list_groups(self, *, status: str | None = None, task_id: str | None = None,
-                          train_status: str | None = None, limit: int = 100, offset: int = 0) -> list[GroupRecord]:
+    async def list_groups(self, *, status: GroupStatus | None = None, task_id: str | None = None,
+                          train_status: TrainStatus | None = None, limit: int = 100,
+                          offset: int = 0) -> list[GroupRecord]:
         query = select(Group).order_by(Group.created_at.desc(), Group.id).limit(limit).offset(offset)
         if status:
             query = query.where(Group.status == status)
@@ -253,14 +257,14 @@ class Repository:
     async def _complete_group(self, session: AsyncSession, group_id: str | None, now: float) -> None:
         if group_id is None:
             return
-        counts = dict((await session.execute(
+        counts: dict[EpisodeStatus, int] = dict((await session.execute(
             select(Episode.status, func.count()).where(Episode.group_id == group_id).group_by(Episode.status))).all())
         if counts.get(OPEN, 0) > 0:
             return
         # A group smaller than min_rewarded (a lone episode whose n > 1 choices carry their own rewards)
         # completes when all of it is rewarded: the trainer decides whether its members compare.
         needed = min(self.min_rewarded, sum(counts.values()))
-        status = "complete" if counts.get(REWARDED, 0) >= needed else "failed"
+        status: GroupStatus = "complete" if counts.get(REWARDED, 0) >= needed else "failed"
         await session.execute(update(Group).where(Group.id == group_id, Group.status == OPEN)
                               .values(status=status, completed_at=now))
 
@@ -557,7 +561,7 @@ class Repository:
         return now + lease_s
 
     async def ack_groups(self, *, lease_id: str, group_ids: Sequence[str], step: int,
-                         status: str, note: str | None = None) -> list[GroupRecord]:
+                         status: AckStatus, note: str | None = None) -> list[GroupRecord]:
         """Mark leased groups ``trained`` (or ``skipped``) by ``step``; all or nothing.
 
         The rule: an ack needs a live lease. Acking the same groups again with the same lease and

@@ -1,0 +1,27 @@
+"""The closed choices of the store and the control API, each a ``Literal`` defined once.
+
+The status and kind columns of the store hold exactly these strings (``store/models.py``); the
+repository, the wire models (``schemas.py``), the routes' filters, the relay and the client
+(``client.py``) all use these aliases, so a misspelt status is a type error rather than a filter
+that matches nothing. No imports beyond ``typing``: the client (httpx + pydantic only) reads them too.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+EpisodeStatus = Literal["open", "rewarded", "abandoned"]
+"""``open`` until a reward is posted (``rewarded``) or it ends without one (``abandoned``: by its
+workflow, or by the reaper after ``episodes.deadline_s`` idle)."""
+GroupStatus = Literal["open", "complete", "failed"]
+"""``complete``: every episode finished and at least ``episodes.min_rewarded`` rewarded; ``failed``:
+every episode finished with fewer."""
+TrainStatus = Literal["pending", "trained", "skipped", "stale"]
+"""A group on the trainer's side: ``pending`` until a step acks it ``trained`` or ``skipped``, or a
+claim finds it older than its staleness bound (``stale``)."""
+AckStatus = Literal["trained", "skipped"]
+"""What a trainer acks a group as (``POST /trainer/ack``)."""
+CallKind = Literal["chat", "completion"]
+"""The vLLM route a recorded call ran on: chat completions or completions."""
+CallApi = Literal["chat", "completions", "responses", "messages"]
+"""The API the client spoke; ``responses`` and ``messages`` run as chat calls (``proxy/dialects``)."""
