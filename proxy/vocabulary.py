@@ -3,7 +3,9 @@
 The status and kind columns of the store hold exactly these strings (``store/models.py``); the
 repository, the wire models (``schemas.py``), the routes' filters, the relay and the client
 (``client.py``) all use these aliases, so a misspelt status is a type error rather than a filter
-that matches nothing. No imports beyond ``typing``: the client (httpx + pydantic only) reads them too.
+that matches nothing. ``Abandoned`` is the one choice the proxy only carries: workflows write it
+into their groups' metadata and the trainer reads it there. No imports beyond ``typing``: the client
+(httpx + pydantic only), the workflows and the trainer read them too.
 """
 
 from __future__ import annotations
@@ -25,3 +27,6 @@ CallKind = Literal["chat", "completion"]
 """The vLLM route a recorded call ran on: chat completions or completions."""
 CallApi = Literal["chat", "completions", "responses", "messages"]
 """The API the client spoke; ``responses`` and ``messages`` run as chat calls (``proxy/dialects``)."""
+Abandoned = Literal["skip", "penalize"]
+"""What the trainer does with a group's abandoned episodes: leave them out, or count them as members
+at ``abandoned_reward``; a workflow says which in its groups' metadata (``abandoned``)."""

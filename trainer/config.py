@@ -19,6 +19,8 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from proxy.vocabulary import Abandoned
+
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 ScaleRewards = Literal["group", "batch", "none"]
 ImportanceLevel = Literal["token", "sequence"]
@@ -26,7 +28,7 @@ CorrectionMode = Literal["token_truncate", "token_mask", "sequence_truncate", "s
 Mode = Literal["sync", "async"]
 DType = Literal["auto", "bfloat16", "float32"]
 TurnCredit = Literal["episode", "discounted"]
-AbandonedPolicy = Literal["workflow", "skip", "penalize"]
+AbandonedRule = Literal["workflow", Abandoned]
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -100,7 +102,7 @@ class TrainerConfig:
     break into (a chat template that re-renders earlier turns splits an episode into k samples;
     without this, ``grpo`` and ``dr_grpo`` count it k times: rLLM PR #512). The split count is
     reported as ``data/episodes_split``."""
-    abandoned: AbandonedPolicy = "workflow"
+    abandoned: AbandonedRule = "workflow"
     """Abandoned episodes (crash, timeout, context overflow): ``penalize`` makes them group members
     with ``abandoned_reward`` (failure is penalised), ``skip`` leaves them out of the baseline,
     ``workflow`` follows each group's workflow (its ``abandoned`` metadata: agent workflows

@@ -41,11 +41,13 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from proxy.client import Call, Episode, Group
+from proxy.vocabulary import Abandoned
+from trainer.config import ScaleRewards, TurnCredit
 from trainer.loss import group_advantages
 
 NAN = float("nan")
@@ -56,8 +58,6 @@ NOT_THE_AGENTS_DOING = ("no reward within", "interrupted:", "infrastructure: ")
 runner stopped mid-episode, and model calls the proxy or engine failed (workflows/runner.py)."""
 Retokenizer = Callable[[Call], tuple[list[int], list[int]] | None]
 """(prompt ids, completion ids) rebuilt from a call's messages and reply text, or None."""
-TurnCredit = Literal["episode", "discounted"]
-Abandoned = Literal["skip", "penalize"]
 
 
 @dataclass
@@ -162,7 +162,7 @@ class Rules:
 
     max_seq_len: int = 2048
     min_rewarded: int = 2
-    scale_rewards: Literal["group", "batch", "none"] = "group"
+    scale_rewards: ScaleRewards = "group"
     turn_credit: TurnCredit = "episode"
     turn_discount: float = 1.0
     abandoned: Abandoned | None = None
@@ -420,7 +420,7 @@ def _choice_members(episode: Episode) -> dict[int, float] | None:
     return rewards if len(rewards) >= 2 else None
 
 
-def _abandon_policy(group: Group, rules: Rules) -> Abandoned:
+def _abandon_rule(group: Group, rules: Rules) -> Abandoned:
     if rules.abandoned is not None:
         return rules.abandoned
     chosen = (group.metadata or {}).get("abandoned")
@@ -429,7 +429,7 @@ def _abandon_policy(group: Group, rules: Rules) -> Abandoned:
 
 def _members(group: Group, rules: Rules, retokenize: Retokenizer | None, stats: DataStats) -> list[_Member]:
     members: list[_Member] = []
-    abandon = _abandon_policy(group, rules)
+    abandon = _abandon_rule(group, rules)
     for episode in group.episodes or []:
         if episode.status == "rewarded" and episode.reward is not None:
             reward = float(episode.reward)
@@ -515,7 +515,7 @@ def _assign(member: _Member, advantages: list[float], rules: Rules) -> float:
 
 
 def build_batch(groups: Sequence[Group], *, max_seq_len: int | None = None, min_rewarded: int | None = None,
-                scale_rewards: Literal["group", "batch", "none"] | None = None, retokenize: Retokenizer | None = None,
+                scale_rewards: ScaleRewards | None = None, retokenize: Retokenizer | None = None,
                 rules: Rules | None = None) -> Batch:
     """Samples with advantages for the groups that carry a learning signal; the rest are skipped.
 

@@ -17,16 +17,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
+
+from trainer.config import CorrectionMode, ImportanceLevel, LossType, ScaleRewards
 
 Tensor = torch.Tensor
 EPS_STD = 1e-4
 """Added to the reward std before dividing (TRL's constant)."""
 
 
-def group_advantages(rewards: Sequence[Tensor], scale: Literal["group", "batch", "none"], *,
+def group_advantages(rewards: Sequence[Tensor], scale: ScaleRewards, *,
                      batch_values: Tensor | None = None) -> list[Tensor]:
     """Per-group advantages: reward minus the group mean, scaled by a std (unbiased, as torch.std).
 
@@ -49,7 +50,7 @@ def per_token_kl(logps: Tensor, ref_logps: Tensor) -> Tensor:
 
 
 def importance_ratio(logps: Tensor, old_logps: Tensor, mask: Tensor,
-                     level: Literal["token", "sequence"]) -> Tensor:
+                     level: ImportanceLevel) -> Tensor:
     """pi_theta / pi_old per token, or GSPO's exp(mean log-ratio) per sequence broadcast to its tokens."""
     log_ratio = logps - old_logps  # (B, T)
     if level == "sequence":
@@ -58,7 +59,7 @@ def importance_ratio(logps: Tensor, old_logps: Tensor, mask: Tensor,
 
 
 def truncated_importance_weights(old_logps: Tensor, behaviour_logps: Tensor, mask: Tensor, *, cap: float,
-                                 mode: str) -> tuple[Tensor, Tensor]:
+                                 mode: CorrectionMode) -> tuple[Tensor, Tensor]:
     """Weights pi_old / pi_engine correcting for sampling by the engine (a stale or numerically
     different policy). NaN engine log-probs (unknown) give weight 1. Returns (weights (B, T),
     capped (B, T) bool: where the cap truncated or masked)."""
@@ -84,7 +85,7 @@ class Totals:
     max_completion_length: int
 
 
-def aggregate(per_token_loss: Tensor, mask: Tensor, loss_type: str, totals: Totals,
+def aggregate(per_token_loss: Tensor, mask: Tensor, loss_type: LossType, totals: Totals,
               seq_tokens: Tensor | None = None) -> Tensor:
     """Reduce per-token losses to this micro-batch's share of the step loss.
 
@@ -122,10 +123,10 @@ class LossOut:
 
 
 def grpo_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tensor, *, totals: Totals,
-              loss_type: str, epsilon: float, epsilon_high: float, beta: float = 0.0,
+              loss_type: LossType, epsilon: float, epsilon_high: float, beta: float = 0.0,
               ref_logps: Tensor | None = None, behaviour_logps: Tensor | None = None,
-              is_cap: float = 3.0, is_mode: str = "token_truncate",
-              level: Literal["token", "sequence"] = "token", seq_tokens: Tensor | None = None) -> LossOut:
+              is_cap: float = 3.0, is_mode: CorrectionMode = "token_truncate",
+              level: ImportanceLevel = "token", seq_tokens: Tensor | None = None) -> LossOut:
     """Clipped surrogate with optional KL and truncated importance weights.
 
     logps (B, T) with grad; old_logps (B, T) detached (the policy before this step's updates);

@@ -37,6 +37,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Literal, TypeVar
 
+from proxy.vocabulary import Abandoned
+
 Split = Literal["train", "test"]
 T = TypeVar("T")
 O = TypeVar("O")  # noqa: E741 - the workflow's options dataclass
@@ -98,7 +100,7 @@ class Workflow(ABC, Generic[T, O]):
     """Top-level packages the workflow imports lazily; checked when it is loaded by name."""
     episode_timeout_s: ClassVar[float] = 600.0
     """Default wall-clock limit of one episode; past it the episode is abandoned."""
-    abandoned: ClassVar[Literal["skip", "penalize"]] = "penalize"
+    abandoned: ClassVar[Abandoned] = "penalize"
     """What the trainer does with this workflow's abandoned episodes (recorded on each group):
     ``penalize`` counts them with the failure reward, because in an agent workflow an abandon (a
     crash, a timeout, a context overflow) is the agent's doing; ``skip`` leaves them out of the

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from proxy.client import Call, Episode, Group
+from proxy.vocabulary import Abandoned
 from trainer.data import ChatRetokenizer, DataStats, Rules, build_batch, episode_samples
 from trainer.packing import collate, plan
 
@@ -261,23 +262,22 @@ def test_split_episode_is_normalised_as_one_member() -> None:
     assert {s.member_loss_tokens for s in off.samples} == {0}
 
 
-@pytest.mark.parametrize(("policy", "trained"), [("penalize", True), ("skip", False)])
-def test_abandoned_episodes_are_penalized_or_skipped_by_choice(policy: str, trained: bool) -> None:
+@pytest.mark.parametrize(("rule", "trained"), [("penalize", True), ("skip", False)])
+def test_abandoned_episodes_are_penalized_or_skipped_by_choice(rule: Abandoned, trained: bool) -> None:
     crashed = Episode(id="crashed", status="abandoned", abandon_reason="agent crashed: context overflow",
                       calls=[call(0, SYSTEM, [14, EOS])])
     reaped = Episode(id="reaped", status="abandoned", abandon_reason="no reward within 900s", calls=[])
     ok = [Episode(id=f"ok{i}", status="rewarded", reward=1.0, calls=[call(0, SYSTEM, [10 + i, EOS])])
           for i in range(2)]
     group_ = Group(id="g", task_id="t", status="complete", episodes=[*ok, crashed, reaped])
-    batch = build_batch([group_], rules=Rules(min_rewarded=2, scale_rewards="none",
-                                              abandoned=policy))  # type: ignore[arg-type]
+    batch = build_batch([group_], rules=Rules(min_rewarded=2, scale_rewards="none", abandoned=rule))
     if trained:
         assert batch.trained == ["g"] and batch.rewards == [1.0, 1.0, 0.0]
         assert {s.member: s.advantage for s in batch.samples}["crashed"] == pytest.approx(-2 / 3)
         assert (batch.stats.episodes_abandoned_penalized, batch.stats.episodes_abandoned_skipped) == (1, 1)
     else:
         assert batch.skipped_equal == 1 and batch.stats.episodes_abandoned_skipped == 2
-    workflow_choice = Group(id="g", task_id="t", status="complete", metadata={"abandoned": policy},
+    workflow_choice = Group(id="g", task_id="t", status="complete", metadata={"abandoned": rule},
                             episodes=[*ok, crashed, reaped])
     assert build_batch([workflow_choice], rules=Rules(min_rewarded=2, scale_rewards="none")).trained == (
         ["g"] if trained else [])

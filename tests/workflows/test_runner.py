@@ -83,7 +83,7 @@ async def test_each_episode_ends_rewarded_or_abandoned_with_its_error(proxy: Pro
     slow = admin_get(proxy, f"/episodes/{by_index[3].episode_id}")
     assert (slow["status"], slow["abandon_reason"]) == ("abandoned", "timeout: the episode ran past its time limit")
     assert stats.summary()["rewarded"] == 2 and stats.summary()["mean_reward"] == 0.5
-    # The workflow's abandon policy travels with the group: the trainer penalizes these two abandons.
+    # The workflow's abandon rule travels with the group: the trainer penalizes these two abandons.
     assert admin_get(proxy, f"/groups/{group.group_id}")["metadata"]["abandoned"] == "penalize"
 
 
