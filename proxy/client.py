@@ -12,7 +12,7 @@ request bodies are the proxy's own wire models: a field renamed in ``schemas.py`
 by the type checker, not found missing at run time. Replies are read into this module's lenient
 models (unknown fields ignored, most fields optional), which keep what trainers and workflows read.
 
-Retry policy (``RetryPolicy``; one rule for both variants). Every call is one of two kinds:
+Retry policy (``RetryPolicy``; one rule for both variants). Every call is of one of two kinds (``Repeat``):
 
 - ``safe``: a repeat has no further effect, so it is retried after any transport error (the
   request may or may not have reached the proxy) and after any 5xx answer. Reads; a reward and an
@@ -68,8 +68,8 @@ __all__ = [
 ]
 
 R = TypeVar("R")
-Retry = Literal["safe", "unsent"]
-"""Which failures of a call may be retried (module docstring)."""
+Repeat = Literal["safe", "unsent"]
+"""When a call may be sent again: after any failure but a 4xx, or only when it never left (module docstring)."""
 CallRewards = Mapping[int, float] | Mapping[str, float]
 """Per-call rewards keyed by call ordinal (``2`` or ``"2"``), or ``"ordinal:choice"`` for a call with n > 1."""
 UNSENT = (httpx.ConnectError, httpx.ConnectTimeout)
@@ -114,11 +114,11 @@ class RetryPolicy:
         """The wait after ``failed`` attempts have failed (1, 2, ...)."""
         return float(min(self.first_wait_s * 2 ** (failed - 1), self.max_wait_s))
 
-    def retries(self, retry: Retry, failure: httpx.Response | httpx.TransportError) -> bool:
-        """Whether a call of kind ``retry`` is repeated after ``failure`` (an error answer or a transport error)."""
+    def retries(self, repeat: Repeat, failure: httpx.Response | httpx.TransportError) -> bool:
+        """Whether a call of kind ``repeat`` is sent again after ``failure`` (an error answer or a transport error)."""
         if isinstance(failure, httpx.Response):
-            return retry == "safe" and failure.status_code >= 500
-        return retry == "safe" or isinstance(failure, UNSENT)
+            return repeat == "safe" and failure.status_code >= 500
+        return repeat == "safe" or isinstance(failure, UNSENT)
 
 
 RETRY = RetryPolicy()
@@ -204,11 +204,11 @@ class PolicyVersion(_Reply):
 
 @dataclass(frozen=True)
 class _Request(Generic[R]):
-    """One call: what to send, which failures may be retried, how to read the answer."""
+    """One call: what to send, when it may be sent again, how to read the answer."""
 
     method: Literal["GET", "POST"]
     path: str
-    retry: Retry
+    repeat: Repeat
     read: Callable[[Any], R]
     body: BaseModel | None = None
     params: dict[str, str | int] | None = None
@@ -321,7 +321,7 @@ def _answer(request: _Request[R], response: httpx.Response) -> R:
 def _give_up(retry: RetryPolicy, url: str, request: _Request[Any], attempt: int,
              failure: httpx.Response | httpx.TransportError) -> ProxyError | None:
     """After failed attempt number ``attempt``: None to try again, else the error to raise."""
-    if attempt < retry.attempts and retry.retries(request.retry, failure):
+    if attempt < retry.attempts and retry.retries(request.repeat, failure):
         return None
     if isinstance(failure, httpx.TransportError):
         unreachable = ProxyUnreachable(url, f"{request.method} {request.path}", failure)
