@@ -35,6 +35,7 @@ from proxy.sampling import SamplingDefaults
 from proxy.settings import Settings
 from proxy.splice import Splicer
 from proxy.store.repository import Repository
+from proxy.ui import routes as ui
 from proxy.upstream import Upstreams
 
 log = logging.getLogger("flywheel.app")
@@ -143,6 +144,7 @@ def create_app(settings: Settings, *, repo: Repository | None = None,
                   description="OpenAI-compatible proxy that records agent episodes for RL training.")
     for module in (chat, responses, messages, episodes, policy, trainer, ops):
         app.include_router(module.router)
+    ui.install(app, settings.auth.admin_key.get_secret_value())
 
     @app.exception_handler(FlywheelError)
     async def _flywheel_error(request: Request, exc: FlywheelError) -> JSONResponse:

@@ -24,6 +24,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, async_sessionmaker
 
 from proxy.errors import Conflict, EpisodeClosed, FlywheelError, InvalidRequest, NotFound, RecordingFailed
+from proxy.store.browse import Browse
 from proxy.store.db import is_sqlite, make_engine, sqlite_file
 from proxy.store.models import Call, Episode, Group, PolicyVersion, TrainerStep
 from proxy.store.records import (
@@ -108,6 +109,8 @@ class Repository:
         )
         self._read_sessions = async_sessionmaker(self._reader, expire_on_commit=False)
         self._write_sessions = async_sessionmaker(self._writer, expire_on_commit=False)
+        self.browse = Browse(self._read_sessions)
+        """The dashboard's read-only pages and counts (``browse.py``)."""
         # SQLite files: the recorder's group commits and the model routes' episode check each get
         # a plain connection on a thread of their own (see sqlite_fast); the rest uses the engines.
         path = sqlite_file(url) if sqlite_fast_path else None

@@ -1,0 +1,1 @@
+"""The dashboard under ``/ui``: server-rendered pages (Jinja2) over the store, behind the admin key."""

@@ -1,0 +1,257 @@
+"""The dashboard's routes under ``/ui``: login, logout, the pages and one JSON feed for live charts.
+
+Who may look: the admin only, by a session cookie (``session.py``) set by the login form, or by
+``Authorization: Bearer <admin key>`` (scripts, the browser test). A page request without either
+is redirected to the login form; ``/ui/static`` needs nothing. The key is read from a POST body
+only: never from a URL, never written into a page.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, quote
+
+import jinja2
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from fastapi.staticfiles import StaticFiles
+
+from proxy.auth import bearer
+from proxy.deps import Services, ServicesDep, services_of
+from proxy.errors import InvalidRequest, NotFound
+from proxy.gate import canonical_id
+from proxy.store.browse import Cursor
+from proxy.ui import views
+from proxy.ui.session import COOKIE, SessionTokens
+from proxy.vocabulary import EpisodeStatus, GroupStatus, TrainStatus
+
+HERE = Path(__file__).parent
+PAGE = 50
+"""Rows per table page."""
+_HEADERS = {
+    # No inline script anywhere: data reaches the charts through /ui/api/overview.
+    "content-security-policy": "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
+                               "img-src 'self' data:; frame-ancestors 'none'; form-action 'self'",
+    "cache-control": "no-store",
+    "referrer-policy": "same-origin",
+    "x-content-type-options": "nosniff",
+}
+
+
+class LoginRequired(Exception):
+    """A page was asked for without a session: answered with a redirect to the login form."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.path = path
+
+
+def _fmt_time(epoch: float | None) -> str:
+    if epoch is None:
+        return ""
+    import datetime as dt
+
+    return dt.datetime.fromtimestamp(epoch, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _fmt_num(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.{digits}g}" if math.isfinite(value) else str(value)
+    return str(value)
+
+
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True,
+                             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    env.filters["time"] = _fmt_time
+    env.filters["num"] = _fmt_num
+    return env
+
+
+class Pages:
+    """The template environment and session signer of one app."""
+
+    def __init__(self, tokens: SessionTokens) -> None:
+        self.env = _environment()
+        self.tokens = tokens
+
+    def render(self, request: Request, name: str, status_code: int = 200, **context: Any) -> HTMLResponse:
+        body = self.env.get_template(name).render(request=request, **context)
+        return HTMLResponse(body, status_code=status_code, headers=_HEADERS)
+
+
+def _pages(request: Request) -> Pages:
+    pages: Pages = request.app.state.ui_pages
+    return pages
+
+
+def _signed_in(request: Request, svc: Services) -> bool:
+    key = bearer(request.headers.get("authorization"))
+    if key is not None:
+        found = svc.keys.identify(key)
+        return found is not None and found.role == "admin"
+    return _pages(request).tokens.valid(request.cookies.get(COOKIE))
+
+
+async def viewer(request: Request) -> Pages:
+    """The pages, for a signed-in admin; ``LoginRequired`` otherwise."""
+    if not _signed_in(request, services_of(request)):
+        raise LoginRequired(request.url.path)
+    return _pages(request)
+
+
+async def _login_redirect(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, LoginRequired)
+    return RedirectResponse(f"/ui/login?next={quote(exc.path)}", status_code=303, headers=_HEADERS)
+
+
+router = APIRouter(prefix="/ui", include_in_schema=False)
+Viewer = Depends(viewer)
+
+
+def _local(path: str | None) -> str:
+    """Where to go after logging in: a dashboard path only (no open redirect)."""
+    if path and path.startswith("/ui/") and not path.startswith("//") and "\\" not in path:
+        return path
+    return "/ui/"
+
+
+@router.get("/login")
+async def login_form(request: Request, target: str | None = Query(None, alias="next")) -> HTMLResponse:
+    return _pages(request).render(request, "login.html", next=_local(target), error=None)
+
+
+@router.post("/login")
+async def login(request: Request, svc: ServicesDep) -> Response:
+    """Check the admin key from the form body; on success set the session cookie (the key is not in it)."""
+    form = parse_qs((await request.body()).decode("utf-8", "replace"), keep_blank_values=True)
+    key = (form.get("key") or [""])[0]
+    target = _local((form.get("next") or [""])[0])
+    found = svc.keys.identify(key)
+    pages = _pages(request)
+    if found is None or found.role != "admin":
+        return pages.render(request, "login.html", status_code=401, next=target, error="That is not the admin key.")
+    response = RedirectResponse(target, status_code=303, headers=_HEADERS)
+    response.set_cookie(COOKIE, pages.tokens.issue(), max_age=int(pages.tokens.ttl_s), path="/ui", httponly=True,
+                        samesite="strict", secure=request.url.scheme == "https")
+    return response
+
+
+@router.post("/logout")
+async def logout() -> Response:
+    response = RedirectResponse("/ui/login", status_code=303, headers=_HEADERS)
+    response.delete_cookie(COOKIE, path="/ui", httponly=True, samesite="strict")
+    return response
+
+
+@router.get("/")
+async def overview(request: Request, svc: ServicesDep, pages: Pages = Viewer) -> HTMLResponse:
+    versions = await svc.repo.list_policy_versions(limit=50)
+    counts = await svc.repo.browse.counts()
+    return pages.render(request, "overview.html", versions=versions, counts=counts)
+
+
+def _metric(svc: Services, name: str, **labels: str) -> float | None:
+    return svc.metrics.registry.get_sample_value(name, labels)
+
+
+@router.get("/api/overview")
+async def overview_data(svc: ServicesDep, _: Pages = Viewer,
+                        since_step: int = Query(-1, ge=-1)) -> JSONResponse:
+    """The live feed: trainer steps after ``since_step``, counts, and this replica's token counters."""
+    steps = await svc.repo.list_trainer_steps(since_step=since_step, limit=5000)
+    counts = await svc.repo.browse.counts()
+    current = svc.policies.current
+    body = {
+        "steps": [{"step": s.step, "created_at": s.created_at, "metrics": s.metrics} for s in steps],
+        "episodes": counts.episodes, "groups": counts.groups, "calls": counts.calls,
+        "policy_version": current.version if current else 0,
+        "proxy": {"prompt_tokens": _metric(svc, "flywheel_tokens_total", kind="prompt"),
+                  "completion_tokens": _metric(svc, "flywheel_tokens_total", kind="completion"),
+                  "calls_recorded": _metric(svc, "flywheel_calls_recorded_total"),
+                  "queue_depth": svc.recorder.queue_depth},
+    }
+    return JSONResponse(body, headers={"cache-control": "no-store"})
+
+
+def _cursor(raw: str | None) -> Cursor | None:
+    """``<created_at>_<id>`` from a "next page" link; a malformed one starts at the top."""
+    if not raw or "_" not in raw:
+        return None
+    at, _, ident = raw.partition("_")
+    try:
+        return float(at), ident
+    except ValueError:
+        return None
+
+
+def _next(rows: list[Any], at: Any) -> str | None:
+    """The cursor of the page after this one (None on the last page)."""
+    if len(rows) < PAGE:
+        return None
+    last = at(rows[-1])
+    return f"{last.created_at!r}_{last.id}"
+
+
+@router.get("/groups")
+async def groups(request: Request, svc: ServicesDep, pages: Pages = Viewer, status: GroupStatus | None = None,
+                 train_status: TrainStatus | None = None, task: str | None = None,
+                 after: str | None = None) -> HTMLResponse:
+    rows = await svc.repo.browse.groups(status=status, train_status=train_status, task=task or None,
+                                        after=_cursor(after), limit=PAGE)
+    filters = {"status": status or "", "train_status": train_status or "", "task": task or ""}
+    return pages.render(request, "groups.html", groups=rows, filters=filters, after=after,
+                        next=_next(rows, lambda g: g))
+
+
+@router.get("/groups/{group_id}")
+async def compare(request: Request, group_id: str, svc: ServicesDep, pages: Pages = Viewer) -> HTMLResponse:
+    """A group's episodes side by side: rewards, advantages, and each one's conversation."""
+    try:
+        group = await svc.repo.get_group(canonical_id(group_id, param="group_id"))
+    except (NotFound, InvalidRequest):
+        return pages.render(request, "missing.html", status_code=404, what="group", ident=group_id)
+    members = [await svc.repo.get_episode(e.id) for e in group.episodes or []]
+    return pages.render(request, "compare.html", group=group, members=members,
+                        conversations={e.id: views.conversation(e) for e in members},
+                        advantages=views.advantages(members))
+
+
+@router.get("/episodes")
+async def episodes(request: Request, svc: ServicesDep, pages: Pages = Viewer, status: EpisodeStatus | None = None,
+                   task: str | None = None, group: str | None = None, after: str | None = None) -> HTMLResponse:
+    try:
+        group_id = canonical_id(group, param="group") if group else None
+    except InvalidRequest:
+        return pages.render(request, "missing.html", status_code=404, what="group", ident=group or "")
+    rows = await svc.repo.browse.episodes(status=status, task=task or None, group_id=group_id,
+                                          after=_cursor(after), limit=PAGE)
+    filters = {"status": status or "", "task": task or "", "group": group or ""}
+    return pages.render(request, "episodes.html", rows=rows, filters=filters, after=after,
+                        next=_next(rows, lambda r: r.episode))
+
+
+@router.get("/episodes/{episode_id}")
+async def episode(request: Request, episode_id: str, svc: ServicesDep, pages: Pages = Viewer) -> HTMLResponse:
+    try:
+        record = await svc.repo.get_episode(canonical_id(episode_id))
+    except (NotFound, InvalidRequest):
+        return pages.render(request, "missing.html", status_code=404, what="episode", ident=episode_id)
+    advantage = None
+    if record.group_id is not None:
+        group = await svc.repo.get_group(record.group_id)
+        advantage = views.advantages(group.episodes or []).get(record.id)
+    return pages.render(request, "episode.html", episode=record, calls=views.conversation(record),
+                        advantage=advantage)
+
+
+def install(app: FastAPI, admin_key: str) -> None:
+    """Mount the dashboard on ``app``: its routes, its static files (no key) and its login redirect."""
+    app.state.ui_pages = Pages(SessionTokens(admin_key))
+    app.mount("/ui/static", StaticFiles(directory=HERE / "static"), name="ui-static")
+    app.include_router(router)
+    app.add_exception_handler(LoginRequired, _login_redirect)

@@ -1,0 +1,254 @@
+"""The dashboard (``proxy/ui``) in-process on a real SQLite store seeded through the repository.
+
+No vLLM and no browser: the fake upstream only answers the proxy's health checks.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from proxy.store.db import migrate_async
+from proxy.store.records import NewCall
+from proxy.store.repository import Repository
+from proxy.ui.session import COOKIE, SessionTokens
+from tests.proxy.conftest import ADMIN, fake_upstream, make_settings, running_app
+from tests.support.services import ADMIN_KEY
+
+TOOL_ARGS = '{"expression": "17 * 23"}'
+
+
+def _call(episode_id: str, messages: list[dict[str, Any]], *, text: str, tool_calls: list[dict[str, Any]] | None,
+          token_ids: list[int], logprobs: list[float], version: int) -> NewCall:
+    tokens = [{"token": f"<{t}>", "logprob": lp} for t, lp in zip(token_ids, logprobs, strict=True)]
+    message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
+    return NewCall(
+        episode_id=episode_id, kind="chat", stream=False, request={"model": "policy", "messages": messages},
+        response={"id": "chatcmpl-1", "choices": [{"index": 0, "message": message, "logprobs": {"content": tokens},
+                                                   "finish_reason": "tool_calls" if tool_calls else "stop"}]},
+        status_code=200, error=None, prompt_token_ids=list(range(1, 12)),
+        choices=[{"index": 0, "token_ids": token_ids, "logprobs": logprobs, "finish_reason": "stop", "text": text,
+                  "tool_calls": tool_calls}],
+        exact_ids=True, model_requested="policy", model_served=f"policy-v{version}", policy_version=version,
+        replica="vllm-0", started_at=time.time(), latency_ms=123.0, ttft_ms=None, prompt_tokens=11,
+        completion_tokens=len(token_ids))
+
+
+async def _tool_episode(repo: Repository, episode_id: str, answer: str) -> None:
+    """Two calls: the agent calls the calculator, gets its result, then answers."""
+    tool_call = {"id": "call_calc_1", "type": "function",
+                 "function": {"name": "calculator", "arguments": TOOL_ARGS}}
+    first = [{"role": "system", "content": "You are a careful calculator agent."},
+             {"role": "user", "content": "What is 17 * 23?"}]
+    second = [*first, {"role": "assistant", "content": None, "tool_calls": [tool_call]},
+              {"role": "tool", "tool_call_id": "call_calc_1", "content": "RESULT-391"}]
+    outcome = await repo.insert_calls([
+        _call(episode_id, first, text="", tool_calls=[tool_call], token_ids=[501, 502, 503],
+              logprobs=[-0.01, -2.5, -0.2], version=1)])
+    assert outcome == [None]
+    outcome = await repo.insert_calls([
+        _call(episode_id, second, text=f"The answer is {answer}.", tool_calls=None, token_ids=[601, 602],
+              logprobs=[-0.1, -4.0], version=1)])
+    assert outcome == [None]
+
+
+@pytest.fixture
+async def ui(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Repository, list[str]]]:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'flywheel.db'}"
+    await migrate_async(url)
+    async with running_app(make_settings(url), transport=fake_upstream()) as client:
+        repo: Repository = client.app.state.services.repo  # type: ignore[attr-defined]
+        group = await repo.create_group(task_id="calc-17x23", size=3, metadata={})
+        ids = [e.id for e in group.episodes or []]
+        await _tool_episode(repo, ids[0], "391")
+        await _tool_episode(repo, ids[1], "390")
+        await repo.set_reward(ids[0], reward=1.0, call_rewards={"0": 0.3}, metadata=None)
+        await repo.set_reward(ids[1], reward=0.0, call_rewards=None, metadata=None)
+        await repo.add_policy_version(version=1, name="policy-v1", adapter_path="/adapters/policy-v1", metadata={})
+        for step in range(3):
+            await repo.add_trainer_step(step=step, metrics={"reward/mean": 0.1 * step, "loss/total": 1.0 - step / 10})
+        yield client, repo, ids
+
+
+async def _login(client: httpx.AsyncClient, key: str = ADMIN_KEY, next_path: str = "/ui/") -> httpx.Response:
+    return await client.post("/ui/login", content=f"key={key}&next={next_path}",
+                             headers={"content-type": "application/x-www-form-urlencoded"})
+
+
+def _no_key(response: httpx.Response) -> None:
+    assert ADMIN_KEY not in response.text
+    assert ADMIN_KEY not in str(response.headers)
+
+
+async def test_login_sets_a_signed_httponly_cookie_not_the_key(ui: Any) -> None:
+    client, _, _ = ui
+    response = await _login(client, next_path="/ui/episodes")
+    assert response.status_code == 303
+    assert response.headers["location"] == "/ui/episodes"
+    cookie = response.headers["set-cookie"]
+    assert cookie.startswith(f"{COOKIE}=")
+    assert "httponly" in cookie.lower()
+    assert "samesite=strict" in cookie.lower()
+    assert "path=/ui" in cookie.lower()
+    _no_key(response)
+    token = client.cookies[COOKIE]
+    assert SessionTokens(ADMIN_KEY).valid(token)
+    assert not SessionTokens("another-admin-key-0123456789").valid(token)
+
+
+async def test_wrong_key_and_other_keys_are_refused(ui: Any) -> None:
+    client, _, ids = ui
+    for key in ("wrong-key", "agent-key-0123456789abcdef", client.app.state.services.keys.episode_key(ids[0])):
+        response = await _login(client, key=key)
+        assert response.status_code == 401
+        assert COOKIE not in response.headers.get("set-cookie", "")
+        assert "not the admin key" in response.text
+    assert COOKIE not in client.cookies
+
+
+@pytest.mark.parametrize("path", ["/ui/", "/ui/groups", "/ui/episodes", "/ui/api/overview"])
+async def test_pages_redirect_to_login_without_a_session(ui: Any, path: str) -> None:
+    client, _, _ = ui
+    response = await client.get(path)
+    assert response.status_code == 303
+    assert response.headers["location"] == f"/ui/login?next={path}"
+    client.cookies.set(COOKIE, "v1.9999999999.nonce.forged")
+    assert (await client.get(path)).status_code == 303
+    client.cookies.clear()
+    wrong_bearer = await client.get(path, headers={"authorization": "Bearer agent-key-0123456789abcdef"})
+    assert wrong_bearer.status_code == 303
+
+
+async def test_expired_session_is_refused() -> None:
+    now = [1000.0]
+    tokens = SessionTokens(ADMIN_KEY, ttl_s=60, clock=lambda: now[0])
+    token = tokens.issue()
+    assert tokens.valid(token)
+    now[0] += 61
+    assert not tokens.valid(token)
+    body, _, _ = token.rpartition(".")
+    assert not tokens.valid(f"{body}.{'A' * 43}")
+
+
+async def test_every_page_answers_with_a_session_and_never_shows_the_key(ui: Any) -> None:
+    client, _, ids = ui
+    group_id = (await client.get(f"/episodes/{ids[0]}", headers=ADMIN)).json()["group_id"]
+    await _login(client)
+    for path in ("/ui/", "/ui/groups", "/ui/episodes", f"/ui/episodes/{ids[0]}", f"/ui/groups/{group_id}",
+                 "/ui/login", f"/ui/episodes?group={group_id}&status=rewarded&task=17x"):
+        response = await client.get(path)
+        assert response.status_code == 200, path
+        assert "text/html" in response.headers["content-type"]
+        assert "script-src 'self'" in response.headers["content-security-policy"]
+        _no_key(response)
+    feed = await client.get("/ui/api/overview")
+    assert feed.status_code == 200
+    _no_key(feed)
+    assert [s["step"] for s in feed.json()["steps"]] == [0, 1, 2]
+    assert feed.json()["episodes"] == {"rewarded": 2, "open": 1}
+    newer = await client.get("/ui/api/overview", params={"since_step": 1})
+    assert [s["step"] for s in newer.json()["steps"]] == [2]
+
+
+async def test_bearer_header_is_an_alternative_to_the_cookie(ui: Any) -> None:
+    client, _, ids = ui
+    response = await client.get(f"/ui/episodes/{ids[0]}", headers=ADMIN)
+    assert response.status_code == 200
+    _no_key(response)
+
+
+async def test_logout_deletes_the_cookie(ui: Any) -> None:
+    client, _, _ = ui
+    await _login(client)
+    assert (await client.get("/ui/")).status_code == 200
+    response = await client.post("/ui/logout")
+    assert response.status_code == 303
+    assert COOKIE not in client.cookies
+    assert (await client.get("/ui/")).status_code == 303
+
+
+async def test_static_files_need_no_session(ui: Any) -> None:
+    client, _, _ = ui
+    for path in ("/ui/static/ui.css", "/ui/static/overview.js", "/ui/static/vendor/uPlot.iife.min.js"):
+        response = await client.get(path)
+        assert response.status_code == 200, path
+    vendored = (await client.get("/ui/static/vendor/uPlot.iife.min.js")).text
+    assert vendored.startswith("/*! https://github.com/leeoniya/uPlot (v1.6.31)")
+
+
+async def test_episode_page_shows_the_conversation_tools_tokens_and_rewards(ui: Any) -> None:
+    client, _, ids = ui
+    await _login(client)
+    page = (await client.get(f"/ui/episodes/{ids[0]}")).text
+    assert "You are a careful calculator agent." in page
+    assert "What is 17 * 23?" in page
+    assert '<strong class="tool-name">calculator</strong>' in page
+    assert "&#34;expression&#34;: &#34;17 * 23&#34;" in page  # the arguments, pretty-printed and escaped
+    assert "RESULT-391" in page
+    assert "result of <code>call_calc_1</code>" in page
+    assert "The answer is 391." in page
+    assert re.search(r'<dd class="reward">1(\.0)?</dd>', page)
+    assert "call 0: 0.3" in page and "call reward 0.3" in page
+    assert "advantage (group-normalised)" in page
+    assert "policy-v1" in page and "vllm-0" in page and "123 ms" in page
+    # The token view: 11 masked prompt ids, the sampled tokens with their text, tinted by logprob.
+    assert "Tokens: 11 prompt (loss-masked); 3 sampled (trained)" in page
+    token = r'<span class="tok" style="--shade: 0\.918" title="id 502 · logprob -2\.5">&lt;502&gt;</span>'
+    assert re.search(token, page)
+    # The tool result appears once: the second call shows only what was new since the first.
+    assert page.count("RESULT-391") == 1
+    assert page.count("What is 17 * 23?") == 1
+
+
+async def test_compare_page_puts_the_group_side_by_side(ui: Any) -> None:
+    client, _, ids = ui
+    await _login(client)
+    group_id = (await client.get(f"/episodes/{ids[0]}", headers=ADMIN)).json()["group_id"]
+    page = (await client.get(f"/ui/groups/{group_id}")).text
+    assert page.count('<article class="member"') == 3
+    assert "The answer is 391." in page and "The answer is 390." in page
+    assert "advantage 1" in page and "advantage -1" in page
+    missing = await client.get("/ui/groups/00000000-0000-0000-0000-000000000000")
+    assert missing.status_code == 404
+
+
+async def test_episode_pages_are_disjoint_and_in_order(ui: Any) -> None:
+    client, repo, _ = ui
+    for _ in range(40):  # 120 more episodes; a group's episodes share created_at, so the id breaks ties
+        await repo.create_group(task_id="paging", size=3, metadata={})
+    await _login(client)
+    seen: list[str] = []
+    path = "/ui/episodes?task=paging"
+    pages = 0
+    while path:
+        page = (await client.get(path)).text
+        seen += re.findall(r'<a href="/ui/episodes/([0-9a-f-]{36})">', page)
+        following = re.search(r'<a rel="next" href="([^"]+)"', page)
+        path = "/ui/episodes" + following.group(1).replace("&amp;", "&") if following else ""
+        pages += 1
+    assert pages == 3  # 50 + 50 + 20
+    assert len(seen) == 120 == len(set(seen))
+    rows = await repo.browse.episodes(task="paging", limit=1000)
+    assert seen == [r.episode.id for r in rows]
+    created = [(r.episode.created_at, r.episode.id) for r in rows]
+    assert created == sorted(created, reverse=True)
+
+
+async def test_filters_narrow_the_tables(ui: Any) -> None:
+    client, _, ids = ui
+    await _login(client)
+    rewarded = (await client.get("/ui/episodes", params={"status": "rewarded"})).text
+    assert set(re.findall(r'<a href="/ui/episodes/([0-9a-f-]{36})">', rewarded)) == set(ids[:2])
+    none = (await client.get("/ui/episodes", params={"task": "no-such-task"})).text
+    assert "No episodes." in none
+    groups = (await client.get("/ui/groups", params={"task": "17x2"})).text
+    assert groups.count('<a href="/ui/groups/') == 1
+    assert orjson.dumps(ids[0]).decode().strip('"') in (await client.get("/ui/episodes", params={"group": (
+        await client.get(f"/episodes/{ids[0]}", headers=ADMIN)).json()["group_id"]})).text
