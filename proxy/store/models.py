@@ -24,6 +24,8 @@ class Group(Base):
     """A task attempted ``size`` times; GRPO's unit of advantage normalisation."""
 
     __tablename__ = "groups"
+    # The dashboard's keyset pages, newest first (``browse.py``): one index seek per page.
+    __table_args__ = (Index("ix_groups_created_id", "created_at", "id"),)
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
     task_id: Mapped[str] = mapped_column(String(256), index=True)
@@ -45,6 +47,7 @@ class Episode(Base):
     """One attempt at a task by an agent; every model call it makes is a ``Call``."""
 
     __tablename__ = "episodes"
+    __table_args__ = (Index("ix_episodes_created_id", "created_at", "id"),)
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
     group_id: Mapped[str | None] = mapped_column(ForeignKey("groups.id"), index=True)
