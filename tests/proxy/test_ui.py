@@ -252,3 +252,15 @@ async def test_filters_narrow_the_tables(ui: Any) -> None:
     assert groups.count('<a href="/ui/groups/') == 1
     assert orjson.dumps(ids[0]).decode().strip('"') in (await client.get("/ui/episodes", params={"group": (
         await client.get(f"/episodes/{ids[0]}", headers=ADMIN)).json()["group_id"]})).text
+
+
+async def test_login_leads_only_to_dashboard_paths(ui: Any) -> None:
+    client, _, _ = ui
+    for target in ("https://evil.example/", "//evil.example/ui/", "/episodes", ""):
+        response = await _login(client, next_path=target)
+        assert response.status_code == 303
+        assert response.headers["location"] == "/ui/", target
+    client.cookies.clear()
+    bare = await client.get("/ui", follow_redirects=True)
+    assert bare.status_code == 200
+    assert 'name="key" type="password"' in bare.text
