@@ -7,6 +7,10 @@ latency is one commit), at high load hundreds (the throughput of one commit each
 
 Outcomes are per call: the store refuses, inside the inserting transaction, a call whose episode
 was rewarded or abandoned meanwhile (``EpisodeClosed``, 409) while the rest of its batch commits.
+
+The batch loop outlives everything but its own shutdown: a failing ``on_batch`` callback (the
+metrics) is logged and counted (``callback_errors``), and commits go on. Were the loop ever to end
+early, ``record()`` refuses calls instead of leaving them waiting for a loop that is gone.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ class Recorder:
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._on_batch = on_batch
+        self.callback_errors = 0
+        """How many times ``on_batch`` raised (each logged; the batch had committed)."""
 
     @property
     def queue_depth(self) -> int:
@@ -43,10 +49,12 @@ class Recorder:
     async def record(self, call: NewCall) -> None:
         """Return once ``call`` is committed. Raises ``EpisodeClosed`` if its episode was finished
         before the record was written (the call is not stored), ``RecordingFailed`` if the store failed."""
-        # Once closing, only a batch loop still running will take the call: one that has ended (or
+        # Only a batch loop still running will take the call: one that has ended (or, once closing,
         # never ran) would leave it waiting for ever.
         if self._closing and (self._task is None or self._task.done()):
             raise RecordingFailed("the proxy is shutting down; the call was not recorded")
+        if self._task is not None and self._task.done():
+            raise RecordingFailed("the recorder has stopped; the call was not recorded")
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending.append((call, future))
         self._wake.set()
@@ -82,8 +90,17 @@ class Recorder:
                     future.set_result(None)
                 else:
                     future.set_exception(outcome)
-            if self._on_batch:
-                self._on_batch(len(batch), loop.time() - started)
+            self._report(len(batch), loop.time() - started)
+
+    def _report(self, calls: int, seconds: float) -> None:
+        """Tell ``on_batch`` about a committed batch; its failure must not stop the commits."""
+        if self._on_batch is None:
+            return
+        try:
+            self._on_batch(calls, seconds)
+        except Exception:
+            self.callback_errors += 1
+            log.exception("the on_batch callback failed; commits go on", extra={"calls": calls})
 
     async def close(self) -> None:
         """Drain: every call handed in before close is committed (or failed) before this returns."""

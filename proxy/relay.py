@@ -23,6 +23,7 @@ import httpx
 import orjson
 from fastapi.responses import Response, StreamingResponse
 
+from proxy.answers import check_answer, check_chunk, json_object, malformed, reading
 from proxy.capture import (
     Captured,
     StreamCapture,
@@ -130,6 +131,8 @@ class ModelCall:
         self.notes: dict[str, Any] | None = None
         self.splice_note: dict[str, Any] | None = None
         self.replica: Replica | None = None
+        self.streamed_choices = False
+        """A parsed stream carried at least one choice (a stream without any is malformed)."""
 
     def headers(self) -> dict[str, str]:
         out = {}
@@ -222,21 +225,26 @@ class ModelCall:
     async def complete(self) -> Response:
         try:
             data, raw = await self._fetch()
+            with reading(self.source):  # everything read from the answer is read before the record
+                captured = capture_response(data, self.kind) if self.recorded else None
+                if self.translation is not None:
+                    raw = orjson.dumps(self.translation.response(data))
         except FlywheelError as exc:
             await self.record_error(exc)
             self._observe(exc.status_code, None)
             raise
-        captured = None
         if self.recorded:
-            captured = capture_response(data, self.kind)
             await self.relay.recorder.record(self._new_call(status=200, captured=captured, error=None, ttft_ms=None))
             if self.translation is None and (strip_for_client(data, self.wants, self.kind) or raw is None):
                 raw = orjson.dumps(data)
-        if self.translation is not None:
-            raw = orjson.dumps(self.translation.response(data))
         assert raw is not None
         self._observe(200, captured)
         return Response(raw, media_type="application/json", headers=self.headers())
+
+    @property
+    def source(self) -> str:
+        """The replica that answered, for error messages."""
+        return self.replica.name if self.replica else "?"
 
     async def _fetch(self) -> tuple[dict[str, Any], bytes | None]:
         """The upstream's answer, parsed, and its bytes (None when the proxy built the answer)."""
@@ -244,14 +252,11 @@ class ModelCall:
         if planned is not None:
             assert self.relay.splicer is not None
             replica, body, plan = planned
-            return await self.relay.splicer.complete(replica, body, plan), None
+            return check_answer(await self.relay.splicer.complete(replica, body, plan), self.kind, self.source), None
         response = await self.send(stream=False)
         if response.status_code >= 400:
             raise answer_error(response.status_code, response.content, self.replica)
-        try:
-            return orjson.loads(response.content), response.content
-        except orjson.JSONDecodeError:
-            raise UpstreamError(f"upstream {self.replica.name if self.replica else '?'} sent invalid JSON") from None
+        return check_answer(json_object(response.content, self.source), self.kind, self.source), response.content
 
     async def _splice(self) -> tuple[Replica, dict[str, Any], Plan] | None:
         """A follow-up chat call whose prompt needs the sampled ids of an earlier turn spliced in:
@@ -357,6 +362,7 @@ class ModelCall:
                         saw_done = saw_done or done
                         if upstream_error is not None:
                             error = upstream_error
+                            break
                         if content and ttft_ms is None:
                             ttft_ms = (time.perf_counter() - self.t0) * 1000
                             self.relay.metrics.ttft.observe(ttft_ms / 1000)
@@ -365,6 +371,8 @@ class ModelCall:
                     buffer = buffer[start:]
                     if outs:  # what arrived together leaves together: one write, not one per event
                         yield outs[0] if len(outs) == 1 else b"".join(outs)
+                    if error is not None:  # the stream ends at the upstream's error: nothing after it is read
+                        break
             except httpx.TransportError as exc:
                 assert self.replica is not None
                 error = map_transport_error(exc, self.replica)
@@ -372,6 +380,8 @@ class ModelCall:
                 error = exc
             if error is None and not saw_done:
                 error = UpstreamError("upstream closed the stream before [DONE]", code="incomplete_stream")
+            if error is None and not self.streamed_choices and (capture is not None or self.events is not None):
+                error = malformed(self.source, "a stream without choices")
             captured = capture.result() if capture is not None else None
             if error is not None:
                 await self.record_error(error)
@@ -424,16 +434,24 @@ class ModelCall:
         if capture is None and self.events is None:
             return event + b"\n\n", True, False, None
         try:
-            chunk = orjson.loads(data)
+            chunk = check_chunk(orjson.loads(data), self.kind, self.source)
         except orjson.JSONDecodeError:
-            return (event + b"\n\n" if self.events is None else None), False, False, None
+            return None, False, False, malformed(self.source, "invalid JSON in a stream event")
+        except UpstreamError as exc:
+            return None, False, False, exc
         if "error" in chunk and "choices" not in chunk:
             err = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
             return None, False, False, UpstreamError(f"upstream error mid-stream: {err.get('message')}",
                                                      code="upstream_error")
-        content = capture.feed(chunk) if capture is not None else bool(chunk.get("choices"))
+        self.streamed_choices = self.streamed_choices or bool(chunk.get("choices"))
+        try:
+            with reading(self.source):
+                content = capture.feed(chunk) if capture is not None else bool(chunk.get("choices"))
+                translated = self.events.chunk(chunk) if self.events is not None else None
+        except UpstreamError as exc:
+            return None, False, False, exc
         if self.events is not None:
-            return self.events.chunk(chunk) or None, content, False, None
+            return translated or None, content, False, None
         if usage_only(chunk, self.wants):  # the proxy asked for it (to count the ids), not the client
             return None, content, False, None
         if strip_for_client(chunk, self.wants, self.kind):

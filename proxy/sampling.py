@@ -59,6 +59,9 @@ GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "str
 SAMPLING_EPS = 1e-5
 """vLLM samples greedily below this temperature."""
 MODEL_FIELDS = ("temperature", "top_p", "top_k", "min_p")
+MAX_TOP_K = 2**31 - 1
+"""No vocabulary is larger; a larger ``top_k`` (say 1e30, read as a float) would become an integer
+orjson cannot send on."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +145,8 @@ def resolve(body: dict[str, Any], defaults: SamplingDefaults, *, penalties: Pena
             value = defaults.values[key]
             from_model.append(key)
         effective[key] = NEUTRAL[key] if value is None else value
+    if not -1 <= effective["top_k"] <= MAX_TOP_K:
+        raise InvalidRequest(f"'top_k' must be in [-1, {MAX_TOP_K}] (0 and -1: all tokens)", param="top_k")
     top_k = int(effective["top_k"])
     effective["top_k"] = 0 if top_k < 0 else top_k  # vLLM: 0 and -1 both mean "all tokens"
     for key, value in effective.items():

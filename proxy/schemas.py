@@ -29,6 +29,10 @@ def _finite_json(value: Any, path: str = "") -> Any:
 Metadata = Annotated[dict[str, Any], AfterValidator(_finite_json)]
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 Limit = Annotated[int, Field(ge=1, le=1000)]
+MAX_STORED_INT = 2**31 - 1
+"""The largest integer an integer column holds on every store (PostgreSQL ``integer``): a number a
+request gives that reaches such a column, or a query on one, is refused above it with a 400."""
+StoredInt = Annotated[int, Field(le=MAX_STORED_INT)]
 
 
 class _In(BaseModel):
@@ -152,7 +156,7 @@ class ListOut(BaseModel):
 
 class PublishIn(_In):
     adapter_path: str = Field(min_length=1, description="adapter directory as the vLLM replicas see it")
-    version: int | None = Field(None, ge=1, description="default: current version + 1")
+    version: StoredInt | None = Field(None, ge=1, description="default: current version + 1")
     metadata: Metadata = {}
 
 
@@ -172,7 +176,7 @@ class ClaimIn(_In):
     trainer_id: str = Field("trainer", min_length=1, max_length=128)
     max_groups: int = Field(8, ge=1, le=1024)
     lease_s: float = Field(600.0, gt=0, le=86400)
-    max_staleness: int | None = Field(None, ge=0, description="skip groups whose oldest call is more than "
+    max_staleness: StoredInt | None = Field(None, ge=0, description="skip groups whose oldest call is more than "
                                       "this many policy versions behind the current one")
     lease_id: str | None = Field(None, min_length=8, max_length=36, description="client-chosen lease id: retrying "
                                  "a claim whose answer was lost returns the same groups instead of leasing more")
@@ -205,11 +209,11 @@ class RenewOut(BaseModel):
 class AckIn(_In):
     lease_id: str = Field(min_length=1)
     group_ids: list[str] = Field(min_length=1)
-    step: int = Field(ge=0)
+    step: StoredInt = Field(ge=0)
     status: AckStatus = "trained"
     note: str | None = Field(None, max_length=4000)
 
 
 class StepIn(_In):
-    step: int = Field(ge=0)
+    step: StoredInt = Field(ge=0)
     metrics: Metadata

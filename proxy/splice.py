@@ -37,6 +37,7 @@ from typing import Any
 
 import orjson
 
+from proxy.answers import json_object, reading
 from proxy.errors import UpstreamError
 from proxy.store.records import CallRecord
 from proxy.store.repository import Repository
@@ -212,8 +213,7 @@ class Splicer:
             raise SpliceUnavailable(f"{replica.name} {path} answered {response.status_code}")
         if response.status_code >= 400:
             raise answer_error(response.status_code, response.content, replica)
-        data: dict[str, Any] = orjson.loads(response.content)
-        return data
+        return json_object(response.content, replica.name)
 
     async def _render(self, replica: Replica, body: dict[str, Any]) -> dict[str, Any]:
         return await self._post(replica, RENDER, body, optional=True)
@@ -273,7 +273,7 @@ class Splicer:
                     data = next((line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:")), None)
                     if data is None or data == b"[DONE]":
                         continue
-                    chunk = orjson.loads(data)
+                    chunk = json_object(data, replica.name)
                     if "error" in chunk and "choices" not in chunk:
                         err = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
                         raise UpstreamError(f"upstream error mid-stream: {err.get('message')}", code="upstream_error")
@@ -281,9 +281,10 @@ class Splicer:
                         "stream": True, "model": body["model"], "generate_chunk": chunk, "stream_state": state,
                         "chat_request": body, "prompt_token_ids": plan.prompt_ids,
                         "prompt_tokens": len(plan.prompt_ids)})
-                    state = out["stream_state"]
-                    message: dict[str, Any] = out["chunk"]
-                    _keep_logprobs(message, chunk)
+                    with reading(replica.name):
+                        state = out["stream_state"]
+                        message: dict[str, Any] = out["chunk"]
+                        _keep_logprobs(message, chunk)
                     if first:
                         message["prompt_token_ids"] = plan.prompt_ids
                         first = False

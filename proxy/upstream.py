@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import orjson
 
+from proxy.answers import json_object, malformed
 from proxy.errors import FlywheelError, NotFound, RequestRejected, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from proxy.settings import Settings, UpstreamSettings
 from proxy.transport import Http1Transport
@@ -151,7 +152,10 @@ class Upstreams:
             raise map_transport_error(exc, replica) from exc
         if response.status_code != 200:
             raise UpstreamError(f"upstream {replica.name} answered {response.status_code} to /v1/models")
-        return list(response.json().get("data") or [])
+        models = json_object(response.content, replica.name).get("data") or []
+        if not isinstance(models, list) or not all(isinstance(m, dict) for m in models):
+            raise malformed(replica.name, "/v1/models answered no list of models")
+        return models
 
     async def probe(self, replica: Replica) -> bool:
         try:

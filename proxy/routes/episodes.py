@@ -8,6 +8,7 @@ from proxy.deps import AdminDep, ServicesDep
 from proxy.errors import InvalidRequest
 from proxy.gate import canonical_id
 from proxy.schemas import (
+    MAX_STORED_INT,
     AbandonIn,
     CreatedEpisode,
     CreatedGroup,
@@ -60,7 +61,7 @@ async def list_groups(svc: ServicesDep, _: AdminDep,
                       status: GroupStatus | None = None,
                       task_id: str | None = None,
                       train_status: TrainStatus | None = None,
-                      limit: Limit = 100, offset: int = Query(0, ge=0)) -> ListOut:
+                      limit: Limit = 100, offset: int = Query(0, ge=0, le=MAX_STORED_INT)) -> ListOut:
     groups = await svc.repo.list_groups(status=status, task_id=task_id, train_status=train_status,
                                         limit=limit, offset=offset)
     return ListOut(data=[GroupOut.model_validate(g) for g in groups])
@@ -85,7 +86,7 @@ async def create_episode(body: EpisodeCreate, svc: ServicesDep, _: AdminDep, req
 async def list_episodes(svc: ServicesDep, _: AdminDep,
                         status: EpisodeStatus | None = None,
                         group_id: str | None = None, task_id: str | None = None,
-                        limit: Limit = 100, offset: int = Query(0, ge=0)) -> ListOut:
+                        limit: Limit = 100, offset: int = Query(0, ge=0, le=MAX_STORED_INT)) -> ListOut:
     episodes = await svc.repo.list_episodes(
         status=status, group_id=canonical_id(group_id, param="group_id") if group_id else None,
         task_id=task_id, limit=limit, offset=offset)

@@ -13,9 +13,9 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from proxy.answers import json_object, malformed
 from proxy.deps import episode_of, read_call
 from proxy.dialects.messages import MessagesTranslation, count_tokens_chat
-from proxy.errors import UpstreamError
 from proxy.upstream import answer_error
 
 router = APIRouter(tags=["anthropic"])
@@ -37,9 +37,9 @@ async def _count_tokens(request: Request, path_episode: str | None, *, recorded:
     response = await svc.upstreams.send(replica, "POST", "/tokenize", content=orjson.dumps(chat))
     if response.status_code >= 400:
         raise answer_error(response.status_code, response.content, replica)
-    count = orjson.loads(response.content).get("count")
-    if not isinstance(count, int):
-        raise UpstreamError(f"upstream {replica.name} /tokenize answered without a count")
+    count = json_object(response.content, replica.name).get("count")
+    if type(count) is not int or count < 0:
+        raise malformed(replica.name, f"/tokenize answered the count {count!r}")
     return Response(orjson.dumps({"input_tokens": count}), media_type="application/json")
 
 

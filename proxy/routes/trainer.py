@@ -12,7 +12,18 @@ from __future__ import annotations
 from fastapi import APIRouter, Query
 
 from proxy.deps import AdminDep, ServicesDep
-from proxy.schemas import AckIn, ClaimIn, ClaimOut, GroupOut, ListOut, ReleaseIn, RenewIn, RenewOut, StepIn
+from proxy.schemas import (
+    MAX_STORED_INT,
+    AckIn,
+    ClaimIn,
+    ClaimOut,
+    GroupOut,
+    ListOut,
+    ReleaseIn,
+    RenewIn,
+    RenewOut,
+    StepIn,
+)
 
 router = APIRouter(prefix="/trainer", tags=["trainer"])
 
@@ -55,7 +66,7 @@ async def report_step(body: StepIn, svc: ServicesDep, _: AdminDep) -> dict[str, 
 
 
 @router.get("/steps", response_model=ListOut)
-async def list_steps(svc: ServicesDep, _: AdminDep, since_step: int = Query(-1, ge=-1),
+async def list_steps(svc: ServicesDep, _: AdminDep, since_step: int = Query(-1, ge=-1, le=MAX_STORED_INT),
                      limit: int = Query(1000, ge=1, le=10000)) -> ListOut:
     steps = await svc.repo.list_trainer_steps(since_step=since_step, limit=limit)
     return ListOut(data=[{"step": s.step, "metrics": s.metrics, "created_at": s.created_at} for s in steps])

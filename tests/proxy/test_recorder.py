@@ -251,3 +251,32 @@ async def test_a_call_racing_close_is_committed_or_refused_never_left_waiting(re
         committed = False
     await closing
     assert await repo.count_calls(episode_id) == (1 if committed else 0)
+
+
+async def test_a_failing_on_batch_callback_is_counted_and_commits_go_on(repo: GatedRepository,
+                                                                         episode_id: str) -> None:
+    """The metrics callback raising (a negative count once did) must not end the batch loop: every
+    later call would wait for ever."""
+    def broken(size: int, seconds: float) -> None:
+        raise ValueError("Counters can only be incremented by non-negative amounts.")
+
+    recorder = Recorder(repo, on_batch=broken)
+    recorder.start()
+    try:
+        for marker in range(3):
+            await asyncio.wait_for(recorder.record(call(episode_id, marker=marker)), 5)
+    finally:
+        await recorder.close()
+    assert await repo.count_calls(episode_id) == 3 and recorder.callback_errors == 3
+
+
+async def test_a_recorder_whose_loop_has_ended_refuses_calls(repo: GatedRepository, episode_id: str) -> None:
+    recorder = Recorder(repo)
+    recorder.start()
+    assert recorder._task is not None
+    recorder._task.cancel()  # the loop gone for any reason: nothing would ever take a call
+    await asyncio.sleep(0)
+    with pytest.raises(RecordingFailed) as refused:
+        await asyncio.wait_for(recorder.record(call(episode_id)), 5)
+    assert (refused.value.status_code, refused.value.type) == (503, "service_unavailable")
+    assert await repo.count_calls(episode_id) == 0

@@ -59,6 +59,15 @@ def test_top_k_minus_one_means_all_tokens_and_tiny_temperature_is_greedy() -> No
     assert resolved({"temperature": 1e-6})[1]["mode"] == "greedy"
 
 
+@pytest.mark.parametrize("top_k", [2**64 - 1, 1e30, -2, -1e30])
+def test_a_top_k_out_of_range_is_refused(top_k: float) -> None:
+    """Found by tests/proxy/test_fuzz.py: 2**64 - 1 became the float 1.8e19 and then an integer past
+    64 bits, which orjson could not send on (a 500)."""
+    with pytest.raises(InvalidRequest) as refused:
+        resolved({"top_k": top_k})
+    assert (refused.value.status_code, refused.value.param) == (400, "top_k")
+
+
 @pytest.mark.parametrize("body", [{"repetition_penalty": 1.1}, {"presence_penalty": 0.5}, {"logit_bias": {"5": 3}},
                                   {"bad_words": ["x"]}, {"min_tokens": 4}, {"allowed_token_ids": [1, 2]}])
 def test_penalties_are_flagged_or_refused(body: dict[str, Any]) -> None:
