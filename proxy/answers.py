@@ -8,6 +8,7 @@ client gets its API's error shape, never a 500 and never a record of a success i
 Checked, because the capture, the store, the metrics and the dialects read it:
 
 - the answer (or stream chunk) is a JSON object; a whole answer has a non-empty ``choices`` list;
+- the answer nests at most ``MAX_DEPTH`` levels (the proxy writes it again: orjson stops at 254);
 - each choice is an object; ``index`` an integer; ``finish_reason`` a string or null; ``token_ids``
   and ``prompt_token_ids`` lists of integers; ``logprobs`` an object whose sampled-token logprobs
   are numbers; ``message``/``delta`` an object with string ``content`` and a list of tool-call
@@ -30,7 +31,7 @@ from typing import Any
 import orjson
 
 from proxy.errors import UpstreamError
-from proxy.schemas import MAX_STORED_INT
+from proxy.schemas import MAX_DEPTH, MAX_STORED_INT, too_deep
 from proxy.vocabulary import CallKind
 
 log = logging.getLogger("flywheel.answers")
@@ -50,6 +51,8 @@ def json_object(content: bytes, source: str) -> dict[str, Any]:
         raise malformed(source, "invalid JSON") from None
     if not isinstance(data, dict):
         raise malformed(source, f"a JSON {type(data).__name__}, not an object")
+    if too_deep(content, data):
+        raise malformed(source, f"nested deeper than {MAX_DEPTH} levels")
     return data
 
 
@@ -111,8 +114,7 @@ def _ids(ids: Any, where: str) -> str | None:
 def _choice(choice: Any, kind: CallKind, body_key: str, where: str) -> str | None:
     if not isinstance(choice, dict):
         return f"{where} is not an object"
-    index = choice.get("index")
-    if index is not None and type(index) is not int:
+    if "index" in choice and type(choice["index"]) is not int:  # choices are keyed and sorted by it
         return f"{where}.index is not an integer"
     if not _optional(choice.get("finish_reason"), str):
         return f"{where}.finish_reason is not a string"
@@ -159,7 +161,8 @@ def _message(message: Any, where: str) -> str | None:
         return f"{where}.tool_calls is not a list"
     for j, call in enumerate(calls):
         function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(call, dict) or not _optional(call.get("index"), int) or not _optional(call.get("id"), str) \
+        if not isinstance(call, dict) or ("index" in call and type(call["index"]) is not int) \
+                or not _optional(call.get("id"), str) \
                 or not (function is None or isinstance(function, dict) and _optional(function.get("name"), str)
                         and _optional(function.get("arguments"), str)):
             return f"{where}.tool_calls[{j}] is not a tool call"

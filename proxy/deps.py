@@ -15,6 +15,7 @@ from proxy.metrics import Metrics
 from proxy.policy_table import PolicyTable
 from proxy.recorder import Recorder
 from proxy.relay import Relay
+from proxy.schemas import MAX_DEPTH, too_deep
 from proxy.settings import Settings
 from proxy.store.repository import Repository
 from proxy.upstream import Upstreams
@@ -71,24 +72,6 @@ ServicesDep = Annotated[Services, Depends(services)]
 AdminDep = Annotated[Principal, Depends(admin)]
 
 
-MAX_DEPTH = 128
-"""The deepest nesting of arrays and objects a model call's body may have: the proxy sends, stores
-and translates every body it takes, and orjson writes at most 254 levels (a deeper body would fail
-after it was accepted)."""
-
-
-def too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
-    """True if ``value`` nests arrays and objects deeper than ``limit`` (a loop: no recursion limit)."""
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item
-        if depth > limit:
-            return True
-        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
-    return False
-
-
 async def json_body(request: Request, max_bytes: int) -> dict[str, Any]:
     """Read and parse a JSON object body; orjson refuses NaN/Infinity, which JSON does not have."""
     declared = request.headers.get("content-length")
@@ -105,8 +88,7 @@ async def json_body(request: Request, max_bytes: int) -> dict[str, Any]:
         raise InvalidRequest(f"malformed JSON body: {exc}") from None
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
-    # Counting brackets is cheap and bounds the depth: only a body with many of them is walked.
-    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and too_deep(body):
+    if too_deep(raw, body):
         raise InvalidRequest(f"request body nests arrays and objects deeper than {MAX_DEPTH} levels")
     return body
 

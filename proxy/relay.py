@@ -382,7 +382,14 @@ class ModelCall:
                 error = UpstreamError("upstream closed the stream before [DONE]", code="incomplete_stream")
             if error is None and not self.streamed_choices and (capture is not None or self.events is not None):
                 error = malformed(self.source, "a stream without choices")
-            captured = capture.result() if capture is not None else None
+            captured, ending = None, b""
+            if error is None:
+                try:
+                    with reading(self.source):  # what the record and the last event read, before the record
+                        captured = capture.result() if capture is not None else None
+                        ending = SSE_DONE if self.events is None else self.events.done()
+                except UpstreamError as exc:
+                    error = exc
             if error is not None:
                 await self.record_error(error)
                 self._observe(error.status_code, None)
@@ -400,7 +407,7 @@ class ModelCall:
                     return
             self._observe(200, captured)
             finished = True
-            yield SSE_DONE if self.events is None else self.events.done()
+            yield ending
         finally:
             await close()
             if not finished and self.recorded:  # the client went away mid-stream: keep what happened
@@ -434,9 +441,7 @@ class ModelCall:
         if capture is None and self.events is None:
             return event + b"\n\n", True, False, None
         try:
-            chunk = check_chunk(orjson.loads(data), self.kind, self.source)
-        except orjson.JSONDecodeError:
-            return None, False, False, malformed(self.source, "invalid JSON in a stream event")
+            chunk = check_chunk(json_object(data, self.source), self.kind, self.source)
         except UpstreamError as exc:
             return None, False, False, exc
         if "error" in chunk and "choices" not in chunk:

@@ -33,6 +33,27 @@ MAX_STORED_INT = 2**31 - 1
 """The largest integer an integer column holds on every store (PostgreSQL ``integer``): a number a
 request gives that reaches such a column, or a query on one, is refused above it with a 400."""
 StoredInt = Annotated[int, Field(le=MAX_STORED_INT)]
+MAX_DEPTH = 128
+"""The deepest nesting of arrays and objects in a model call's body or an upstream answer: the proxy
+sends, stores and translates what it takes, and orjson writes at most 254 levels (a deeper body
+would fail after it was accepted)."""
+
+
+def too_deep(raw: bytes, value: Any) -> bool:
+    """True if ``value``, parsed from ``raw``, nests arrays and objects deeper than ``MAX_DEPTH``.
+
+    Counting brackets is cheap and bounds the depth, so only JSON with many of them is walked (in a
+    loop: no recursion limit)."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
+        return False
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return False
 
 
 class _In(BaseModel):

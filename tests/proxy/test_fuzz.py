@@ -229,6 +229,88 @@ def _encoded(body: dict[str, Any]) -> bytes:
         return json.dumps(body).encode()
 
 
+# -- the upstream's answers -------------------------------------------------------------------
+
+class ScriptedUpstream:
+    """A named fake vLLM whose next chat answer (plain and streamed) the test sets."""
+
+    def __init__(self) -> None:
+        self.answer = b""
+        self.stream = b""
+        self.transport = fake_upstream(respond=self.respond)
+
+    def respond(self, request: httpx.Request, body: dict[str, Any]) -> httpx.Response | None:
+        if request.url.path != "/v1/chat/completions":
+            return None
+        if body.get("stream"):
+            return httpx.Response(200, stream=SSEBody(self.stream), headers={"content-type": "text/event-stream"})
+        return httpx.Response(200, content=self.answer)
+
+
+def mutated(draw: st.DrawFn, value: Any) -> Any:
+    """``value`` with one field somewhere in it replaced by an odd value."""
+    if isinstance(value, dict | list) and value and draw(st.booleans()):
+        keys = sorted(value) if isinstance(value, dict) else range(len(value))
+        key = draw(st.sampled_from(list(keys)))
+        copy: Any = dict(value) if isinstance(value, dict) else list(value)
+        copy[key] = mutated(draw, value[key])
+        return copy
+    return draw(ODD)
+
+
+@st.composite
+def upstream_answers(draw: st.DrawFn) -> tuple[bytes, bytes]:
+    """A vLLM answer and stream (with a tool call), each with odd values somewhere in it."""
+    answer = fake_vllm_completion({"model": "policy-base", "logprobs": True, "return_token_ids": True})
+    chunks = good_chunks("policy-base")
+    chunks[1]["choices"][0]["delta"]["tool_calls"] = [
+        {"index": 0, "id": "call-1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    stream = sse(*(_encoded(mutated(draw, c) if draw(st.booleans()) else c) for c in chunks))
+    return _encoded(mutated(draw, answer)), stream
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_odd_upstream_answers_are_answered_or_a_502(tmp_path: Path, api: str) -> None:
+    """Whatever the engine answers, the client gets its answer or a clean 502, never a 500."""
+    upstream = ScriptedUpstream()
+    app = create_app(make_settings(_migrated(tmp_path)), transport=upstream.transport)
+    path, body, _ = APIS[api]
+    with TestClient(app, base_url="http://proxy", raise_server_exceptions=False) as proxy:
+        group = proxy.post("/groups", json={"task_id": "fuzz", "size": 1}, headers=ADMIN).json()
+        key = {"authorization": f"Bearer {group['episode_keys'][0]['api_key']}"}
+
+        @fuzz(BODY_EXAMPLES)
+        @given(answers=upstream_answers(), stream=st.booleans(), recorded=st.booleans())
+        def check(answers: tuple[bytes, bytes], stream: bool, recorded: bool) -> None:
+            upstream.answer, upstream.stream = answers
+            url, headers = (path, key) if recorded else (f"/passthrough{path}", ADMIN)
+            response = proxy.post(url, json={**body, "stream": stream}, headers=headers)
+            assert response.status_code in (200, 502), response.text[:500]
+            if response.status_code == 502:
+                assert_malformed(api, response.json())
+            elif stream:
+                assert_stream_ends(api, response.content)
+
+        check()
+
+
+def assert_malformed(api: str, body: dict[str, Any]) -> None:
+    """``body`` is the 502 for a malformed answer, in ``api``'s error shape."""
+    if api == "messages":
+        assert body["type"] == "error" and body["error"]["type"] == "api_error" and body["error"]["message"], body
+    elif api == "responses" and body.get("type") == "error":  # a Responses stream's error event
+        assert body["code"] == "malformed_answer" and body["message"], body
+    else:
+        assert (body["error"]["type"], body["error"]["code"]) == ("upstream_error", "malformed_answer"), body
+
+
+def assert_stream_ends(api: str, content: bytes) -> None:
+    """A stream ends with its API's final event, or with the 502's error event after what was sent."""
+    last = [event for event in content.split(b"\n\n") if event.strip()][-1]
+    if ENDINGS[api] not in last:
+        assert_malformed(api, orjson.loads(last.split(b"data: ", 1)[1]))
+
+
 # -- what the fuzzing found, kept as plain regression tests -------------------------------------
 
 @pytest.mark.parametrize(("method", "path", "body"), [

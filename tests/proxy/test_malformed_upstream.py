@@ -8,6 +8,7 @@ recorded success was answered 500.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -24,6 +25,15 @@ from tests.proxy.conftest import (
     new_group,
     running_app,
 )
+
+
+def _deep(depth: int) -> Any:
+    """A value nested ``depth`` arrays deep (orjson writes at most 254: written with json)."""
+    value: Any = "x"
+    for _ in range(depth):
+        value = [value]
+    return value
+
 
 Answer = Callable[[dict[str, Any]], bytes]
 """A broken non-streamed answer, made from the upstream body the proxy sent."""
@@ -54,6 +64,7 @@ BROKEN_ANSWERS: dict[str, Answer] = {
     "logprob missing": _choice(logprobs={"content": [{"token": "answer"}]}),
     "tool call not an object": _choice(message={"role": "assistant", "content": None, "tool_calls": ["f()"]}),
     "prompt ids not a list": _with(prompt_token_ids="1 2 3"),
+    "nested past 128 levels": lambda body: json.dumps({**fake_vllm_completion(body), "x": _deep(300)}).encode(),
     "malformed JSON": lambda body: b'{"id": "chatcmpl-1", "choices": [',
     "a JSON array": lambda body: b"[1, 2, 3]",
     "empty body": lambda body: b"",
@@ -96,6 +107,11 @@ BROKEN_STREAMS: dict[str, Stream] = {
     "choices not a list": lambda body: sse(orjson.dumps({**good_chunks(body["model"])[0], "choices": "hi"})),
     "delta not an object": lambda body: sse(orjson.dumps(
         {**good_chunks(body["model"])[1], "choices": [{"index": 0, "delta": "Hi", "finish_reason": None}]})),
+    "choice index null": lambda body: sse(orjson.dumps(
+        {**good_chunks(body["model"])[1], "choices": [{"index": None, "delta": {"content": "Hi"}}]})),
+    "tool call index null": lambda body: sse(orjson.dumps({**good_chunks(body["model"])[1], "choices": [
+        {"index": 0, "delta": {"tool_calls": [{"index": None, "function": {"name": "f", "arguments": "{}"}}]}}]})),
+    "nested past 128 levels": lambda body: sse(json.dumps({**good_chunks(body["model"])[1], "x": _deep(300)}).encode()),
     "choice index not an integer": lambda body: sse(orjson.dumps(
         {**good_chunks(body["model"])[1], "choices": [{"index": [0], "delta": {"content": "Hi"}}]})),
 }
