@@ -35,8 +35,13 @@ CHAT_END = StreamEnd()
 
 
 def build_request(host: str, port: int, path: str, body: bytes, headers: dict[str, str] | None = None) -> bytes:
-    lines = [f"POST {path} HTTP/1.1", f"host: {host}:{port}", "content-type: application/json",
-             f"content-length: {len(body)}", "connection: keep-alive"]
+    lines = [
+        f"POST {path} HTTP/1.1",
+        f"host: {host}:{port}",
+        "content-type: application/json",
+        f"content-length: {len(body)}",
+        "connection: keep-alive",
+    ]
     lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
@@ -86,7 +91,7 @@ class ClientConnection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         if not self.first:
             self.first = time.perf_counter_ns()
-        self.tail = (self.tail + body)[-self.end.keep:]
+        self.tail = (self.tail + body)[-self.end.keep :]
 
     def on_message_complete(self) -> None:
         now = time.perf_counter_ns()
@@ -141,8 +146,17 @@ class CellResult:
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))] / 1e6
 
 
-async def run_cell(host: str, port: int, requests: list[bytes], *, stream: bool, warmup_s: float, measure_s: float,
-                   timeout_s: float = 30.0, end: StreamEnd = CHAT_END) -> CellResult:
+async def run_cell(
+    host: str,
+    port: int,
+    requests: list[bytes],
+    *,
+    stream: bool,
+    warmup_s: float,
+    measure_s: float,
+    timeout_s: float = 30.0,
+    end: StreamEnd = CHAT_END,
+) -> CellResult:
     """One closed-loop connection per entry of ``requests``. Latencies and counts cover answers
     completed inside the measuring window (after ``warmup_s``); ``ok_per_conn`` covers the whole run."""
     result = CellResult(ok_per_conn=[0] * len(requests))

@@ -35,7 +35,7 @@ def _stat(pid: int) -> list[str] | None:
         raw = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return raw[raw.rindex(")") + 2:].split()  # fields from 3 (state) on; the name may hold spaces
+    return raw[raw.rindex(")") + 2 :].split()  # fields from 3 (state) on; the name may hold spaces
 
 
 def tree(pid: int) -> list[int]:
@@ -110,8 +110,19 @@ class FakeUpstreamProcess:
     @classmethod
     def start(cls, *, tokens: int = 16, interval_s: float = 0.5, port: int = 0) -> FakeUpstreamProcess:
         proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "bench" / "fake_upstream.py"), "--port", str(port), "--tokens", str(tokens),
-             "--interval", str(interval_s)], stdout=subprocess.PIPE, start_new_session=True)
+            [
+                sys.executable,
+                str(ROOT / "bench" / "fake_upstream.py"),
+                "--port",
+                str(port),
+                "--tokens",
+                str(tokens),
+                "--interval",
+                str(interval_s),
+            ],
+            stdout=subprocess.PIPE,
+            start_new_session=True,
+        )
         assert proc.stdout is not None
         line = proc.stdout.readline().decode()
         if "listening on" not in line:
@@ -134,26 +145,41 @@ class ProxyUnderTest:
     log_path: Path
 
     @classmethod
-    def start(cls, upstream_url: str, workdir: Path, *, workers: int = 1, source: Path = ROOT,
-              extra_env: dict[str, str] | None = None, timeout_s: float = 60.0) -> ProxyUnderTest:
+    def start(
+        cls,
+        upstream_url: str,
+        workdir: Path,
+        *,
+        workers: int = 1,
+        source: Path = ROOT,
+        extra_env: dict[str, str] | None = None,
+        timeout_s: float = 60.0,
+    ) -> ProxyUnderTest:
         """``source``: the checkout whose ``proxy`` package runs (another one measures a before/after)."""
         port = free_port()
         admin_key = secrets.token_urlsafe(32)
         db_path = workdir / "flywheel.db"
         env = dict(os.environ)
-        env.update({
-            "FLYWHEEL_ADMIN_KEY": admin_key,
-            "FLYWHEEL_STORE__URL": f"sqlite+aiosqlite:///{db_path}",
-            "FLYWHEEL_PORT": str(port),
-            "FLYWHEEL_UPSTREAMS": f'[{{"name": "fake_upstream", "url": "{upstream_url}"}}]',
-            "PYTHONPATH": str(source),
-        })
+        env.update(
+            {
+                "FLYWHEEL_ADMIN_KEY": admin_key,
+                "FLYWHEEL_STORE__URL": f"sqlite+aiosqlite:///{db_path}",
+                "FLYWHEEL_PORT": str(port),
+                "FLYWHEEL_UPSTREAMS": f'[{{"name": "fake_upstream", "url": "{upstream_url}"}}]',
+                "PYTHONPATH": str(source),
+            }
+        )
         env.update(extra_env or {})
         log_path = workdir / "proxy.log"
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "proxy", "serve", "--workers", str(workers)],
-                                    cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "proxy", "serve", "--workers", str(workers)],
+                cwd=workdir,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + timeout_s
         while True:
@@ -171,8 +197,12 @@ class ProxyUnderTest:
 
     def create_group(self, size: int, task_id: str) -> list[dict[str, str]]:
         """POST /groups; returns the episode keys ``[{id, api_key, base_url}]``."""
-        response = httpx.post(f"{self.url}/groups", json={"task_id": task_id, "size": size, "metadata": {}},
-                              headers={"authorization": f"Bearer {self.admin_key}"}, timeout=30.0)
+        response = httpx.post(
+            f"{self.url}/groups",
+            json={"task_id": task_id, "size": size, "metadata": {}},
+            headers={"authorization": f"Bearer {self.admin_key}"},
+            timeout=30.0,
+        )
         if response.status_code != 201:
             raise RuntimeError(f"POST /groups answered {response.status_code}: {response.text}")
         return list(response.json()["episode_keys"])

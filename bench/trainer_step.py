@@ -86,6 +86,7 @@ def log(message: str) -> None:
 
 # -- setup: engine, proxy, the recorded batch --------------------------------------------------------
 
+
 def start_engine(workdir: Path, model: str) -> tuple[str, Callable[[], None]]:
     if os.environ.get("FLYWHEEL_BENCH_VLLM_URL"):
         return os.environ["FLYWHEEL_BENCH_VLLM_URL"].rstrip("/"), lambda: None
@@ -111,13 +112,21 @@ def record(proxy: ProxyUnderTest, *, groups: int, size: int, max_tokens: int) ->
 
     def episode(job: tuple[int, dict[str, str], str]) -> None:
         i, key, question = job
-        reply = httpx.post(f"{key['base_url']}/chat/completions", headers={"authorization": f"Bearer {key['api_key']}"},
-                           json={"model": "policy", "max_tokens": max_tokens, "temperature": 1.0,
-                                 "messages": [{"role": "system", "content": SYSTEM},
-                                              {"role": "user", "content": question}]}, timeout=900)
+        reply = httpx.post(
+            f"{key['base_url']}/chat/completions",
+            headers={"authorization": f"Bearer {key['api_key']}"},
+            json={
+                "model": "policy",
+                "max_tokens": max_tokens,
+                "temperature": 1.0,
+                "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+            },
+            timeout=900,
+        )
         reply.raise_for_status()
-        httpx.post(f"{proxy.url}/episodes/{key['id']}/reward", headers=admin, json={"reward": float(i % 2)},
-                   timeout=60).raise_for_status()
+        httpx.post(
+            f"{proxy.url}/episodes/{key['id']}/reward", headers=admin, json={"reward": float(i % 2)}, timeout=60
+        ).raise_for_status()
 
     with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
         list(pool.map(episode, jobs))
@@ -139,6 +148,7 @@ def split(sample: Sample) -> tuple[list[int], list[int], list[float]]:
 
 # -- the three implementations -------------------------------------------------------------------------
 
+
 class FlywheelStep:
     """The trainer's own step (``Learner.step``); the constructor warms it up on a few samples."""
 
@@ -159,19 +169,32 @@ def naive_step(config: TrainerConfig, samples: list[Sample], micro: int) -> Call
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(str(config.model_dir), dtype=resolve_dtype(config.dtype, "cpu"),
-                                                attn_implementation="sdpa")
-    model = get_peft_model(base, LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=0.0,
-                                            target_modules=list(config.lora_target_modules), task_type="CAUSAL_LM"))
+    base = AutoModelForCausalLM.from_pretrained(
+        str(config.model_dir), dtype=resolve_dtype(config.dtype, "cpu"), attn_implementation="sdpa"
+    )
+    model = get_peft_model(
+        base,
+        LoraConfig(
+            r=config.lora_r,
+            lora_alpha=config.lora_alpha,
+            lora_dropout=0.0,
+            target_modules=list(config.lora_target_modules),
+            task_type="CAUSAL_LM",
+        ),
+    )
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.learning_rate)
     tokens = sum(s.num_loss_tokens for s in samples)
-    totals = Totals(sequences=len(samples), tokens=tokens, micro_batches=-(-len(samples) // micro),
-                    max_completion_length=config.max_completion_length)
+    totals = Totals(
+        sequences=len(samples),
+        tokens=tokens,
+        micro_batches=-(-len(samples) // micro),
+        max_completion_length=config.max_completion_length,
+    )
 
     def step(samples: list[Sample] = samples) -> float:
         started = time.perf_counter()
         for i in range(0, len(samples), micro):
-            chunk = samples[i:i + micro]
+            chunk = samples[i : i + micro]
             width = max(len(s) for s in chunk)
             ids = torch.tensor([s.input_ids + [0] * (width - len(s)) for s in chunk])
             attention = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in chunk])
@@ -179,22 +202,38 @@ def naive_step(config: TrainerConfig, samples: list[Sample], micro: int) -> Call
             behaviour = torch.tensor([s.behaviour_logprobs[1:] + [float("nan")] * (width - len(s)) for s in chunk])
             logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()  # (B, T, V)
             logps = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-            out = grpo_loss(logps, logps.detach(), torch.tensor([s.advantage for s in chunk]), mask, totals=totals,
-                            loss_type=config.loss_type, epsilon=config.epsilon, epsilon_high=config.epsilon_upper,
-                            behaviour_logps=behaviour, is_cap=config.vllm_importance_sampling_cap,
-                            is_mode=config.vllm_importance_sampling_mode)
+            out = grpo_loss(
+                logps,
+                logps.detach(),
+                torch.tensor([s.advantage for s in chunk]),
+                mask,
+                totals=totals,
+                loss_type=config.loss_type,
+                epsilon=config.epsilon,
+                epsilon_high=config.epsilon_upper,
+                behaviour_logps=behaviour,
+                is_cap=config.vllm_importance_sampling_cap,
+                is_mode=config.vllm_importance_sampling_mode,
+            )
             out.loss.backward()  # type: ignore[no-untyped-call]
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], config.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return time.perf_counter() - started
 
-    step(samples[:micro // 2])  # warm-up
+    step(samples[: micro // 2])  # warm-up
     return step
 
 
-def time_trl(config: TrainerConfig, samples: list[Sample], reps: int, micro: int, group_size: int,
-             workdir: Path, between: Callable[[float], None]) -> list[float]:
+def time_trl(
+    config: TrainerConfig,
+    samples: list[Sample],
+    reps: int,
+    micro: int,
+    group_size: int,
+    workdir: Path,
+    between: Callable[[float], None],
+) -> list[float]:
     """TRL's step times (after its warm-up step); ``between`` runs after each timed TRL step, so the
     other implementations are timed in the same rounds, under the same load."""
     from datasets import Dataset  # type: ignore[import-untyped]
@@ -237,23 +276,50 @@ def time_trl(config: TrainerConfig, samples: list[Sample], reps: int, micro: int
                 between(self.times[-1])
 
     args = GRPOConfig(
-        output_dir=str(workdir / "trl"), per_device_train_batch_size=micro,
-        gradient_accumulation_steps=len(samples) // micro, num_generations=group_size,
-        max_completion_length=max(len(split(s)[1]) for s in samples), learning_rate=config.learning_rate,
-        beta=0.0, loss_type=config.loss_type, epsilon=config.epsilon, epsilon_high=config.epsilon_upper,
-        scale_rewards=config.scale_rewards, max_grad_norm=config.max_grad_norm, temperature=1.0,
-        max_steps=1 + reps, logging_steps=10_000, save_strategy="no", report_to=[], use_cpu=True, bf16=False,
-        gradient_checkpointing=False, disable_tqdm=True, seed=0, shuffle_dataset=False)
-    model = AutoModelForCausalLM.from_pretrained(str(config.model_dir), dtype=resolve_dtype(config.dtype, "cpu"),
-                                                 attn_implementation="sdpa")
+        output_dir=str(workdir / "trl"),
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=len(samples) // micro,
+        num_generations=group_size,
+        max_completion_length=max(len(split(s)[1]) for s in samples),
+        learning_rate=config.learning_rate,
+        beta=0.0,
+        loss_type=config.loss_type,
+        epsilon=config.epsilon,
+        epsilon_high=config.epsilon_upper,
+        scale_rewards=config.scale_rewards,
+        max_grad_norm=config.max_grad_norm,
+        temperature=1.0,
+        max_steps=1 + reps,
+        logging_steps=10_000,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        disable_tqdm=True,
+        seed=0,
+        shuffle_dataset=False,
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        str(config.model_dir), dtype=resolve_dtype(config.dtype, "cpu"), attn_implementation="sdpa"
+    )
     timer = StepTimer()
     trainer = GRPOTrainer(
-        model=model, reward_funcs=recorded_reward, args=args,
+        model=model,
+        reward_funcs=recorded_reward,
+        args=args,
         train_dataset=Dataset.from_list([{"prompt": g} for g in by_group]),
         processing_class=AutoTokenizer.from_pretrained(str(config.model_dir)),
-        peft_config=LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=0.0,
-                               target_modules=list(config.lora_target_modules), task_type="CAUSAL_LM"),
-        rollout_func=rollout, callbacks=[timer])
+        peft_config=LoraConfig(
+            r=config.lora_r,
+            lora_alpha=config.lora_alpha,
+            lora_dropout=0.0,
+            target_modules=list(config.lora_target_modules),
+            task_type="CAUSAL_LM",
+        ),
+        rollout_func=rollout,
+        callbacks=[timer],
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.train()
@@ -291,9 +357,14 @@ def main() -> None:
         workdir = Path(tmp)
         vllm_url, stop_engine = start_engine(workdir, model)
         prefix = f"benchtrainer{uuid.uuid4().hex[:6]}-v"
-        proxy = ProxyUnderTest.start(vllm_url, workdir, extra_env={
-            "FLYWHEEL_UPSTREAMS": f'[{{"name": "vllm-0", "url": "{vllm_url}"}}]',
-            "FLYWHEEL_POLICY__ADAPTER_PREFIX": prefix})
+        proxy = ProxyUnderTest.start(
+            vllm_url,
+            workdir,
+            extra_env={
+                "FLYWHEEL_UPSTREAMS": f'[{{"name": "vllm-0", "url": "{vllm_url}"}}]',
+                "FLYWHEEL_POLICY__ADAPTER_PREFIX": prefix,
+            },
+        )
         try:
             result = run(opts, model, workdir, proxy)
         except BaseException:
@@ -313,12 +384,20 @@ def run(opts: argparse.Namespace, model: str, workdir: Path, proxy: ProxyUnderTe
     samples = claim_samples(client, opts.groups)
     tokens = sum(len(s) for s in samples)
     lengths = [len(split(s)[1]) for s in samples]
-    log(f"batch: {len(samples)} samples, {tokens} tokens, completions {min(lengths)}..{max(lengths)} tokens; "
-        f"load {load_average()}")
-    config = load_config(ROOT / "configs" / "trainer-local.yaml",
-                         [f"model={model}", f"micro_batch_tokens={opts.micro_batch_tokens}", "max_seq_len=2048",
-                          f"threads={opts.threads}",
-                          f"output_dir={workdir / 'flywheel'}"])
+    log(
+        f"batch: {len(samples)} samples, {tokens} tokens, completions {min(lengths)}..{max(lengths)} tokens; "
+        f"load {load_average()}"
+    )
+    config = load_config(
+        ROOT / "configs" / "trainer-local.yaml",
+        [
+            f"model={model}",
+            f"micro_batch_tokens={opts.micro_batch_tokens}",
+            "max_seq_len=2048",
+            f"threads={opts.threads}",
+            f"output_dir={workdir / 'flywheel'}",
+        ],
+    )
 
     flywheel = FlywheelStep(config, samples)
     naive_run = naive_step(config, samples, opts.micro_batch)
@@ -328,29 +407,44 @@ def run(opts: argparse.Namespace, model: str, workdir: Path, proxy: ProxyUnderTe
     def round_of_others(trl_seconds: float) -> None:
         fly_times.append(flywheel())
         naive_times.append(naive_run())
-        log(f"round {len(fly_times)}: trl {trl_seconds:.2f} s, flywheel {fly_times[-1]:.2f} s, "
-            f"naive {naive_times[-1]:.2f} s; load {load_average()}")
+        log(
+            f"round {len(fly_times)}: trl {trl_seconds:.2f} s, flywheel {fly_times[-1]:.2f} s, "
+            f"naive {naive_times[-1]:.2f} s; load {load_average()}"
+        )
 
     trl_times = time_trl(config, samples, opts.reps, opts.micro_batch, opts.group_size, workdir, round_of_others)
-    log(f"steps (s): flywheel {[round(t, 2) for t in fly_times]}, trl {[round(t, 2) for t in trl_times]}, "
-        f"naive {[round(t, 2) for t in naive_times]}")
+    log(
+        f"steps (s): flywheel {[round(t, 2) for t in fly_times]}, trl {[round(t, 2) for t in trl_times]}, "
+        f"naive {[round(t, 2) for t in naive_times]}"
+    )
     policy, mismatch = flywheel.policy, flywheel.mismatch
 
     publisher = Publisher(client, config.out, keep=opts.publishes + 1)
     publish_times = [publisher.publish(policy, version, {"bench": True})[1] for version in range(1, opts.publishes + 1)]
-    served = httpx.post(f"{proxy.url}/passthrough/v1/chat/completions",
-                        headers={"authorization": f"Bearer {proxy.admin_key}"}, timeout=300,
-                        json={"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    served = httpx.post(
+        f"{proxy.url}/passthrough/v1/chat/completions",
+        headers={"authorization": f"Bearer {proxy.admin_key}"},
+        timeout=300,
+        json={"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+    )
     log(f"publish: {[round(t, 3) for t in publish_times]} s; now serving v{served.headers.get('x-policy-version')}")
 
     fly, trl, naive = (tokens / statistics.median(times) for times in (fly_times, trl_times, naive_times))
     return {
-        "flywheel_tok_s": round(fly, 1), "trl_tok_s": round(trl, 1), "naive_tok_s": round(naive, 1),
-        "speedup_vs_trl": round(fly / trl, 2), "speedup_vs_naive": round(fly / naive, 2),
-        "publish_s": round(statistics.median(publish_times), 3), "batch_tokens": tokens,
-        "batch_samples": len(samples), "completion_tokens": sum(lengths), "dtype": str(policy.dtype).split(".")[-1],
-        "step_s": {"flywheel": fly_times, "trl": trl_times, "naive": naive_times}, "publish_all_s": publish_times,
-        "threads": opts.threads, "load_average": load_average(),
+        "flywheel_tok_s": round(fly, 1),
+        "trl_tok_s": round(trl, 1),
+        "naive_tok_s": round(naive, 1),
+        "speedup_vs_trl": round(fly / trl, 2),
+        "speedup_vs_naive": round(fly / naive, 2),
+        "publish_s": round(statistics.median(publish_times), 3),
+        "batch_tokens": tokens,
+        "batch_samples": len(samples),
+        "completion_tokens": sum(lengths),
+        "dtype": str(policy.dtype).split(".")[-1],
+        "step_s": {"flywheel": fly_times, "trl": trl_times, "naive": naive_times},
+        "publish_all_s": publish_times,
+        "threads": opts.threads,
+        "load_average": load_average(),
         "served_version": served.headers.get("x-policy-version"),
         "logprob_mismatch_vs_vllm": None if mismatch is None else round(mismatch, 6),
     }

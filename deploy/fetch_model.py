@@ -30,8 +30,11 @@ def fetch(repo_id: str, target: Path) -> Path:
 
     target.mkdir(parents=True, exist_ok=True)
     # Weights as safetensors only: vLLM and transformers both load them; *.bin / *.pth would double the download.
-    snapshot_download(repo_id=repo_id, local_dir=str(target),
-                      allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
+    snapshot_download(
+        repo_id=repo_id,
+        local_dir=str(target),
+        allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"],
+    )
     if not (target / "config.json").is_file() or not any(target.glob("*.safetensors")):
         raise SystemExit(f"fetch_model: {repo_id} has no config.json or safetensors weights")
     done.write_text(json.dumps({"repo_id": repo_id}) + "\n")

@@ -33,10 +33,12 @@ def serve(config: RunConfig) -> None:
     try:
         stack.start()
         log("ready. Create an episode and point any OpenAI client at its base_url:")
-        print(f"  curl -s {stack.proxy_url}/episodes -H \"authorization: Bearer $(cat {data_dir}/admin.key)\" "
-              "-H 'content-type: application/json' -d '{\"task_id\": \"demo\"}'", flush=True)
-        print("  # then: OpenAI(base_url=<base_url>, api_key=<api_key>) with model=\"policy\"; Ctrl-C stops",
-              flush=True)
+        print(
+            f'  curl -s {stack.proxy_url}/episodes -H "authorization: Bearer $(cat {data_dir}/admin.key)" '
+            "-H 'content-type: application/json' -d '{\"task_id\": \"demo\"}'",
+            flush=True,
+        )
+        print('  # then: OpenAI(base_url=<base_url>, api_key=<api_key>) with model="policy"; Ctrl-C stops', flush=True)
         while not stopping:
             time.sleep(0.5)
             if not stack.proxy.alive():

@@ -53,30 +53,51 @@ def _evaluate(stack: Stack, config: RunConfig, run_dir: Path, label: str) -> dic
     out = run_dir / f"eval_{label}.json"
     if out.exists():  # resumed run: the evaluation already happened
         return dict(json.loads(out.read_text()))
-    argv = [_agents_python(), "-m", "workflows", "eval", config.workflow.name,
-            "--proxy", stack.proxy_url, "--output", str(out), *config.eval.args]
+    argv = [
+        _agents_python(),
+        "-m",
+        "workflows",
+        "eval",
+        config.workflow.name,
+        "--proxy",
+        stack.proxy_url,
+        "--output",
+        str(out),
+        *config.eval.args,
+    ]
     log(f"evaluating the {label} policy on the held-out split")
     child = stack.spawn(Child(f"eval-{label}", argv, stack.logs / f"eval_{label}.log", _child_env(stack, config)))
     assert child.proc is not None
     if child.proc.wait() != 0 or not out.exists():
         raise SystemExit(f"evaluation failed; see {child.log_path}")
     result = dict(json.loads(out.read_text()))
-    log(f"{label}: accuracy {result.get('accuracy', float('nan')):.3f} "
-        f"(format compliance {result.get('format_rate', float('nan')):.3f}, n={result.get('n')})")
+    log(
+        f"{label}: accuracy {result.get('accuracy', float('nan')):.3f} "
+        f"(format compliance {result.get('format_rate', float('nan')):.3f}, n={result.get('n')})"
+    )
     return result
 
 
 def _child_env(stack: Stack, config: RunConfig) -> dict[str, str]:
-    return dict(os.environ, FLYWHEEL_ADMIN_KEY=stack.key, FLYWHEEL_PROXY_URL=stack.proxy_url,
-                FLYWHEEL_MODEL_DIR=stack.model_dir,
-                FLYWHEEL_SEED=str(config.seed), LITELLM_LOCAL_MODEL_COST_MAP="True",
-                PYTHONPATH=str(ROOT))
+    return dict(
+        os.environ,
+        FLYWHEEL_ADMIN_KEY=stack.key,
+        FLYWHEEL_PROXY_URL=stack.proxy_url,
+        FLYWHEEL_MODEL_DIR=stack.model_dir,
+        FLYWHEEL_SEED=str(config.seed),
+        LITELLM_LOCAL_MODEL_COST_MAP="True",
+        PYTHONPATH=str(ROOT),
+    )
 
 
 def _steps(stack: Stack, since: int) -> list[dict[str, Any]]:
     try:
-        response = httpx.get(f"{stack.proxy_url}/trainer/steps", params={"since_step": since},
-                             headers={"authorization": f"Bearer {stack.key}"}, timeout=10)
+        response = httpx.get(
+            f"{stack.proxy_url}/trainer/steps",
+            params={"since_step": since},
+            headers={"authorization": f"Bearer {stack.key}"},
+            timeout=10,
+        )
         return list(response.json()["data"]) if response.status_code == 200 else []
     except httpx.HTTPError:
         return []
@@ -85,18 +106,50 @@ def _steps(stack: Stack, since: int) -> list[dict[str, Any]]:
 def _train(stack: Stack, config: RunConfig, run_dir: Path, deadline: float, stop: list[bool]) -> int:
     """Run trainer and workflow until the deadline or the trainer's own end; return the last step."""
     env = _child_env(stack, config)
-    overrides = {"proxy_url": stack.proxy_url, "output_dir": str(run_dir / "trainer"), "seed": config.seed,
-                 **config.trainer.overrides}
-    trainer = Child("trainer", [sys.executable, "-m", "trainer", "run", "--config", str(config.trainer_config_path),
-                                *(f"{k}={v}" for k, v in overrides.items())], stack.logs / "trainer.log", env)
-    workflow = Child("workflow", [_agents_python(), "-m", "workflows", "run", config.workflow.name,
-                                  "--proxy", stack.proxy_url, "--loop", "--seed", str(config.seed),
-                                  *config.workflow.args],
-                     stack.logs / "workflow.log", env)
+    overrides = {
+        "proxy_url": stack.proxy_url,
+        "output_dir": str(run_dir / "trainer"),
+        "seed": config.seed,
+        **config.trainer.overrides,
+    }
+    trainer = Child(
+        "trainer",
+        [
+            sys.executable,
+            "-m",
+            "trainer",
+            "run",
+            "--config",
+            str(config.trainer_config_path),
+            *(f"{k}={v}" for k, v in overrides.items()),
+        ],
+        stack.logs / "trainer.log",
+        env,
+    )
+    workflow = Child(
+        "workflow",
+        [
+            _agents_python(),
+            "-m",
+            "workflows",
+            "run",
+            config.workflow.name,
+            "--proxy",
+            stack.proxy_url,
+            "--loop",
+            "--seed",
+            str(config.seed),
+            *config.workflow.args,
+        ],
+        stack.logs / "workflow.log",
+        env,
+    )
     stack.spawn(trainer)
     stack.spawn(workflow)
-    log(f"training until {time.strftime('%H:%M:%S', time.localtime(deadline))} "
-        f"(logs: {trainer.log_path}, {workflow.log_path})")
+    log(
+        f"training until {time.strftime('%H:%M:%S', time.localtime(deadline))} "
+        f"(logs: {trainer.log_path}, {workflow.log_path})"
+    )
     last = -1
     try:
         while time.time() < deadline and not stop[0]:
@@ -104,9 +157,11 @@ def _train(stack: Stack, config: RunConfig, run_dir: Path, deadline: float, stop
             for step in _steps(stack, last):
                 last = step["step"]
                 m = step["metrics"]
-                log(f"step {last:>3}  reward {m.get('reward/mean', float('nan')):.3f}  "
+                log(
+                    f"step {last:>3}  reward {m.get('reward/mean', float('nan')):.3f}  "
                     f"pass {m.get('reward/pass_rate', float('nan')):.2f}  loss {m.get('loss/total', float('nan')):+.4f}"
-                    f"  policy v{m.get('proxy/published_version', '?')}  {m.get('perf/tokens_per_s', 0):.0f} tok/s")
+                    f"  policy v{m.get('proxy/published_version', '?')}  {m.get('perf/tokens_per_s', 0):.0f} tok/s"
+                )
             if not trainer.alive():
                 code = trainer.proc.returncode if trainer.proc else "?"
                 if code != 0:
@@ -123,14 +178,16 @@ def _train(stack: Stack, config: RunConfig, run_dir: Path, deadline: float, stop
     return last
 
 
-def _multi_turn(stack: Stack, steps: list[dict[str, Any]], before: dict[str, Any], after: dict[str, Any]
-                ) -> dict[str, Any]:
+def _multi_turn(
+    stack: Stack, steps: list[dict[str, Any]], before: dict[str, Any], after: dict[str, Any]
+) -> dict[str, Any]:
     """The multi-turn figures of the trained data (summed step metrics) and of the proxy's splices.
 
     ``merge_rate``: follow-up calls whose prompt extended the episode's sample so far, over all
     follow-up calls the trainer read; ``tokens_masked``: prompt, tool results and template glue
     (and tokens the grammar forced), in the trained sequences but out of the loss.
     """
+
     def total(key: str) -> float:
         return float(sum(s["metrics"].get(key) or 0 for s in steps))
 
@@ -147,9 +204,11 @@ def _multi_turn(stack: Stack, steps: list[dict[str, Any]], before: dict[str, Any
         pass
     return {
         "calls_per_episode_trained": round(total("data/calls") / members, 3) if members else None,
-        "merged": int(merged), "breaks": int(breaks),
+        "merged": int(merged),
+        "breaks": int(breaks),
         "merge_rate": round(merged / (merged + breaks), 4) if merged + breaks else None,
-        "tokens_trained": int(trained), "tokens_masked": int(tokens - trained),
+        "tokens_trained": int(trained),
+        "tokens_masked": int(tokens - trained),
         "splices": splices,
         "eval_calls_per_episode": [before.get("calls_per_episode"), after.get("calls_per_episode")],
         "eval_call_validity": [before.get("call_validity"), after.get("call_validity")],
@@ -195,8 +254,10 @@ def run(config: RunConfig) -> None:
         if stop[0]:
             raise Interrupted
         stop[0] = True
-        log("stopping training early: evaluating and writing the report next "
-            "(Ctrl-C again stops at once; `make run` then resumes this run)")
+        log(
+            "stopping training early: evaluating and writing the report next "
+            "(Ctrl-C again stops at once; `make run` then resumes this run)"
+        )
 
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
@@ -211,33 +272,46 @@ def run(config: RunConfig) -> None:
         deadline = started + budget_s - eval_s * config.eval_after_slowdown - 30
         floor_s = config.min_train_minutes * 60
         if deadline - time.time() < floor_s:  # a slow machine must not end up with a run that never trains
-            log(f"[warning] the budget leaves {max(deadline - time.time(), 0) / 60:.1f} min of training after a "
+            log(
+                f"[warning] the budget leaves {max(deadline - time.time(), 0) / 60:.1f} min of training after a "
                 f"{eval_s / 60:.1f}-min evaluation; training {floor_s / 60:.0f} min (min_train_minutes) instead, "
-                "so this run exceeds budget_minutes")
+                "so this run exceeds budget_minutes"
+            )
             deadline = time.time() + floor_s
         last = _train(stack, config, run_dir, deadline, stop) if not stop[0] else -1
         after = _evaluate(stack, config, run_dir, "after")
         steps = _steps(stack, -1)
         report: dict[str, Any] = {
-            "run": run_dir.name, "model": config.model_name,
-            "seed": config.seed, "eval_before": before.get("accuracy"), "eval_after": after.get("accuracy"),
-            "format_before": before.get("format_rate"), "format_after": after.get("format_rate"),
-            "eval_n": after.get("n"), "steps": len(steps), "last_step": last,
+            "run": run_dir.name,
+            "model": config.model_name,
+            "seed": config.seed,
+            "eval_before": before.get("accuracy"),
+            "eval_after": after.get("accuracy"),
+            "format_before": before.get("format_rate"),
+            "format_after": after.get("format_rate"),
+            "eval_n": after.get("n"),
+            "steps": len(steps),
+            "last_step": last,
             "minutes": round((time.time() - started) / 60, 2),
-            "policy_versions_evaluated": after.get("policy_versions"), "engine_restarts": stack.restarts,
+            "policy_versions_evaluated": after.get("policy_versions"),
+            "engine_restarts": stack.restarts,
             "reward_first_steps": [s["metrics"].get("reward/mean") for s in steps[:5]],
             "reward_last_steps": [s["metrics"].get("reward/mean") for s in steps[-5:]],
             "multi_turn": _multi_turn(stack, steps, before, after),
         }
         plot = _plot(run_dir, steps, before, after)
         (run_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-        log(f"held-out accuracy {report['eval_before']:.3f} -> {report['eval_after']:.3f} after {report['steps']} "
-            f"steps in {report['minutes']:.1f} min; report {run_dir / 'report.json'}, plot {plot}")
+        log(
+            f"held-out accuracy {report['eval_before']:.3f} -> {report['eval_after']:.3f} after {report['steps']} "
+            f"steps in {report['minutes']:.1f} min; report {run_dir / 'report.json'}, plot {plot}"
+        )
         turns = report["multi_turn"]
         if turns["merged"] or turns["breaks"]:
-            log(f"multi-turn: {turns['calls_per_episode_trained']} calls per trained episode, merge rate "
+            log(
+                f"multi-turn: {turns['calls_per_episode_trained']} calls per trained episode, merge rate "
                 f"{turns['merge_rate']} ({turns['merged']} merged, {turns['breaks']} breaks), tokens trained "
-                f"{turns['tokens_trained']} / masked {turns['tokens_masked']}, splices {turns['splices']}")
+                f"{turns['tokens_trained']} / masked {turns['tokens_masked']}, splices {turns['splices']}"
+            )
     except Interrupted:
         log("interrupted")
     finally:

@@ -67,7 +67,8 @@ def convert(gguf: Path, out: Path) -> None:
         raise RuntimeError(f"state dict mismatch: missing={missing} unexpected={unexpected}")
     model = model.to(torch.bfloat16)  # type: ignore[arg-type]
     model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else config.eos_token_id,
     )
     model.save_pretrained(out, safe_serialization=True)

@@ -38,15 +38,31 @@ def lock(extras: list[str], python: str) -> list[str]:
         reqs = Path(tmp) / "requirements.txt"
         reqs.write_text("\n".join(requirements(extras)) + "\n")
         report = Path(tmp) / "report.json"
-        subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--dry-run",
-                        "--ignore-installed", "--report", str(report), "-r", str(reqs)], check=True,
-                       stdout=sys.stderr)
+        subprocess.run(
+            [
+                str(venv / "bin" / "python"),
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--dry-run",
+                "--ignore-installed",
+                "--report",
+                str(report),
+                "-r",
+                str(reqs),
+            ],
+            check=True,
+            stdout=sys.stderr,
+        )
         data = json.loads(report.read_text())
     env = data["environment"]
-    header = [f"# pip's resolution of: {' '.join(extras)} (python {env['python_version']}, "
-              f"{env['sys_platform']} {env['platform_machine']})",
-              f"# regenerate: python deploy/requirements.py --lock --python python3.12 {' '.join(extras)} "
-              "> deploy/constraints.txt"]
+    header = [
+        f"# pip's resolution of: {' '.join(extras)} (python {env['python_version']}, "
+        f"{env['sys_platform']} {env['platform_machine']})",
+        f"# regenerate: python deploy/requirements.py --lock --python python3.12 {' '.join(extras)} "
+        "> deploy/constraints.txt",
+    ]
     pins = sorted(f"{item['metadata']['name'].lower()}=={item['metadata']['version']}" for item in data["install"])
     return header + pins
 

@@ -72,15 +72,19 @@ class EngineSection:
     """Further vLLM arguments, passed as they are (e.g. ``[--enforce-eager]``)."""
 
     def __post_init__(self) -> None:
-        _require([
-            (self.max_lora_rank >= 1, "engine.max_lora_rank must be >= 1"),
-            (self.max_loras >= 1, "engine.max_loras must be >= 1"),
-            (self.max_model_len >= 1, "engine.max_model_len must be >= 1"),
-            (self.cpu_kv_cache_gib >= 1, "engine.cpu_kv_cache_gib must be >= 1 (GiB)"),
-            (0.0 < self.gpu_memory_utilization <= 1.0, "engine.gpu_memory_utilization must be in (0, 1]"),
-            (self.url is None or self.url.startswith(("http://", "https://")),
-             f"engine.url must be an http(s) URL, got {self.url!r}"),
-        ])
+        _require(
+            [
+                (self.max_lora_rank >= 1, "engine.max_lora_rank must be >= 1"),
+                (self.max_loras >= 1, "engine.max_loras must be >= 1"),
+                (self.max_model_len >= 1, "engine.max_model_len must be >= 1"),
+                (self.cpu_kv_cache_gib >= 1, "engine.cpu_kv_cache_gib must be >= 1 (GiB)"),
+                (0.0 < self.gpu_memory_utilization <= 1.0, "engine.gpu_memory_utilization must be in (0, 1]"),
+                (
+                    self.url is None or self.url.startswith(("http://", "https://")),
+                    f"engine.url must be an http(s) URL, got {self.url!r}",
+                ),
+            ]
+        )
 
 
 @dataclass(frozen=True)
@@ -147,12 +151,14 @@ class RunConfig:
     eval: EvalSection = field(default_factory=EvalSection)
 
     def __post_init__(self) -> None:
-        _require([
-            (self.proxy_port is None or 0 < self.proxy_port < 65536, f"proxy_port {self.proxy_port} is not a port"),
-            (self.budget_minutes > 0, "budget_minutes must be > 0"),
-            (self.eval_after_slowdown >= 0, "eval_after_slowdown must be >= 0"),
-            (self.min_train_minutes >= 0, "min_train_minutes must be >= 0"),
-        ])
+        _require(
+            [
+                (self.proxy_port is None or 0 < self.proxy_port < 65536, f"proxy_port {self.proxy_port} is not a port"),
+                (self.budget_minutes > 0, "budget_minutes must be > 0"),
+                (self.eval_after_slowdown >= 0, "eval_after_slowdown must be >= 0"),
+                (self.min_train_minutes >= 0, "min_train_minutes must be >= 0"),
+            ]
+        )
 
     @property
     def data_path(self) -> Path:
@@ -193,6 +199,7 @@ def _plain(value: Any) -> Any:
 
 # -- loading ---------------------------------------------------------------------------------------
 
+
 def load_run_config(path: str | Path) -> RunConfig:
     """Read a run config; every key must name a field, every value have its field's type."""
     file = Path(path)
@@ -218,8 +225,12 @@ def _build(cls: type[Any], data: Any, prefix: str) -> Any:
     _refuse_unknown("key", prefix, data, [f.name for f in dataclasses.fields(cls)])
     values = {k: _coerce(prefix + k, v, hints[k]) for k, v in data.items()}
     if cls is TrainerSection:  # checked here, not minutes later when the trainer starts after vLLM
-        _refuse_unknown("trainer setting", prefix + "overrides.", values.get("overrides", {}),
-                        [f.name for f in dataclasses.fields(TrainerConfig)])
+        _refuse_unknown(
+            "trainer setting",
+            prefix + "overrides.",
+            values.get("overrides", {}),
+            [f.name for f in dataclasses.fields(TrainerConfig)],
+        )
     return cls(**values)
 
 

@@ -53,8 +53,15 @@ class Child:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         # The child gets its own descriptor for the log; this process's copy closes once it has started.
         with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True, preexec_fn=die_with_parent)
+            self.proc = subprocess.Popen(
+                self.argv,
+                cwd=ROOT,
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -96,21 +103,34 @@ class Stack:
         self.vllm: VLLMServer | None = None
         self.restarts: list[str] = []
         if engine.url:  # an engine someone else runs (and supervises): route to it, start nothing
-            env["FLYWHEEL_UPSTREAMS"] = json.dumps([{"name": "vllm-0", "url": engine.url,
-                                                     "seed_policy": engine.seed_policy}])
+            env["FLYWHEEL_UPSTREAMS"] = json.dumps(
+                [{"name": "vllm-0", "url": engine.url, "seed_policy": engine.seed_policy}]
+            )
         else:
             upstream_url = proxy_settings["upstreams"][0]["url"]
             self.vllm = VLLMServer(
-                model=self.model_dir, served_name=engine.served_name,
-                port=int(upstream_url.rsplit(":", 1)[1].split("/")[0]), device=engine.device,
-                max_lora_rank=engine.max_lora_rank, max_loras=engine.max_loras,
-                max_model_len=engine.max_model_len, dtype=engine.dtype, cpu_kv_cache_gib=engine.cpu_kv_cache_gib,
-                chat_template=engine.chat_template, tool_call_parser=engine.tool_call_parser,
+                model=self.model_dir,
+                served_name=engine.served_name,
+                port=int(upstream_url.rsplit(":", 1)[1].split("/")[0]),
+                device=engine.device,
+                max_lora_rank=engine.max_lora_rank,
+                max_loras=engine.max_loras,
+                max_model_len=engine.max_model_len,
+                dtype=engine.dtype,
+                cpu_kv_cache_gib=engine.cpu_kv_cache_gib,
+                chat_template=engine.chat_template,
+                tool_call_parser=engine.tool_call_parser,
                 gpu_memory_utilization=engine.gpu_memory_utilization,
-                log_path=self.logs / "vllm.log", extra_args=list(engine.extra_args))
+                log_path=self.logs / "vllm.log",
+                extra_args=list(engine.extra_args),
+            )
             self.supervisor = Supervisor(self.vllm, on_restart=self._on_restart)
-        self.proxy = Child("proxy", [sys.executable, "-m", "proxy", "serve", "--config", str(self.proxy_config)],
-                           self.logs / "proxy.log", env)
+        self.proxy = Child(
+            "proxy",
+            [sys.executable, "-m", "proxy", "serve", "--config", str(self.proxy_config)],
+            self.logs / "proxy.log",
+            env,
+        )
         self.children: list[Child] = []
         """Processes started on top of the stack (trainer, workflow, evaluation): stopped first."""
 

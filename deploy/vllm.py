@@ -76,13 +76,28 @@ class VLLMServer:
 
     def command(self) -> list[str]:
         cmd = [
-            self.python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", self.model, "--served-model-name", self.served_name,
-            "--host", self.host, "--port", str(self.port),
-            "--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", str(self.max_loras),
-            "--logprobs-mode", "processed_logprobs",
-            "--max-model-len", str(self.max_model_len),
-            "--dtype", self.resolved_dtype(),
+            self.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--served-model-name",
+            self.served_name,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--enable-lora",
+            "--max-lora-rank",
+            str(self.max_lora_rank),
+            "--max-loras",
+            str(self.max_loras),
+            "--logprobs-mode",
+            "processed_logprobs",
+            "--max-model-len",
+            str(self.max_model_len),
+            "--dtype",
+            self.resolved_dtype(),
             "--enable-prefix-caching",
             "--disable-uvicorn-access-log",
         ]
@@ -120,8 +135,14 @@ class VLLMServer:
         # The child gets its own descriptor for the log; this process's copy closes once it has started.
         with open(self.log_path or os.devnull, "ab") as out:
             # A new session: stop() can signal the engine's worker processes along with the server.
-            self.process = subprocess.Popen(self.command(), env=self.env(), stdout=out, stderr=subprocess.STDOUT,
-                                            start_new_session=True, preexec_fn=die_with_parent)
+            self.process = subprocess.Popen(
+                self.command(),
+                env=self.env(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -168,8 +189,14 @@ class Supervisor:
     the restart (the proxy itself notices the replica come back and reloads its adapters).
     """
 
-    def __init__(self, server: VLLMServer, *, interval_s: float = 2.0, failures_to_restart: int = 3,
-                 on_restart: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        server: VLLMServer,
+        *,
+        interval_s: float = 2.0,
+        failures_to_restart: int = 3,
+        on_restart: Callable[[str], None] | None = None,
+    ) -> None:
         self.server = server
         self.interval_s = interval_s
         self.failures_to_restart = failures_to_restart
@@ -231,11 +258,15 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--max-loras", type=int, default=4)
     serve.add_argument("--max-model-len", type=int, default=8192)
     serve.add_argument("--dtype", default="auto", help="auto: bfloat16 on GPUs and native-bf16 CPUs, else float32")
-    serve.add_argument("--chat-template", default=str(DEFAULT_TEMPLATE),
-                       help="jinja template; '' keeps the model's own")
+    serve.add_argument(
+        "--chat-template", default=str(DEFAULT_TEMPLATE), help="jinja template; '' keeps the model's own"
+    )
     serve.add_argument("--tool-call-parser", default="hermes", help="'' disables tool parsing")
-    serve.add_argument("--no-token-api", action="store_true",
-                       help="no --enable-scale-out (vLLM < 0.32): follow-up prompts are re-rendered, not spliced")
+    serve.add_argument(
+        "--no-token-api",
+        action="store_true",
+        help="no --enable-scale-out (vLLM < 0.32): follow-up prompts are re-rendered, not spliced",
+    )
     serve.add_argument("--no-supervise", action="store_true", help="do not restart a dead engine")
     serve.add_argument("extra", nargs=argparse.REMAINDER, help="after --: passed to vLLM as is")
     args = parser.parse_args(argv)
@@ -243,11 +274,21 @@ def main(argv: list[str] | None = None) -> None:
         from deploy.model import fetch
 
         args.model = str(fetch())
-    server = VLLMServer(model=args.model, served_name=args.served_name, host=args.host, port=args.port,
-                        device=args.device, max_lora_rank=args.max_lora_rank, max_loras=args.max_loras,
-                        max_model_len=args.max_model_len, dtype=args.dtype, chat_template=args.chat_template or None,
-                        tool_call_parser=args.tool_call_parser or None, token_api=not args.no_token_api,
-                        extra_args=[a for a in args.extra if a != "--"])
+    server = VLLMServer(
+        model=args.model,
+        served_name=args.served_name,
+        host=args.host,
+        port=args.port,
+        device=args.device,
+        max_lora_rank=args.max_lora_rank,
+        max_loras=args.max_loras,
+        max_model_len=args.max_model_len,
+        dtype=args.dtype,
+        chat_template=args.chat_template or None,
+        tool_call_parser=args.tool_call_parser or None,
+        token_api=not args.no_token_api,
+        extra_args=[a for a in args.extra if a != "--"],
+    )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -25,8 +25,9 @@ QUESTION = "What is the capital of France? Answer in one word."
 def my_agent(base_url: str, api_key: str) -> str:
     """Stands for any agent: a framework, a CLI tool, a script. It just needs an OpenAI base URL."""
     client = OpenAI(base_url=base_url, api_key=api_key)
-    reply = client.chat.completions.create(model="policy", max_tokens=16, temperature=1.0,
-                                           messages=[{"role": "user", "content": QUESTION}])
+    reply = client.chat.completions.create(
+        model="policy", max_tokens=16, temperature=1.0, messages=[{"role": "user", "content": QUESTION}]
+    )
     return reply.choices[0].message.content or ""
 
 

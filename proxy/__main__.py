@@ -14,8 +14,12 @@ from proxy.settings import load_settings
 
 cli = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
-ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", exists=True, dir_okay=False,
-                                                 help="YAML config (see configs/); env FLYWHEEL_* overrides it")]
+ConfigOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--config", "-c", exists=True, dir_okay=False, help="YAML config (see configs/); env FLYWHEEL_* overrides it"
+    ),
+]
 
 
 def ensure_admin_key(path: Path) -> None:
@@ -58,17 +62,21 @@ def _create_key(path: Path) -> bool:
 def _read_key(path: Path) -> str:
     key = path.read_text().strip()
     if not key:
-        raise typer.BadParameter(f"the admin key file {path} is empty: delete it (a new key is created) or set "
-                                 "FLYWHEEL_ADMIN_KEY")
+        raise typer.BadParameter(
+            f"the admin key file {path} is empty: delete it (a new key is created) or set FLYWHEEL_ADMIN_KEY"
+        )
     return key
 
 
 @cli.command()
-def serve(config: ConfigOpt = None,
-          workers: Annotated[int, typer.Option(help="processes; SQLite and PostgreSQL both take several")] = 1,
-          migrate: Annotated[bool, typer.Option(help="upgrade the schema before serving")] = True,
-          admin_key_file: Annotated[Path, typer.Option(help="used when FLYWHEEL_ADMIN_KEY is unset")] = Path(
-              "data/admin.key")) -> None:
+def serve(
+    config: ConfigOpt = None,
+    workers: Annotated[int, typer.Option(help="processes; SQLite and PostgreSQL both take several")] = 1,
+    migrate: Annotated[bool, typer.Option(help="upgrade the schema before serving")] = True,
+    admin_key_file: Annotated[Path, typer.Option(help="used when FLYWHEEL_ADMIN_KEY is unset")] = Path(
+        "data/admin.key"
+    ),
+) -> None:
     """Serve the proxy (uvicorn, uvloop, httptools)."""
     import uvicorn
 
@@ -82,9 +90,20 @@ def serve(config: ConfigOpt = None,
         run_migrations(settings.store.url)
     if config is not None:
         os.environ["FLYWHEEL_CONFIG"] = str(config.resolve())
-    uvicorn.run("proxy.app:app_from_env", factory=True, host=settings.host, port=settings.port, workers=workers,
-                loop="uvloop", http="httptools", access_log=False, backlog=8192, log_config=None,
-                timeout_graceful_shutdown=60, timeout_keep_alive=30)
+    uvicorn.run(
+        "proxy.app:app_from_env",
+        factory=True,
+        host=settings.host,
+        port=settings.port,
+        workers=workers,
+        loop="uvloop",
+        http="httptools",
+        access_log=False,
+        backlog=8192,
+        log_config=None,
+        timeout_graceful_shutdown=60,
+        timeout_keep_alive=30,
+    )
 
 
 def _store_url(config: Path | None) -> str:
@@ -103,8 +122,7 @@ def _store_url(config: Path | None) -> str:
 
 
 @cli.command()
-def migrate(config: ConfigOpt = None,
-            revision: Annotated[str, typer.Option(help="target revision")] = "head") -> None:
+def migrate(config: ConfigOpt = None, revision: Annotated[str, typer.Option(help="target revision")] = "head") -> None:
     """Create or upgrade the store's schema (Alembic); safe to run again."""
     from proxy.store.db import migrate as run_migrations
 

@@ -118,9 +118,11 @@ def _choice(choice: Any, kind: CallKind, body_key: str, where: str) -> str | Non
         return f"{where}.index is not an integer"
     if not _optional(choice.get("finish_reason"), str):
         return f"{where}.finish_reason is not a string"
-    what = _ids(choice.get("token_ids"), f"{where}.token_ids") or \
-        _ids(choice.get("prompt_token_ids"), f"{where}.prompt_token_ids") or \
-        _logprobs(choice.get("logprobs"), kind, f"{where}.logprobs")
+    what = (
+        _ids(choice.get("token_ids"), f"{where}.token_ids")
+        or _ids(choice.get("prompt_token_ids"), f"{where}.prompt_token_ids")
+        or _logprobs(choice.get("logprobs"), kind, f"{where}.logprobs")
+    )
     if what:
         return what
     if kind != "chat":
@@ -161,10 +163,17 @@ def _message(message: Any, where: str) -> str | None:
         return f"{where}.tool_calls is not a list"
     for j, call in enumerate(calls):
         function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(call, dict) or ("index" in call and type(call["index"]) is not int) \
-                or not _optional(call.get("id"), str) \
-                or not (function is None or isinstance(function, dict) and _optional(function.get("name"), str)
-                        and _optional(function.get("arguments"), str)):
+        if (
+            not isinstance(call, dict)
+            or ("index" in call and type(call["index"]) is not int)
+            or not _optional(call.get("id"), str)
+            or not (
+                function is None
+                or isinstance(function, dict)
+                and _optional(function.get("name"), str)
+                and _optional(function.get("arguments"), str)
+            )
+        ):
             return f"{where}.tool_calls[{j}] is not a tool call"
     return None
 

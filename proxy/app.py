@@ -90,28 +90,46 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{where + ': ' if where else ''}{first.get('msg', 'invalid')}{more}", where or None
 
 
-def create_app(settings: Settings, *, repo: Repository | None = None,
-               transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+def create_app(
+    settings: Settings, *, repo: Repository | None = None, transport: httpx.AsyncBaseTransport | None = None
+) -> FastAPI:
     """The proxy app. ``transport`` swaps the network to vLLM (tests isolating the proxy only)."""
     sampling = SamplingDefaults.load(settings.sampling.generation_config, settings.sampling.defaults)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        store = repo or Repository(settings.store.url, synchronous=settings.store.sqlite_synchronous,
-                                   pool_size=settings.store.pool_size,
-                                   min_rewarded=settings.episodes.min_rewarded)
+        store = repo or Repository(
+            settings.store.url,
+            synchronous=settings.store.sqlite_synchronous,
+            pool_size=settings.store.pool_size,
+            min_rewarded=settings.episodes.min_rewarded,
+        )
         metrics = Metrics()
         upstreams = Upstreams(settings, transport)
         policies = PolicyTable(settings.policy, store, upstreams)
         recorder = Recorder(store, batch_max=settings.store.batch_max, on_batch=metrics.on_batch)
-        relay = Relay(upstreams=upstreams, policies=policies, recorder=recorder, metrics=metrics, sampling=sampling,
-                      sampling_rules=settings.sampling,
-                      splicer=Splicer(upstreams, store, depth=settings.splice.depth)
-                      if settings.splice.enabled else None)
-        svc = Services(settings=settings, repo=store, upstreams=upstreams, policies=policies, recorder=recorder,
-                       keys=KeyRing(settings.auth.admin_key.get_secret_value(),
-                                    [k.get_secret_value() for k in settings.auth.agent_keys]),
-                       gate=EpisodeGate(store), metrics=metrics, relay=relay)
+        relay = Relay(
+            upstreams=upstreams,
+            policies=policies,
+            recorder=recorder,
+            metrics=metrics,
+            sampling=sampling,
+            sampling_rules=settings.sampling,
+            splicer=Splicer(upstreams, store, depth=settings.splice.depth) if settings.splice.enabled else None,
+        )
+        svc = Services(
+            settings=settings,
+            repo=store,
+            upstreams=upstreams,
+            policies=policies,
+            recorder=recorder,
+            keys=KeyRing(
+                settings.auth.admin_key.get_secret_value(), [k.get_secret_value() for k in settings.auth.agent_keys]
+            ),
+            gate=EpisodeGate(store),
+            metrics=metrics,
+            relay=relay,
+        )
         log.info("sampling defaults for omitted fields", extra={"defaults": sampling.values, "source": sampling.source})
         app.state.services = svc
         recorder.start()
@@ -121,11 +139,17 @@ def create_app(settings: Settings, *, repo: Repository | None = None,
         loops = [
             asyncio.create_task(upstreams.health_loop(settings.health_interval_s, policies.sync_replica)),
             asyncio.create_task(policies.refresh_loop()),
-            asyncio.create_task(_every(settings.episodes.reaper_interval_s, "reaper",
-                                       lambda: store.abandon_expired(idle_s=settings.episodes.deadline_s))),
+            asyncio.create_task(
+                _every(
+                    settings.episodes.reaper_interval_s,
+                    "reaper",
+                    lambda: store.abandon_expired(idle_s=settings.episodes.deadline_s),
+                )
+            ),
         ]
-        log.info("proxy ready", extra={"replicas": [r.name for r in upstreams.replicas],
-                                       "store": store.url.split("://")[0]})
+        log.info(
+            "proxy ready", extra={"replicas": [r.name for r in upstreams.replicas], "store": store.url.split("://")[0]}
+        )
         try:
             yield
         finally:
@@ -140,8 +164,12 @@ def create_app(settings: Settings, *, repo: Repository | None = None,
                 await store.close()
             log.info("proxy stopped")
 
-    app = FastAPI(title="Flywheel proxy", version="0.1.0", lifespan=lifespan,
-                  description="OpenAI-compatible proxy that records agent episodes for RL training.")
+    app = FastAPI(
+        title="Flywheel proxy",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="OpenAI-compatible proxy that records agent episodes for RL training.",
+    )
     for module in (chat, responses, messages, episodes, policy, trainer, ops):
         app.include_router(module.router)
     ui.install(app, settings.auth.admin_key.get_secret_value())

@@ -52,8 +52,8 @@ class KeyRing:
         if hmac.compare_digest(raw, self._admin):
             return Principal("admin")
         if key.startswith(EPISODE_KEY_PREFIX):
-            body = key[len(EPISODE_KEY_PREFIX):]
-            episode_id, signature = body[:_UUID_LEN], body[_UUID_LEN + 1:]
+            body = key[len(EPISODE_KEY_PREFIX) :]
+            episode_id, signature = body[:_UUID_LEN], body[_UUID_LEN + 1 :]
             if hmac.compare_digest(signature.encode(), self._signature(episode_id).encode()):
                 return Principal("episode", episode_id)
             return None

@@ -43,8 +43,10 @@ def prepare(body: dict[str, Any], kind: CallKind) -> tuple[dict[str, Any], Wants
             usage = isinstance(options, dict) and _true(options.get("include_usage"))
             if not usage:
                 # continuous_usage_stats only counts with include_usage: it stays off, as it was for vLLM
-                upstream["stream_options"] = {**{k: v for k, v in (options or {}).items()
-                                                 if k != "continuous_usage_stats"}, "include_usage": True}
+                upstream["stream_options"] = {
+                    **{k: v for k, v in (options or {}).items() if k != "continuous_usage_stats"},
+                    "include_usage": True,
+                }
     wants = Wants(token_ids=body.get("return_token_ids") is True, logprobs=_asked_logprobs(body, kind), usage=usage)
     upstream["return_token_ids"] = True
     if not wants.logprobs:
@@ -121,8 +123,12 @@ class ChoiceCapture:
 
     def record(self) -> dict[str, Any]:
         return {
-            "index": self.index, "token_ids": self.token_ids, "logprobs": self.logprobs,
-            "finish_reason": self.finish_reason, "stop_reason": self.stop_reason, "text": "".join(self.text),
+            "index": self.index,
+            "token_ids": self.token_ids,
+            "logprobs": self.logprobs,
+            "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
+            "text": "".join(self.text),
             "tool_calls": [self.tool_calls[i] for i in sorted(self.tool_calls)] or None,
             **({"prompt_token_ids": self.prompt_token_ids} if self.prompt_token_ids is not None else {}),
         }
@@ -141,8 +147,9 @@ class Captured:
     inexact: dict[str, Any] | None = None  # why the ids are not exact, with the counts (the call's notes)
 
 
-def _inexact(prompt_ids: list[int] | None, choices: list[ChoiceCapture],
-             usage: dict[str, Any] | None) -> dict[str, Any] | None:
+def _inexact(
+    prompt_ids: list[int] | None, choices: list[ChoiceCapture], usage: dict[str, Any] | None
+) -> dict[str, Any] | None:
     """Why these ids are not an exact record of what was sampled, or None when they are.
 
     Per choice, one logprob per sampled id; over the call, as many ids as the engine's
@@ -169,12 +176,17 @@ def _inexact(prompt_ids: list[int] | None, choices: list[ChoiceCapture],
         why.append(f"{total} token ids but usage.completion_tokens is {completion}")
     if not why:
         return None
-    return {"why": why, "token_ids": [len(c.token_ids) for c in choices],
-            "logprobs": [len(c.logprobs) for c in choices], "completion_tokens": completion}
+    return {
+        "why": why,
+        "token_ids": [len(c.token_ids) for c in choices],
+        "logprobs": [len(c.logprobs) for c in choices],
+        "completion_tokens": completion,
+    }
 
 
-def _usage(usage: dict[str, Any] | None, prompt_ids: list[int] | None,
-           choices: list[ChoiceCapture]) -> tuple[int | None, int | None]:
+def _usage(
+    usage: dict[str, Any] | None, prompt_ids: list[int] | None, choices: list[ChoiceCapture]
+) -> tuple[int | None, int | None]:
     if usage:
         return usage.get("prompt_tokens"), usage.get("completion_tokens")
     prompt = len(prompt_ids) if prompt_ids is not None else None
@@ -191,8 +203,11 @@ def capture_response(data: dict[str, Any], kind: CallKind) -> Captured:
     captures: list[ChoiceCapture] = []
     slim_choices = []
     for raw in data.get("choices") or ():
-        choice = ChoiceCapture(index=raw.get("index", len(captures)), finish_reason=raw.get("finish_reason"),
-                               stop_reason=raw.get("stop_reason"))
+        choice = ChoiceCapture(
+            index=raw.get("index", len(captures)),
+            finish_reason=raw.get("finish_reason"),
+            stop_reason=raw.get("stop_reason"),
+        )
         ids = raw.get("token_ids")
         choice.ids_missing = ids is None
         choice.token_ids = list(ids or ())
@@ -213,9 +228,15 @@ def capture_response(data: dict[str, Any], kind: CallKind) -> Captured:
     response["choices"] = slim_choices
     prompt_tokens, completion_tokens = _usage(data.get("usage"), prompt_ids, captures)
     inexact = _inexact(prompt_ids, captures, data.get("usage"))
-    return Captured(prompt_token_ids=prompt_ids, choices=[c.record() for c in captures], response=response,
-                    exact_ids=inexact is None, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                    inexact=inexact)
+    return Captured(
+        prompt_token_ids=prompt_ids,
+        choices=[c.record() for c in captures],
+        response=response,
+        exact_ids=inexact is None,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        inexact=inexact,
+    )
 
 
 class StreamCapture:
@@ -274,8 +295,9 @@ class StreamCapture:
     def _merge_tool_call(choice: ChoiceCapture, fragment: dict[str, Any]) -> None:
         """Streamed tool calls arrive in pieces: id/type/name once, arguments as string fragments."""
         index = fragment.get("index", 0)
-        call = choice.tool_calls.setdefault(index, {"id": None, "type": "function",
-                                                     "function": {"name": "", "arguments": ""}})
+        call = choice.tool_calls.setdefault(
+            index, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+        )
         if fragment.get("id"):
             call["id"] = fragment["id"]
         if fragment.get("type"):
@@ -292,20 +314,48 @@ class StreamCapture:
             choice.ids_missing = choice.ids_missing or (not choice.token_ids and bool(choice.text))
         prompt_tokens, completion_tokens = _usage(self.usage, self.prompt_token_ids, captures)
         if self.kind == "chat":
-            body_choices = [{
-                "index": c.index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                "message": {"role": "assistant", "content": "".join(c.text) or None,
-                            "tool_calls": [c.tool_calls[i] for i in sorted(c.tool_calls)] or None},
-            } for c in captures]
+            body_choices = [
+                {
+                    "index": c.index,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                    "message": {
+                        "role": "assistant",
+                        "content": "".join(c.text) or None,
+                        "tool_calls": [c.tool_calls[i] for i in sorted(c.tool_calls)] or None,
+                    },
+                }
+                for c in captures
+            ]
             obj = "chat.completion"
         else:
-            body_choices = [{"index": c.index, "text": "".join(c.text), "finish_reason": c.finish_reason,
-                             "stop_reason": c.stop_reason} for c in captures]
+            body_choices = [
+                {
+                    "index": c.index,
+                    "text": "".join(c.text),
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                for c in captures
+            ]
             obj = "text_completion"
-        response = {**self.header, "object": obj, "choices": body_choices,
-                    "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                              "total_tokens": (prompt_tokens or 0) + (completion_tokens or 0)}}
+        response = {
+            **self.header,
+            "object": obj,
+            "choices": body_choices,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": (prompt_tokens or 0) + (completion_tokens or 0),
+            },
+        }
         inexact = _inexact(self.prompt_token_ids, captures, self.usage)
-        return Captured(prompt_token_ids=self.prompt_token_ids, choices=[c.record() for c in captures],
-                        response=response, exact_ids=inexact is None, prompt_tokens=prompt_tokens,
-                        completion_tokens=completion_tokens, inexact=inexact)
+        return Captured(
+            prompt_token_ids=self.prompt_token_ids,
+            choices=[c.record() for c in captures],
+            response=response,
+            exact_ids=inexact is None,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            inexact=inexact,
+        )

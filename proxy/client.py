@@ -63,8 +63,20 @@ from proxy.schemas import (
 from proxy.vocabulary import AckStatus, CallKind, EpisodeStatus, GroupStatus, TrainStatus
 
 __all__ = [
-    "AsyncProxyClient", "Call", "CallRewards", "Claim", "CreatedEpisode", "CreatedGroup", "Episode", "EpisodeKey",
-    "Group", "PolicyVersion", "ProxyClient", "ProxyError", "ProxyUnreachable", "RetryPolicy"
+    "AsyncProxyClient",
+    "Call",
+    "CallRewards",
+    "Claim",
+    "CreatedEpisode",
+    "CreatedGroup",
+    "Episode",
+    "EpisodeKey",
+    "Group",
+    "PolicyVersion",
+    "ProxyClient",
+    "ProxyError",
+    "ProxyUnreachable",
+    "RetryPolicy",
 ]
 
 R = TypeVar("R")
@@ -91,8 +103,11 @@ class ProxyUnreachable(ProxyError):
     """No answer from the proxy (status 0); the transport error is the ``__cause__``."""
 
     def __init__(self, url: str, call: str, cause: Exception) -> None:
-        super().__init__(0, f"cannot reach the proxy at {url} ({call}: {type(cause).__name__}: {cause}); "
-                            "is `python -m proxy serve` running and the proxy URL right?")
+        super().__init__(
+            0,
+            f"cannot reach the proxy at {url} ({call}: {type(cause).__name__}: {cause}); "
+            "is `python -m proxy serve` running and the proxy URL right?",
+        )
 
 
 @dataclass(frozen=True)
@@ -126,6 +141,7 @@ RETRY = RetryPolicy()
 
 
 # -- replies ---------------------------------------------------------------------------------------
+
 
 class _Reply(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -202,6 +218,7 @@ class PolicyVersion(_Reply):
 
 # -- requests --------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class _Request(Generic[R]):
     """One call: what to send, when it may be sent again, how to read the answer."""
@@ -231,10 +248,12 @@ class _Api:
     """The requests of the control API, built once for both clients."""
 
     @staticmethod
-    def create_group(task_id: str, size: int, metadata: dict[str, Any] | None,
-                     episode_metadata: list[dict[str, Any]] | None) -> _Request[CreatedGroup]:
-        body = GroupCreate.model_construct(task_id=task_id, size=size, metadata=metadata or {},
-                                           episode_metadata=episode_metadata)
+    def create_group(
+        task_id: str, size: int, metadata: dict[str, Any] | None, episode_metadata: list[dict[str, Any]] | None
+    ) -> _Request[CreatedGroup]:
+        body = GroupCreate.model_construct(
+            task_id=task_id, size=size, metadata=metadata or {}, episode_metadata=episode_metadata
+        )
         return _Request("POST", "/groups", "unsent", CreatedGroup.model_validate, body)
 
     @staticmethod
@@ -253,12 +272,14 @@ class _Api:
 
     @staticmethod
     def episode(episode_id: str, calls: bool) -> _Request[Episode]:
-        return _Request("GET", f"/episodes/{episode_id}", "safe", Episode.model_validate,
-                        params={"calls": str(calls).lower()})
+        return _Request(
+            "GET", f"/episodes/{episode_id}", "safe", Episode.model_validate, params={"calls": str(calls).lower()}
+        )
 
     @staticmethod
-    def reward(episode_id: str, reward: float, call_rewards: CallRewards | None,
-               metadata: dict[str, Any] | None) -> _Request[Episode]:
+    def reward(
+        episode_id: str, reward: float, call_rewards: CallRewards | None, metadata: dict[str, Any] | None
+    ) -> _Request[Episode]:
         keyed = {str(k): v for k, v in call_rewards.items()} if call_rewards else None
         body = RewardIn.model_construct(reward=reward, call_rewards=keyed, metadata=metadata)
         return _Request("POST", f"/episodes/{episode_id}/reward", "safe", Episode.model_validate, body)
@@ -282,10 +303,16 @@ class _Api:
         return _Request("POST", "/policy/publish", "safe", PolicyVersion.model_validate, body)
 
     @staticmethod
-    def claim(trainer_id: str, max_groups: int, lease_s: float, max_staleness: int | None,
-              lease_id: str | None) -> _Request[Claim]:
-        body = ClaimIn.model_construct(trainer_id=trainer_id, max_groups=max_groups, lease_s=lease_s,
-                                       max_staleness=max_staleness, lease_id=lease_id or str(uuid.uuid4()))
+    def claim(
+        trainer_id: str, max_groups: int, lease_s: float, max_staleness: int | None, lease_id: str | None
+    ) -> _Request[Claim]:
+        body = ClaimIn.model_construct(
+            trainer_id=trainer_id,
+            max_groups=max_groups,
+            lease_s=lease_s,
+            max_staleness=max_staleness,
+            lease_id=lease_id or str(uuid.uuid4()),
+        )
         return _Request("POST", "/trainer/claim", "safe", Claim.model_validate, body)
 
     @staticmethod
@@ -299,8 +326,9 @@ class _Api:
         return _Request("POST", "/trainer/release", "safe", lambda reply: int(reply["released"]), body)
 
     @staticmethod
-    def ack(lease_id: str, group_ids: list[str], step: int, status: AckStatus,
-            note: str | None) -> _Request[list[Group]]:
+    def ack(
+        lease_id: str, group_ids: list[str], step: int, status: AckStatus, note: str | None
+    ) -> _Request[list[Group]]:
         body = AckIn.model_construct(lease_id=lease_id, group_ids=group_ids, step=step, status=status, note=note)
         return _Request("POST", "/trainer/ack", "safe", _data(Group.model_validate), body)
 
@@ -310,16 +338,18 @@ class _Api:
 
     @staticmethod
     def steps(since_step: int) -> _Request[list[dict[str, Any]]]:
-        return _Request("GET", "/trainer/steps", "safe", lambda reply: list(reply["data"]),
-                        params={"since_step": since_step})
+        return _Request(
+            "GET", "/trainer/steps", "safe", lambda reply: list(reply["data"]), params={"since_step": since_step}
+        )
 
 
 def _answer(request: _Request[R], response: httpx.Response) -> R:
     return request.read(response.json() if response.content else None)
 
 
-def _give_up(retry: RetryPolicy, url: str, request: _Request[Any], attempt: int,
-             failure: httpx.Response | httpx.TransportError) -> ProxyError | None:
+def _give_up(
+    retry: RetryPolicy, url: str, request: _Request[Any], attempt: int, failure: httpx.Response | httpx.TransportError
+) -> ProxyError | None:
     """After failed attempt number ``attempt``: None to try again, else the error to raise."""
     if attempt < retry.attempts and retry.retries(request.repeat, failure):
         return None
@@ -333,23 +363,37 @@ def _give_up(retry: RetryPolicy, url: str, request: _Request[Any], attempt: int,
         error = {}
     if not isinstance(error, dict):
         error = {"message": str(error)}
-    return ProxyError(failure.status_code, str(error.get("message") or failure.text[:500]),
-                      error.get("type"), error.get("code"))
+    return ProxyError(
+        failure.status_code, str(error.get("message") or failure.text[:500]), error.get("type"), error.get("code")
+    )
 
 
 # -- the clients -----------------------------------------------------------------------------------
+
 
 class ProxyClient:
     """Synchronous client (the trainer's loop is compute-bound and sequential; plain scripts).
 
     Thread-safe: one ``httpx.Client`` under it. ``transport`` replaces the network (tests)."""
 
-    def __init__(self, proxy_url: str, admin_key: str, *, timeout_s: float = 120.0, connect_timeout_s: float = 10.0,
-                 retry: RetryPolicy = RETRY, transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        proxy_url: str,
+        admin_key: str,
+        *,
+        timeout_s: float = 120.0,
+        connect_timeout_s: float = 10.0,
+        retry: RetryPolicy = RETRY,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
         self.proxy_url = proxy_url.rstrip("/")
         self.retry = retry
-        self._http = httpx.Client(base_url=self.proxy_url, headers={"authorization": f"Bearer {admin_key}"},
-                                  timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s), transport=transport)
+        self._http = httpx.Client(
+            base_url=self.proxy_url,
+            headers={"authorization": f"Bearer {admin_key}"},
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            transport=transport,
+        )
 
     def close(self) -> None:
         self._http.close()
@@ -378,8 +422,14 @@ class ProxyClient:
 
     # -- groups and episodes (workflows) ---------------------------------------------------------
 
-    def create_group(self, task_id: str, size: int, *, metadata: dict[str, Any] | None = None,
-                     episode_metadata: list[dict[str, Any]] | None = None) -> CreatedGroup:
+    def create_group(
+        self,
+        task_id: str,
+        size: int,
+        *,
+        metadata: dict[str, Any] | None = None,
+        episode_metadata: list[dict[str, Any]] | None = None,
+    ) -> CreatedGroup:
         """A group of ``size`` episodes for one task; each episode's key and base URL are in ``episode_keys``."""
         return self._send(_Api.create_group(task_id, size, metadata, episode_metadata))
 
@@ -397,8 +447,14 @@ class ProxyClient:
     def episode(self, episode_id: str, *, calls: bool = True) -> Episode:
         return self._send(_Api.episode(episode_id, calls))
 
-    def reward(self, episode_id: str, reward: float, *, call_rewards: CallRewards | None = None,
-               metadata: dict[str, Any] | None = None) -> Episode:
+    def reward(
+        self,
+        episode_id: str,
+        reward: float,
+        *,
+        call_rewards: CallRewards | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> Episode:
         """Finish an episode with its reward; ``call_rewards`` keyed by call ordinal (or ``"ordinal:choice"``)."""
         return self._send(_Api.reward(episode_id, reward, call_rewards, metadata))
 
@@ -414,12 +470,20 @@ class ProxyClient:
     def policy_versions(self) -> list[PolicyVersion]:
         return self._send(_Api.policy_versions())
 
-    def publish(self, *, adapter_path: str, version: int | None = None,
-                metadata: dict[str, Any] | None = None) -> PolicyVersion:
+    def publish(
+        self, *, adapter_path: str, version: int | None = None, metadata: dict[str, Any] | None = None
+    ) -> PolicyVersion:
         return self._send(_Api.publish(adapter_path, version, metadata))
 
-    def claim(self, *, trainer_id: str, max_groups: int, lease_s: float, max_staleness: int | None,
-              lease_id: str | None = None) -> Claim:
+    def claim(
+        self,
+        *,
+        trainer_id: str,
+        max_groups: int,
+        lease_s: float,
+        max_staleness: int | None,
+        lease_id: str | None = None,
+    ) -> Claim:
         """Lease up to ``max_groups`` complete groups under ``lease_id`` (default a fresh one): retried
         with that id, a claim whose answer was lost returns the same groups."""
         return self._send(_Api.claim(trainer_id, max_groups, lease_s, max_staleness, lease_id))
@@ -433,8 +497,9 @@ class ProxyClient:
         """Hand a lease's untrained groups back now instead of when it expires."""
         return self._send(_Api.release(lease_id, group_ids))
 
-    def ack(self, *, lease_id: str, group_ids: list[str], step: int, status: AckStatus,
-            note: str | None = None) -> list[Group]:
+    def ack(
+        self, *, lease_id: str, group_ids: list[str], step: int, status: AckStatus, note: str | None = None
+    ) -> list[Group]:
         return self._send(_Api.ack(lease_id, group_ids, step, status, note))
 
     def report_step(self, step: int, metrics: dict[str, Any]) -> None:
@@ -447,12 +512,24 @@ class ProxyClient:
 class AsyncProxyClient:
     """Asynchronous client (workflows: many episodes at once); the same calls as ``ProxyClient``."""
 
-    def __init__(self, proxy_url: str, admin_key: str, *, timeout_s: float = 120.0, connect_timeout_s: float = 10.0,
-                 retry: RetryPolicy = RETRY, transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        proxy_url: str,
+        admin_key: str,
+        *,
+        timeout_s: float = 120.0,
+        connect_timeout_s: float = 10.0,
+        retry: RetryPolicy = RETRY,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
         self.proxy_url = proxy_url.rstrip("/")
         self.retry = retry
-        self._http = httpx.AsyncClient(base_url=self.proxy_url, headers={"authorization": f"Bearer {admin_key}"},
-                                       timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s), transport=transport)
+        self._http = httpx.AsyncClient(
+            base_url=self.proxy_url,
+            headers={"authorization": f"Bearer {admin_key}"},
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            transport=transport,
+        )
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -481,12 +558,19 @@ class AsyncProxyClient:
 
     # -- groups and episodes (workflows) ---------------------------------------------------------
 
-    async def create_group(self, task_id: str, size: int, *, metadata: dict[str, Any] | None = None,
-                           episode_metadata: list[dict[str, Any]] | None = None) -> CreatedGroup:
+    async def create_group(
+        self,
+        task_id: str,
+        size: int,
+        *,
+        metadata: dict[str, Any] | None = None,
+        episode_metadata: list[dict[str, Any]] | None = None,
+    ) -> CreatedGroup:
         return await self._send(_Api.create_group(task_id, size, metadata, episode_metadata))
 
-    async def create_episode(self, task_id: str | None = None, *,
-                             metadata: dict[str, Any] | None = None) -> CreatedEpisode:
+    async def create_episode(
+        self, task_id: str | None = None, *, metadata: dict[str, Any] | None = None
+    ) -> CreatedEpisode:
         return await self._send(_Api.create_episode(task_id, metadata))
 
     async def group(self, group_id: str) -> Group:
@@ -498,8 +582,14 @@ class AsyncProxyClient:
     async def episode(self, episode_id: str, *, calls: bool = True) -> Episode:
         return await self._send(_Api.episode(episode_id, calls))
 
-    async def reward(self, episode_id: str, reward: float, *, call_rewards: CallRewards | None = None,
-                     metadata: dict[str, Any] | None = None) -> Episode:
+    async def reward(
+        self,
+        episode_id: str,
+        reward: float,
+        *,
+        call_rewards: CallRewards | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> Episode:
         return await self._send(_Api.reward(episode_id, reward, call_rewards, metadata))
 
     async def abandon(self, episode_id: str, reason: str) -> Episode:
@@ -513,12 +603,20 @@ class AsyncProxyClient:
     async def policy_versions(self) -> list[PolicyVersion]:
         return await self._send(_Api.policy_versions())
 
-    async def publish(self, *, adapter_path: str, version: int | None = None,
-                      metadata: dict[str, Any] | None = None) -> PolicyVersion:
+    async def publish(
+        self, *, adapter_path: str, version: int | None = None, metadata: dict[str, Any] | None = None
+    ) -> PolicyVersion:
         return await self._send(_Api.publish(adapter_path, version, metadata))
 
-    async def claim(self, *, trainer_id: str, max_groups: int, lease_s: float, max_staleness: int | None,
-                    lease_id: str | None = None) -> Claim:
+    async def claim(
+        self,
+        *,
+        trainer_id: str,
+        max_groups: int,
+        lease_s: float,
+        max_staleness: int | None,
+        lease_id: str | None = None,
+    ) -> Claim:
         return await self._send(_Api.claim(trainer_id, max_groups, lease_s, max_staleness, lease_id))
 
     async def renew(self, *, lease_id: str, group_ids: list[str], lease_s: float) -> float:
@@ -527,8 +625,9 @@ class AsyncProxyClient:
     async def release(self, *, lease_id: str, group_ids: list[str] | None = None) -> int:
         return await self._send(_Api.release(lease_id, group_ids))
 
-    async def ack(self, *, lease_id: str, group_ids: list[str], step: int, status: AckStatus,
-                  note: str | None = None) -> list[Group]:
+    async def ack(
+        self, *, lease_id: str, group_ids: list[str], step: int, status: AckStatus, note: str | None = None
+    ) -> list[Group]:
         return await self._send(_Api.ack(lease_id, group_ids, step, status, note))
 
     async def report_step(self, step: int, metrics: dict[str, Any]) -> None:

@@ -63,8 +63,9 @@ async def admin(request: Request) -> Principal:
     """The admin key only: rewards, groups, publishing, the trainer API."""
     found = identify(request)
     if found.role != "admin":
-        raise PermissionDenied("this route needs the admin key; agent and episode keys reach the model only",
-                               code="admin_only")
+        raise PermissionDenied(
+            "this route needs the admin key; agent and episode keys reach the model only", code="admin_only"
+        )
     return found
 
 
@@ -100,8 +101,9 @@ async def read_call(request: Request) -> tuple[Principal, Services, dict[str, An
     return who, svc, await json_body(request, svc.settings.max_body_bytes)
 
 
-async def episode_of(request: Request, svc: Services, who: Principal, path_episode: str | None, *,
-                     recorded: bool) -> str | None:
+async def episode_of(
+    request: Request, svc: Services, who: Principal, path_episode: str | None, *, recorded: bool
+) -> str | None:
     """The open episode a recorded call belongs to (None: passthrough)."""
     if not recorded:
         return None

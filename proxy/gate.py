@@ -41,7 +41,9 @@ def identify_episode(headers: Headers, path_episode: str | None, principal: Prin
         if principal.episode_id is None:
             raise MissingEpisode(
                 "this call names no episode: use the base URL /episodes/<id>/v1, the X-Episode-Id header, "
-                "or the episode's API key (unrecorded calls go to /passthrough/v1)", code="missing_episode")
+                "or the episode's API key (unrecorded calls go to /passthrough/v1)",
+                code="missing_episode",
+            )
         return principal.episode_id
     episode_id = canonical_id(named)
     if principal.episode_id is not None and principal.episode_id != episode_id:
@@ -67,8 +69,9 @@ class EpisodeGate:
             raise NotFound(f"episode {episode_id} not found", param="episode_id", code="episode_not_found")
         if state[0] != "open":
             self._open.pop(episode_id, None)
-            raise EpisodeClosed(f"episode {episode_id} is {state[0]}; it takes no more model calls",
-                                code="episode_closed")
+            raise EpisodeClosed(
+                f"episode {episode_id} is {state[0]}; it takes no more model calls", code="episode_closed"
+            )
         if len(self._open) >= self._max_entries:
             self._open.clear()
         self._open[episode_id] = now

@@ -24,7 +24,9 @@ def _clean(name: str, value: Any) -> Any:
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
-            "ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name,
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
             "msg": record.getMessage(),
         }
         for name, value in vars(record).items():

@@ -11,26 +11,39 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("flywheel_requests", "Model requests by route and status", ["route", "status"],
-                                registry=r)
-        self.latency = Histogram("flywheel_request_seconds", "Model request latency (to last byte)", ["route"],
-                                 buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("flywheel_time_to_first_token_seconds", "Streamed time to first token",
-                              buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter(
+            "flywheel_requests", "Model requests by route and status", ["route", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "flywheel_request_seconds",
+            "Model request latency (to last byte)",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "flywheel_time_to_first_token_seconds", "Streamed time to first token", buckets=LATENCY_BUCKETS, registry=r
+        )
         self.tokens = Counter("flywheel_tokens", "Tokens through the proxy", ["kind"], registry=r)
         self.episodes = Counter("flywheel_episodes", "Episodes created and finished", ["event"], registry=r)
         self.recorded = Counter("flywheel_calls_recorded", "Calls committed to the store", registry=r)
-        self.commit_seconds = Histogram("flywheel_store_commit_seconds", "Group commit duration",
-                                        buckets=LATENCY_BUCKETS, registry=r)
+        self.commit_seconds = Histogram(
+            "flywheel_store_commit_seconds", "Group commit duration", buckets=LATENCY_BUCKETS, registry=r
+        )
         self.queue_depth = Gauge("flywheel_store_queue_depth", "Calls waiting for their commit", registry=r)
         self.replicas_healthy = Gauge("flywheel_replicas_healthy", "Healthy vLLM replicas", registry=r)
         self.policy_version = Gauge("flywheel_policy_version", "Current policy version", registry=r)
-        self.dropped = Counter("flywheel_dropped_fields", "Request fields dropped to protect the engine",
-                               ["field"], registry=r)
+        self.dropped = Counter(
+            "flywheel_dropped_fields", "Request fields dropped to protect the engine", ["field"], registry=r
+        )
 
-        self.splices = Counter("flywheel_splices", "Follow-up calls by token splice outcome "
-                               "(spliced, unchanged: the render already held the sampled ids, skipped)",
-                               ["outcome"], registry=r)
+        self.splices = Counter(
+            "flywheel_splices",
+            "Follow-up calls by token splice outcome "
+            "(spliced, unchanged: the render already held the sampled ids, skipped)",
+            ["outcome"],
+            registry=r,
+        )
 
     def on_batch(self, calls: int, seconds: float) -> None:
         self.recorded.inc(calls)

@@ -64,10 +64,9 @@ class PolicyTable:
             await asyncio.sleep(self.settings.refresh_s)
 
     def _kept(self, versions: list[PolicyVersionRecord]) -> list[PolicyVersionRecord]:
-        return sorted(versions, key=lambda v: v.version)[-self.settings.keep_versions:]
+        return sorted(versions, key=lambda v: v.version)[-self.settings.keep_versions :]
 
-    async def publish(self, *, adapter_path: str, version: int | None,
-                      metadata: dict[str, Any]) -> PolicyVersionRecord:
+    async def publish(self, *, adapter_path: str, version: int | None, metadata: dict[str, Any]) -> PolicyVersionRecord:
         """Load on every healthy replica, switch routing, unload what falls out of the window."""
         async with self._publish_lock:
             # The store's version, not only this replica's last refresh: another proxy may have published
@@ -76,12 +75,16 @@ class PolicyTable:
             version = version if version is not None else await self._repo.next_policy_version()
             current = self.current.version if self.current else 0
             if version <= current:
-                raise Conflict(f"version {version} is not newer than the current version {current}",
-                               param="version", code="version_conflict")
+                raise Conflict(
+                    f"version {version} is not newer than the current version {current}",
+                    param="version",
+                    code="version_conflict",
+                )
             name = f"{self.settings.adapter_prefix}{version}"
             targets = [r for r in self._upstreams.replicas if r.healthy] or list(self._upstreams.replicas)
-            results = await asyncio.gather(*(self._load(r, name, adapter_path) for r in targets),
-                                           return_exceptions=True)
+            results = await asyncio.gather(
+                *(self._load(r, name, adapter_path) for r in targets), return_exceptions=True
+            )
             loaded = [r for r, res in zip(targets, results, strict=True) if res is None]
             errors = [res for res in results if isinstance(res, BaseException)]
             if not loaded:
@@ -90,8 +93,9 @@ class PolicyTable:
                 if res is not None:  # it missed the adapter: out of rotation until the health loop syncs it
                     log.warning("adapter load failed", extra={"replica": replica.name, "error": repr(res)})
                     replica.healthy = False
-            record = await self._repo.add_policy_version(version=version, name=name, adapter_path=adapter_path,
-                                                         metadata=metadata)
+            record = await self._repo.add_policy_version(
+                version=version, name=name, adapter_path=adapter_path, metadata=metadata
+            )
             self.current = record
             kept = {v.name for v in self._kept(await self._repo.list_policy_versions(self.settings.keep_versions))}
             await asyncio.gather(*(self._unload_except(r, kept) for r in loaded), return_exceptions=True)
@@ -99,8 +103,9 @@ class PolicyTable:
             return record
 
     async def _load(self, replica: Replica, name: str, path: str) -> None:
-        response = await self._upstreams.post_json(replica, "/v1/load_lora_adapter",
-                                                   {"lora_name": name, "lora_path": path})
+        response = await self._upstreams.post_json(
+            replica, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}
+        )
         if response.status_code != 200 and "already been loaded" in response.text:
             # Loaded earlier (a retried publish, or a restarted proxy): fine if it is the same adapter;
             # a different adapter under this name must be replaced, never silently served.
@@ -109,17 +114,24 @@ class PolicyTable:
                 replica.adapters.add(name)
                 return
             await self._upstreams.post_json(replica, "/v1/unload_lora_adapter", {"lora_name": name})
-            response = await self._upstreams.post_json(replica, "/v1/load_lora_adapter",
-                                                       {"lora_name": name, "lora_path": path})
+            response = await self._upstreams.post_json(
+                replica, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}
+            )
         if response.status_code == 200:
             replica.adapters.add(name)
             return
         message = _error_message(response.text)
         if response.status_code in (400, 404, 422):
-            hint = (" (is VLLM_ALLOW_RUNTIME_LORA_UPDATING=True set for vLLM?)"
-                    if response.status_code == 404 and "cannot be found" not in message else "")
-            raise InvalidRequest(f"vLLM {replica.name} refused adapter {path!r}: {message}{hint}",
-                                 param="adapter_path", code="adapter_rejected")
+            hint = (
+                " (is VLLM_ALLOW_RUNTIME_LORA_UPDATING=True set for vLLM?)"
+                if response.status_code == 404 and "cannot be found" not in message
+                else ""
+            )
+            raise InvalidRequest(
+                f"vLLM {replica.name} refused adapter {path!r}: {message}{hint}",
+                param="adapter_path",
+                code="adapter_rejected",
+            )
         raise UpstreamError(f"vLLM {replica.name} failed to load adapter: {response.status_code} {message}")
 
     async def _unload_except(self, replica: Replica, kept: set[str]) -> None:

@@ -27,8 +27,9 @@ log = logging.getLogger("flywheel.recorder")
 
 
 class Recorder:
-    def __init__(self, repo: Repository, *, batch_max: int = 512,
-                 on_batch: Callable[[int, float], None] | None = None) -> None:
+    def __init__(
+        self, repo: Repository, *, batch_max: int = 512, on_batch: Callable[[int, float], None] | None = None
+    ) -> None:
         self._repo = repo
         self._batch_max = batch_max
         self._pending: list[tuple[NewCall, asyncio.Future[None]]] = []

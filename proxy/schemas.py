@@ -62,12 +62,14 @@ class _In(BaseModel):
 
 # -- episodes and groups ----------------------------------------------------------------------
 
+
 class GroupCreate(_In):
     task_id: str = Field(min_length=1, max_length=256)
     size: int = Field(ge=1, description="episodes in the group (GRPO's G); the proxy caps it (episodes.max_group_size)")
     metadata: Metadata = {}
     episode_metadata: list[Metadata] | None = Field(
-        None, description="one metadata object per episode (e.g. a seed); length must equal size")
+        None, description="one metadata object per episode (e.g. a seed); length must equal size"
+    )
 
 
 class EpisodeCreate(_In):
@@ -78,8 +80,10 @@ class EpisodeCreate(_In):
 class RewardIn(_In):
     reward: FiniteFloat
     call_rewards: dict[str, FiniteFloat] | None = Field(
-        None, description="optional per-call rewards keyed by call ordinal (0-based), e.g. {\"2\": 0.5}, or by "
-        "ordinal and choice for calls with n > 1, e.g. {\"0:3\": 1.0}")
+        None,
+        description='optional per-call rewards keyed by call ordinal (0-based), e.g. {"2": 0.5}, or by '
+        'ordinal and choice for calls with n > 1, e.g. {"0:3": 1.0}',
+    )
     metadata: Metadata | None = None
 
 
@@ -175,6 +179,7 @@ class ListOut(BaseModel):
 
 # -- policy -----------------------------------------------------------------------------------
 
+
 class PublishIn(_In):
     adapter_path: str = Field(min_length=1, description="adapter directory as the vLLM replicas see it")
     version: StoredInt | None = Field(None, ge=1, description="default: current version + 1")
@@ -193,14 +198,23 @@ class PolicyOut(BaseModel):
 
 # -- trainer ----------------------------------------------------------------------------------
 
+
 class ClaimIn(_In):
     trainer_id: str = Field("trainer", min_length=1, max_length=128)
     max_groups: int = Field(8, ge=1, le=1024)
     lease_s: float = Field(600.0, gt=0, le=86400)
-    max_staleness: StoredInt | None = Field(None, ge=0, description="skip groups whose oldest call is more than "
-                                      "this many policy versions behind the current one")
-    lease_id: str | None = Field(None, min_length=8, max_length=36, description="client-chosen lease id: retrying "
-                                 "a claim whose answer was lost returns the same groups instead of leasing more")
+    max_staleness: StoredInt | None = Field(
+        None,
+        ge=0,
+        description="skip groups whose oldest call is more than this many policy versions behind the current one",
+    )
+    lease_id: str | None = Field(
+        None,
+        min_length=8,
+        max_length=36,
+        description="client-chosen lease id: retrying "
+        "a claim whose answer was lost returns the same groups instead of leasing more",
+    )
 
 
 class ReleaseIn(_In):

@@ -164,8 +164,8 @@ def env_overrides(environ: dict[str, str] | os._Environ[str]) -> dict[str, Any]:
             continue
         if name in SHORTCUTS:
             path = list(SHORTCUTS[name])
-        elif "__" in name or name[len(ENV_PREFIX):].lower() in Settings.model_fields:
-            path = name[len(ENV_PREFIX):].lower().split("__")
+        elif "__" in name or name[len(ENV_PREFIX) :].lower() in Settings.model_fields:
+            path = name[len(ENV_PREFIX) :].lower().split("__")
         else:
             continue
         if path[0] not in Settings.model_fields:
@@ -181,8 +181,9 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_settings(path: str | Path | None = None, *, environ: dict[str, str] | None = None,
-                  **overrides: Any) -> Settings:
+def load_settings(
+    path: str | Path | None = None, *, environ: dict[str, str] | None = None, **overrides: Any
+) -> Settings:
     """Read YAML (if given), then environment overrides, then keyword overrides."""
     data: dict[str, Any] = {}
     if path is not None:

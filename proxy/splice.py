@@ -47,8 +47,16 @@ RENDER = "/v1/chat/completions/render"
 GENERATE = "/inference/v1/generate"
 DERENDER = "/v1/chat/completions/derender"
 
-_RENDER_ONLY = ("tool_choice", "response_format", "structured_outputs", "stream", "stream_options", "n",
-                "logprobs", "top_logprobs")
+_RENDER_ONLY = (
+    "tool_choice",
+    "response_format",
+    "structured_outputs",
+    "stream",
+    "stream_options",
+    "n",
+    "logprobs",
+    "top_logprobs",
+)
 """Fields that shape sampling, not the prompt: left out when rendering the history alone."""
 _PROBE = [{"role": "user", "content": "."}]
 
@@ -125,7 +133,7 @@ def continued(messages: list[Any], call: CallRecord) -> Continued | None:
     if call.kind != "chat" or call.status_code != 200 or not call.exact_ids or not call.prompt_token_ids:
         return None
     before = call.request.get("messages")
-    if not isinstance(before, list) or len(messages) < len(before) + 2 or messages[:len(before)] != before:
+    if not isinstance(before, list) or len(messages) < len(before) + 2 or messages[: len(before)] != before:
         return None
     turn = messages[len(before)]
     if not isinstance(turn, dict):
@@ -138,13 +146,14 @@ def continued(messages: list[Any], call: CallRecord) -> Continued | None:
 
 def end_of_turn(user_only: list[int], with_empty_turn: list[int]) -> list[int]:
     """The template's end-of-turn ids: what an empty assistant turn adds after the generation prompt."""
-    if with_empty_turn[:len(user_only)] != user_only or len(with_empty_turn) == len(user_only):
+    if with_empty_turn[: len(user_only)] != user_only or len(with_empty_turn) == len(user_only):
         raise ValueError("the chat template does not render an empty assistant turn after the generation prompt")
-    return with_empty_turn[len(user_only):]
+    return with_empty_turn[len(user_only) :]
 
 
-def splice(prompt: list[int], sampled: list[int], closing: list[int], history: list[int],
-           rendered: list[int]) -> list[int] | str:
+def splice(
+    prompt: list[int], sampled: list[int], closing: list[int], history: list[int], rendered: list[int]
+) -> list[int] | str:
     """The spliced prompt ids, or why not.
 
     ``prompt``/``sampled``: the earlier call's prompt and the continued choice's ids; ``closing``:
@@ -152,12 +161,12 @@ def splice(prompt: list[int], sampled: list[int], closing: list[int], history: l
     ``rendered``: the render of the whole request. The sampled ids may end with part of
     ``closing`` (the stop token): only the rest is added, as the template would.
     """
-    if rendered[:len(history)] != history:
+    if rendered[: len(history)] != history:
         return "template renders the earlier turn differently once more messages follow"
-    if history[-len(closing):] != closing:
+    if history[-len(closing) :] != closing:
         return "the rendered assistant turn does not end with the template's end-of-turn ids"
     have = next((k for k in range(len(closing), 0, -1) if sampled[-k:] == closing[:k]), 0)
-    return [*prompt, *sampled, *closing[have:], *rendered[len(history):]]
+    return [*prompt, *sampled, *closing[have:], *rendered[len(history) :]]
 
 
 def _as_chat_logprob(item: dict[str, Any]) -> dict[str, Any]:
@@ -171,10 +180,15 @@ def _keep_logprobs(message: dict[str, Any], generated: dict[str, Any]) -> None:
     for choice in message.get("choices") or ():
         source = by_index.get(choice.get("index"))
         if choice.get("logprobs") is None and source and source.get("content") is not None:
-            choice["logprobs"] = {"content": [
-                {**_as_chat_logprob(item),
-                 "top_logprobs": [_as_chat_logprob(t) for t in item.get("top_logprobs") or ()]}
-                for item in source["content"]]}
+            choice["logprobs"] = {
+                "content": [
+                    {
+                        **_as_chat_logprob(item),
+                        "top_logprobs": [_as_chat_logprob(t) for t in item.get("top_logprobs") or ()],
+                    }
+                    for item in source["content"]
+                ]
+            }
 
 
 class Splicer:
@@ -200,8 +214,9 @@ class Splicer:
                 return found
         return f"no earlier call of the episode (newest {len(calls)}) is continued by these messages"
 
-    async def _post(self, replica: Replica, path: str, body: dict[str, Any], *,
-                    optional: bool = False) -> dict[str, Any]:
+    async def _post(
+        self, replica: Replica, path: str, body: dict[str, Any], *, optional: bool = False
+    ) -> dict[str, Any]:
         """One token-API call; its error answers mapped as the chat route maps vLLM's.
 
         ``optional`` (the renders, made before anything is sampled): a replica without the token
@@ -222,8 +237,14 @@ class Splicer:
         cached = self._closing.get(replica.name)
         if cached is None:
             asked = await self._render(replica, {"model": model, "messages": _PROBE})
-            empty = await self._render(replica, {"model": model, "add_generation_prompt": False,
-                                                  "messages": [*_PROBE, {"role": "assistant", "content": ""}]})
+            empty = await self._render(
+                replica,
+                {
+                    "model": model,
+                    "add_generation_prompt": False,
+                    "messages": [*_PROBE, {"role": "assistant", "content": ""}],
+                },
+            )
             cached = self._closing[replica.name] = end_of_turn(asked["token_ids"], empty["token_ids"])
         return cached
 
@@ -231,34 +252,47 @@ class Splicer:
         """The spliced GenerateRequest for ``body`` (the upstream chat body), or why it cannot be."""
         messages = body["messages"]
         history_body = {k: v for k, v in body.items() if k not in _RENDER_ONLY}
-        history_body.update(messages=messages[:cont.position + 1], add_generation_prompt=False,
-                            continue_final_message=False)
+        history_body.update(
+            messages=messages[: cont.position + 1], add_generation_prompt=False, continue_final_message=False
+        )
         closing = await self.closing(replica, body["model"])
         rendered, history = await asyncio.gather(self._render(replica, body), self._render(replica, history_body))
         assert cont.call.prompt_token_ids is not None
-        ids = splice(cont.call.prompt_token_ids, cont.choice["token_ids"], closing, history["token_ids"],
-                     rendered["token_ids"])
+        ids = splice(
+            cont.call.prompt_token_ids, cont.choice["token_ids"], closing, history["token_ids"], rendered["token_ids"]
+        )
         if isinstance(ids, str):
             return ids
         canonical: list[int] = rendered["token_ids"]
-        note = {"from": cont.call.ordinal, "choice": cont.choice.get("index", 0), "prompt_tokens": len(ids),
-                "rendered_tokens": len(canonical), "changed": ids != canonical}
+        note = {
+            "from": cont.call.ordinal,
+            "choice": cont.choice.get("index", 0),
+            "prompt_tokens": len(ids),
+            "rendered_tokens": len(canonical),
+            "changed": ids != canonical,
+        }
         return Plan(generate={**rendered, "token_ids": ids}, note=note)
 
     async def complete(self, replica: Replica, body: dict[str, Any], plan: Plan) -> dict[str, Any]:
         """Generate from the spliced ids and derender: the chat response, with ``prompt_token_ids``."""
         generated = await self._post(replica, GENERATE, {**plan.generate, "stream": False})
-        response = await self._post(replica, DERENDER, {
-            "model": body["model"], "generate_response": generated, "chat_request": body,
-            "prompt_token_ids": plan.prompt_ids, "prompt_tokens": len(plan.prompt_ids)})
+        response = await self._post(
+            replica,
+            DERENDER,
+            {
+                "model": body["model"],
+                "generate_response": generated,
+                "chat_request": body,
+                "prompt_token_ids": plan.prompt_ids,
+                "prompt_tokens": len(plan.prompt_ids),
+            },
+        )
         response["prompt_token_ids"] = plan.prompt_ids
         return response
 
-    async def stream(self, replica: Replica, body: dict[str, Any], plan: Plan
-                     ) -> AsyncGenerator[dict[str, Any], None]:
+    async def stream(self, replica: Replica, body: dict[str, Any], plan: Plan) -> AsyncGenerator[dict[str, Any], None]:
         """Stream from the spliced ids: each generate chunk derendered into a chat chunk, in order."""
-        generate = {**plan.generate, "stream": True,
-                    "stream_options": {"include_usage": True}}
+        generate = {**plan.generate, "stream": True, "stream_options": {"include_usage": True}}
         response = await self.upstreams.send(replica, "POST", GENERATE, content=orjson.dumps(generate), stream=True)
         try:
             if response.status_code >= 400:
@@ -269,7 +303,7 @@ class Splicer:
             async for raw in response.aiter_raw():
                 buffer += raw.replace(b"\r\n", b"\n")
                 while (cut := buffer.find(b"\n\n")) >= 0:
-                    event, buffer = buffer[:cut], buffer[cut + 2:]
+                    event, buffer = buffer[:cut], buffer[cut + 2 :]
                     data = next((line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:")), None)
                     if data is None or data == b"[DONE]":
                         continue
@@ -277,10 +311,19 @@ class Splicer:
                     if "error" in chunk and "choices" not in chunk:
                         err = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
                         raise UpstreamError(f"upstream error mid-stream: {err.get('message')}", code="upstream_error")
-                    out = await self._post(replica, DERENDER, {
-                        "stream": True, "model": body["model"], "generate_chunk": chunk, "stream_state": state,
-                        "chat_request": body, "prompt_token_ids": plan.prompt_ids,
-                        "prompt_tokens": len(plan.prompt_ids)})
+                    out = await self._post(
+                        replica,
+                        DERENDER,
+                        {
+                            "stream": True,
+                            "model": body["model"],
+                            "generate_chunk": chunk,
+                            "stream_state": state,
+                            "chat_request": body,
+                            "prompt_token_ids": plan.prompt_ids,
+                            "prompt_tokens": len(plan.prompt_ids),
+                        },
+                    )
                     with reading(replica.name):
                         state = out["stream_state"]
                         message: dict[str, Any] = out["chunk"]
@@ -291,5 +334,3 @@ class Splicer:
                     yield message
         finally:
             await response.aclose()
-
-

@@ -202,8 +202,7 @@ class _Connection(asyncio.Protocol):
                 raise self.error
             loop = asyncio.get_running_loop()
             self.wake = loop.create_future()
-            timer = (loop.call_later(read_timeout, self._timed_out, "sent nothing")
-                     if read_timeout is not None else None)
+            timer = loop.call_later(read_timeout, self._timed_out, "sent nothing") if read_timeout is not None else None
             try:
                 await self.wake
             finally:
@@ -222,8 +221,11 @@ class _Connection(asyncio.Protocol):
     async def response_head(self, read_timeout: float | None) -> None:
         """Wait for the status line and headers."""
         assert self.head is not None
-        timer = (asyncio.get_running_loop().call_later(read_timeout, self._timed_out, "sent no response headers")
-                 if read_timeout is not None else None)
+        timer = (
+            asyncio.get_running_loop().call_later(read_timeout, self._timed_out, "sent no response headers")
+            if read_timeout is not None
+            else None
+        )
         try:
             await self.head
         finally:
@@ -285,8 +287,9 @@ class Http1Transport(httpx.AsyncBaseTransport):
     keep-alive timeout, 5 s for uvicorn) is closed instead of reused.
     """
 
-    def __init__(self, *, max_keepalive: int = 512, keepalive_expiry_s: float = 4.0,
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self, *, max_keepalive: int = 512, keepalive_expiry_s: float = 4.0, ssl_context: ssl.SSLContext | None = None
+    ) -> None:
         self._idle: dict[Origin, deque[_Connection]] = {}  # oldest left, newest right
         self._idle_count = 0
         self._max_keepalive = max_keepalive
@@ -302,8 +305,9 @@ class Http1Transport(httpx.AsyncBaseTransport):
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(_Connection, host, port, ssl=context,
-                                       server_hostname=host if context else None), connect_s)
+                loop.create_connection(_Connection, host, port, ssl=context, server_hostname=host if context else None),
+                connect_s,
+            )
         except TimeoutError:
             raise httpx.ConnectTimeout(f"connecting to {host}:{port} timed out") from None
         except OSError as exc:
@@ -360,8 +364,15 @@ class Http1Transport(httpx.AsyncBaseTransport):
         conn = await self._connect(origin, timeouts.get("connect"))
         return await self._exchange(origin, conn, request, head, body, timeouts)
 
-    async def _exchange(self, origin: Origin, conn: _Connection, request: httpx.Request, head: bytes,
-                        body: bytes, timeouts: dict[str, float | None]) -> httpx.Response:
+    async def _exchange(
+        self,
+        origin: Origin,
+        conn: _Connection,
+        request: httpx.Request,
+        head: bytes,
+        body: bytes,
+        timeouts: dict[str, float | None],
+    ) -> httpx.Response:
         """Send the request on ``conn`` and wait for the response head; the body streams after."""
         self._open.add(conn)
         try:
@@ -374,9 +385,12 @@ class Http1Transport(httpx.AsyncBaseTransport):
         assert conn.parser is not None
         version = conn.parser.get_http_version()
         return httpx.Response(
-            conn.parser.get_status_code(), headers=conn.headers,
-            stream=_Body(self, origin, conn, timeouts.get("read")), request=request,
-            extensions={"http_version": b"HTTP/1.1" if version == "1.1" else f"HTTP/{version}".encode()})
+            conn.parser.get_status_code(),
+            headers=conn.headers,
+            stream=_Body(self, origin, conn, timeouts.get("read")),
+            request=request,
+            extensions={"http_version": b"HTTP/1.1" if version == "1.1" else f"HTTP/{version}".encode()},
+        )
 
     async def aclose(self) -> None:
         for conn in list(self._open) + [c for idle in self._idle.values() for c in idle]:

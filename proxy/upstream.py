@@ -50,8 +50,9 @@ class Replica:
 def map_transport_error(exc: httpx.TransportError, replica: Replica) -> UpstreamError:
     """Translate an httpx transport error into the proxy's error for the client."""
     if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
-        return UpstreamUnavailable(f"cannot reach upstream {replica.name}: {type(exc).__name__}",
-                                   code="upstream_unavailable")
+        return UpstreamUnavailable(
+            f"cannot reach upstream {replica.name}: {type(exc).__name__}", code="upstream_unavailable"
+        )
     if isinstance(exc, httpx.TimeoutException):
         return UpstreamTimeout(f"upstream {replica.name} timed out ({type(exc).__name__})", code="upstream_timeout")
     return UpstreamError(f"upstream {replica.name} failed: {type(exc).__name__}: {exc}", code="upstream_error")
@@ -73,8 +74,9 @@ def answer_error(status: int, text: bytes, replica: Replica | None) -> FlywheelE
         return NotFound(message, param="model", code="model_not_found")
     name = replica.name if replica else "?"
     if status == 401:
-        return UpstreamError(f"upstream {name} refused the proxy's API key ({status}): {message}",
-                             code="upstream_auth_failed")
+        return UpstreamError(
+            f"upstream {name} refused the proxy's API key ({status}): {message}", code="upstream_auth_failed"
+        )
     if 400 <= status < 500:
         return RequestRejected(message, status_code=status, code="upstream_rejected")
     return UpstreamError(f"upstream {name} failed ({status}): {message}", code="upstream_error")
@@ -110,8 +112,9 @@ class Upstreams:
         idle = [r for r in healthy if r.in_flight == least]
         return idle[self._rr % len(idle)]
 
-    async def send(self, replica: Replica, method: str, path: str, *, content: bytes | None = None,
-                   stream: bool = False) -> httpx.Response:
+    async def send(
+        self, replica: Replica, method: str, path: str, *, content: bytes | None = None, stream: bool = False
+    ) -> httpx.Response:
         # Straight to the transport: the model calls need none of the client's cookies, auth flows,
         # redirects or header merging, which cost more CPU per call than the transport itself.
         url = self._urls.get((replica.url, path))
@@ -120,8 +123,10 @@ class Upstreams:
         headers = self._headers.get((replica.name, content is not None))
         if headers is None:
             headers = self._headers[(replica.name, content is not None)] = httpx.Headers(
-                {**_BASE_HEADERS, "content-type": "application/json", **replica.headers()} if content is not None
-                else {**_BASE_HEADERS, **replica.headers()})
+                {**_BASE_HEADERS, "content-type": "application/json", **replica.headers()}
+                if content is not None
+                else {**_BASE_HEADERS, **replica.headers()}
+            )
         request = httpx.Request(method, url, content=content, headers=headers, extensions={"timeout": self._timeout})
         try:
             response = await self._transport.handle_async_request(request)
@@ -140,8 +145,12 @@ class Upstreams:
     async def post_json(self, replica: Replica, path: str, body: dict[str, Any]) -> httpx.Response:
         """A small admin call (adapter load/unload): its own short timeout, not the generation one."""
         try:
-            return await self.client.post(replica.url + path, content=orjson.dumps(body), timeout=60.0,
-                                          headers={"content-type": "application/json", **replica.headers()})
+            return await self.client.post(
+                replica.url + path,
+                content=orjson.dumps(body),
+                timeout=60.0,
+                headers={"content-type": "application/json", **replica.headers()},
+            )
         except httpx.TransportError as exc:
             raise map_transport_error(exc, replica) from exc
 
@@ -164,8 +173,9 @@ class Upstreams:
             return False
         return response.status_code == 200
 
-    async def health_loop(self, interval_s: float,
-                          on_recovered: Callable[[Replica], Awaitable[None]] | None = None) -> None:
+    async def health_loop(
+        self, interval_s: float, on_recovered: Callable[[Replica], Awaitable[None]] | None = None
+    ) -> None:
         """Probe every replica forever; a replica that comes back runs ``on_recovered`` (adapter sync)
         before it takes traffic again."""
         while True:

@@ -21,8 +21,14 @@ def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     from deploy.vllm import VLLMServer
 
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    server = VLLMServer(model=model_dir(), port=free_port(), python=engine_python(), log_path=log,
-                        cpu_kv_cache_gib=2, max_model_len=8192)
+    server = VLLMServer(
+        model=model_dir(),
+        port=free_port(),
+        python=engine_python(),
+        log_path=log,
+        cpu_kv_cache_gib=2,
+        max_model_len=8192,
+    )
     server.start()
     try:
         server.wait_healthy(timeout=600)

@@ -36,8 +36,10 @@ def preflight(config: TrainerConfig) -> ProxyClient:
     """The cheap checks, before torch loads: model directory, admin key, proxy reachable and accepting the key."""
     model = config.model_dir
     if not str(model) or not (model / "config.json").is_file():
-        raise ConfigError(f"model directory not found or not a Hugging Face model: {str(model)!r}; set `model:` or "
-                          "FLYWHEEL_MODEL_DIR (`python -m deploy.model path` prints the local SmolLM2)")
+        raise ConfigError(
+            f"model directory not found or not a Hugging Face model: {str(model)!r}; set `model:` or "
+            "FLYWHEEL_MODEL_DIR (`python -m deploy.model path` prints the local SmolLM2)"
+        )
     try:
         with ProxyClient(config.proxy_url, config.admin_key(), timeout_s=10.0, retry=RetryPolicy(attempts=3)) as probe:
             probe.policy()  # fail fast at start; the training client retries for longer
@@ -78,8 +80,9 @@ def run(ctx: typer.Context, config: ConfigOpt = None) -> None:
         return
     cfg.out.mkdir(parents=True, exist_ok=True)
     (cfg.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-    reporter = Reporter(cfg.out, tensorboard=cfg.tensorboard, progress=cfg.progress, max_steps=cfg.max_steps,
-                        start_step=0)
+    reporter = Reporter(
+        cfg.out, tensorboard=cfg.tensorboard, progress=cfg.progress, max_steps=cfg.max_steps, start_step=0
+    )
     trainer = Trainer(cfg, client, policy, reporter, world)
     trainer.install_signals()
     try:

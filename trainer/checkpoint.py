@@ -101,7 +101,7 @@ class Checkpoints:
 
     def _prune(self) -> None:
         done = sorted(p for p in self.root.glob("step-*") if p.is_dir())
-        for old in done[:-self.keep]:
+        for old in done[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
 
     def latest(self) -> tuple[Path, CheckpointState] | None:

@@ -210,15 +210,19 @@ class TrainerConfig:
         _check_choices(self)
         checks: list[tuple[bool, str]] = [
             (self.lora_r >= 1, "lora_r must be >= 1"),
-            (self.lora_r <= self.max_lora_rank,
-             f"lora_r={self.lora_r} exceeds max_lora_rank={self.max_lora_rank} (vLLM's --max-lora-rank); "
-             "lower lora_r or start vLLM with a larger --max-lora-rank and set max_lora_rank to match"),
+            (
+                self.lora_r <= self.max_lora_rank,
+                f"lora_r={self.lora_r} exceeds max_lora_rank={self.max_lora_rank} (vLLM's --max-lora-rank); "
+                "lower lora_r or start vLLM with a larger --max-lora-rank and set max_lora_rank to match",
+            ),
             (self.lora_alpha > 0, "lora_alpha must be > 0"),
             (0.0 <= self.lora_dropout < 1.0, "lora_dropout must be in [0, 1)"),
             (bool(self.lora_target_modules), "lora_target_modules must name at least one module"),
-            (not {"lm_head", "embed_tokens"} & set(self.lora_target_modules),
-             "lora_target_modules must not include lm_head or embed_tokens (the selective log-softmax reads "
-             "the frozen output embedding directly); adapt the attention and MLP projections instead"),
+            (
+                not {"lm_head", "embed_tokens"} & set(self.lora_target_modules),
+                "lora_target_modules must not include lm_head or embed_tokens (the selective log-softmax reads "
+                "the frozen output embedding directly); adapt the attention and MLP projections instead",
+            ),
             (self.learning_rate > 0, "learning_rate must be > 0"),
             (self.max_grad_norm >= 0, "max_grad_norm must be >= 0 (0 disables clipping)"),
             (self.num_iterations >= 1, "num_iterations must be >= 1"),
@@ -233,24 +237,32 @@ class TrainerConfig:
             (self.groups_per_step >= 1, "groups_per_step must be >= 1"),
             (self.min_rewarded >= 2, "min_rewarded must be >= 2: GRPO compares episodes within a group"),
             (self.max_seq_len >= 2, "max_seq_len must be >= 2"),
-            (self.micro_batch_tokens >= self.max_seq_len,
-             f"micro_batch_tokens={self.micro_batch_tokens} must be >= max_seq_len={self.max_seq_len} so the "
-             "longest sample fits one pass; raise micro_batch_tokens or lower max_seq_len"),
+            (
+                self.micro_batch_tokens >= self.max_seq_len,
+                f"micro_batch_tokens={self.micro_batch_tokens} must be >= max_seq_len={self.max_seq_len} so the "
+                "longest sample fits one pass; raise micro_batch_tokens or lower max_seq_len",
+            ),
             (self.logprob_chunk_rows >= 1, "logprob_chunk_rows must be >= 1"),
             (self.max_staleness is None or self.max_staleness >= 0, "max_staleness must be >= 0"),
-            (not (self.mode == "sync" and self.max_staleness not in (None, 0)),
-             f"mode=sync trains only on groups from the current version (staleness 0), but max_staleness="
-             f"{self.max_staleness}; drop max_staleness or use mode=async"),
+            (
+                not (self.mode == "sync" and self.max_staleness not in (None, 0)),
+                f"mode=sync trains only on groups from the current version (staleness 0), but max_staleness="
+                f"{self.max_staleness}; drop max_staleness or use mode=async",
+            ),
             (self.publish_every >= 1, "publish_every must be >= 1"),
             (self.keep_adapters >= 1, "keep_adapters must be >= 1 (3 or more: the proxy keeps 3 versions loaded)"),
             (self.keep_checkpoints >= 1, "keep_checkpoints must be >= 1"),
             (self.max_steps is None or self.max_steps >= 0, "max_steps must be >= 0 (or null to run until stopped)"),
-            (self.lease_s > 0 and self.poll_interval_s > 0 and self.batch_wait_s >= 0,
-             "lease_s and poll_interval_s must be > 0, batch_wait_s >= 0"),
+            (
+                self.lease_s > 0 and self.poll_interval_s > 0 and self.batch_wait_s >= 0,
+                "lease_s and poll_interval_s must be > 0, batch_wait_s >= 0",
+            ),
             (self.request_timeout_s > 0, "request_timeout_s must be > 0"),
             (self.distributed_timeout_s > 0, "distributed_timeout_s must be > 0"),
-            (self.proxy_url.startswith(("http://", "https://")),
-             f"proxy_url must be an http(s) URL, got {self.proxy_url!r}"),
+            (
+                self.proxy_url.startswith(("http://", "https://")),
+                f"proxy_url must be an http(s) URL, got {self.proxy_url!r}",
+            ),
             (self.threads is None or self.threads >= 1, "threads must be >= 1 (or null for torch's default)"),
         ]
         errors = [message for ok, message in checks if not ok]
@@ -283,8 +295,10 @@ class TrainerConfig:
             return key
         if self.admin_key_file and Path(self.admin_key_file).is_file():
             return Path(self.admin_key_file).read_text().strip()
-        raise ConfigError(f"no admin key: set FLYWHEEL_ADMIN_KEY or admin_key_file (tried {self.admin_key_file!r}; "
-                          "`python -m proxy serve` creates data/admin.key)")
+        raise ConfigError(
+            f"no admin key: set FLYWHEEL_ADMIN_KEY or admin_key_file (tried {self.admin_key_file!r}; "
+            "`python -m proxy serve` creates data/admin.key)"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -299,11 +313,13 @@ def _check_choices(config: TrainerConfig) -> None:
     for f in dataclasses.fields(config):
         hint = hints[f.name]
         if get_origin(hint) is Literal and getattr(config, f.name) not in get_args(hint):
-            raise ConfigError(f"unknown {f.name} {getattr(config, f.name)!r}; choose one of "
-                              f"{', '.join(map(str, get_args(hint)))}")
+            raise ConfigError(
+                f"unknown {f.name} {getattr(config, f.name)!r}; choose one of {', '.join(map(str, get_args(hint)))}"
+            )
 
 
 # -- loading ---------------------------------------------------------------------------------------
+
 
 def _coerce(name: str, value: Any, hint: Any) -> Any:
     origin, args = get_origin(hint), get_args(hint)
@@ -369,8 +385,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     hints = get_type_hints(TrainerConfig)
     unknown = [k for k in data if k not in hints]
     if unknown:
-        hint = "; ".join(f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, hints, 1)) else repr(k)
-                         for k in unknown)
+        hint = "; ".join(
+            f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, hints, 1)) else repr(k)
+            for k in unknown
+        )
         raise ConfigError(f"unknown trainer setting {hint}")
     values = {k: _coerce(k, v, hints[k]) for k, v in data.items()}
     return TrainerConfig(**values)

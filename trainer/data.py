@@ -94,8 +94,19 @@ class Sample:
         return len(self.input_ids)
 
 
-PER_TOKEN = ("input_ids", "loss_mask", "behaviour_logprobs", "temperatures", "top_k", "top_p", "min_p", "versions",
-             "modes", "turns", "advantages")
+PER_TOKEN = (
+    "input_ids",
+    "loss_mask",
+    "behaviour_logprobs",
+    "temperatures",
+    "top_k",
+    "top_p",
+    "min_p",
+    "versions",
+    "modes",
+    "turns",
+    "advantages",
+)
 
 
 @dataclass
@@ -249,17 +260,18 @@ def _continued(prompt: list[int], choices: list[tuple[int, list[int]]], later: S
     """The choice the first later call that extends ``prompt`` continues, if any."""
     for call in later:
         ids = call.prompt_token_ids
-        if ids is None or ids[:len(prompt)] != prompt:
+        if ids is None or ids[: len(prompt)] != prompt:
             continue
         for index, completion in choices:
-            if ids[len(prompt):len(prompt) + len(completion)] == completion:
+            if ids[len(prompt) : len(prompt) + len(completion)] == completion:
                 return index
         return None
     return None
 
 
-def _turns(calls: Sequence[Call], retokenize: Retokenizer | None, stats: DataStats,
-           force_choice: int | None = None) -> list[_Turn]:
+def _turns(
+    calls: Sequence[Call], retokenize: Retokenizer | None, stats: DataStats, force_choice: int | None = None
+) -> list[_Turn]:
     """Usable calls of one episode, in order, as token turns (failed, foreign and inexact ones out)."""
     ordered = sorted(calls, key=lambda c: c.ordinal)
     turns: list[_Turn] = []
@@ -274,8 +286,11 @@ def _turns(calls: Sequence[Call], retokenize: Retokenizer | None, stats: DataSta
         index = int(call.choices[0].get("index", 0))
         if len(call.choices) > 1:
             indexed = [(int(c.get("index", 0)), list(c.get("token_ids") or [])) for c in call.choices]
-            picked = force_choice if force_choice is not None else _continued(
-                list(call.prompt_token_ids or []), indexed, ordered[i + 1:])
+            picked = (
+                force_choice
+                if force_choice is not None
+                else _continued(list(call.prompt_token_ids or []), indexed, ordered[i + 1 :])
+            )
             index = picked if picked is not None else index
             stats.choices_unused += len(call.choices) - 1
         prompt = list(call.prompt_token_ids or [])
@@ -307,9 +322,21 @@ def _min(a: int | None, b: int | None) -> int | None:
 
 
 def _new_sample(group_id: str, episode_id: str, member: str) -> Sample:
-    return Sample(group_id=group_id, episode_id=episode_id, member=member, input_ids=[], loss_mask=[],
-                  behaviour_logprobs=[], temperatures=[], top_k=[], top_p=[], min_p=[], versions=[], modes=[],
-                  turns=[])
+    return Sample(
+        group_id=group_id,
+        episode_id=episode_id,
+        member=member,
+        input_ids=[],
+        loss_mask=[],
+        behaviour_logprobs=[],
+        temperatures=[],
+        top_k=[],
+        top_p=[],
+        min_p=[],
+        versions=[],
+        modes=[],
+        turns=[],
+    )
 
 
 def _append(sample: Sample, gap: list[int], turn: _Turn, turn_index: int, stats: DataStats) -> None:
@@ -347,15 +374,27 @@ def _truncate(sample: Sample, max_seq_len: int) -> None:
             setattr(sample, name, value[:max_seq_len])
 
 
-def member_turns(episode: Episode, *, retokenize: Retokenizer | None = None, stats: DataStats | None = None,
-                 choice: int | None = None) -> list[_Turn]:
+def member_turns(
+    episode: Episode,
+    *,
+    retokenize: Retokenizer | None = None,
+    stats: DataStats | None = None,
+    choice: int | None = None,
+) -> list[_Turn]:
     """The usable turns of an episode (``choice`` forces the choice of n > 1 calls)."""
     return _turns(episode.calls or [], retokenize, stats if stats is not None else DataStats(), choice)
 
 
-def episode_samples(episode: Episode, *, group_id: str, max_seq_len: int,
-                    retokenize: Retokenizer | None = None, stats: DataStats | None = None,
-                    choice: int | None = None, turns: list[_Turn] | None = None) -> list[Sample]:
+def episode_samples(
+    episode: Episode,
+    *,
+    group_id: str,
+    max_seq_len: int,
+    retokenize: Retokenizer | None = None,
+    stats: DataStats | None = None,
+    choice: int | None = None,
+    turns: list[_Turn] | None = None,
+) -> list[Sample]:
     """Merge an episode's calls into as few samples as their exact token ids allow."""
     stats = stats if stats is not None else DataStats()
     member = episode.id if choice is None else f"{episode.id}#{choice}"
@@ -364,9 +403,9 @@ def episode_samples(episode: Episode, *, group_id: str, max_seq_len: int,
     samples: list[Sample] = []
     current: Sample | None = None
     for index, turn in enumerate(turns):
-        if current is not None and turn.prompt[:len(current.input_ids)] == current.input_ids:
+        if current is not None and turn.prompt[: len(current.input_ids)] == current.input_ids:
             stats.merged += 1
-            gap = turn.prompt[len(current.input_ids):]
+            gap = turn.prompt[len(current.input_ids) :]
         else:
             if current is not None:
                 stats.breaks += 1
@@ -447,8 +486,14 @@ def _members(group: Group, rules: Rules, retokenize: Retokenizer | None, stats: 
             for n, (choice, choice_reward) in enumerate(sorted(per_choice.items())):
                 choice_stats = DataStats()
                 turns = member_turns(episode, retokenize=retokenize, stats=choice_stats, choice=choice)
-                samples = episode_samples(episode, group_id=group.id, max_seq_len=rules.max_seq_len,
-                                          stats=choice_stats, choice=choice, turns=turns)
+                samples = episode_samples(
+                    episode,
+                    group_id=group.id,
+                    max_seq_len=rules.max_seq_len,
+                    stats=choice_stats,
+                    choice=choice,
+                    turns=turns,
+                )
                 choice_stats.choices_unused = 0  # the other choices are members of their own
                 if n:  # the call was counted with the first choice
                     choice_stats.calls = 0
@@ -514,9 +559,15 @@ def _assign(member: _Member, advantages: list[float], rules: Rules) -> float:
     return total / count if count else 0.0
 
 
-def build_batch(groups: Sequence[Group], *, max_seq_len: int | None = None, min_rewarded: int | None = None,
-                scale_rewards: ScaleRewards | None = None, retokenize: Retokenizer | None = None,
-                rules: Rules | None = None) -> Batch:
+def build_batch(
+    groups: Sequence[Group],
+    *,
+    max_seq_len: int | None = None,
+    min_rewarded: int | None = None,
+    scale_rewards: ScaleRewards | None = None,
+    retokenize: Retokenizer | None = None,
+    rules: Rules | None = None,
+) -> Batch:
     """Samples with advantages for the groups that carry a learning signal; the rest are skipped.
 
     ``scale_rewards: batch`` follows TRL: the std is that of every compared value of the step,
@@ -537,8 +588,10 @@ def build_batch(groups: Sequence[Group], *, max_seq_len: int | None = None, min_
         members = _members(group, rules, retokenize, stats)
         batch.stats.add(stats)
         if len(members) < rules.min_rewarded:
-            batch.skipped[group.id] = (f"{len(members)} rewarded episodes (or penalized abandons, or rewarded "
-                                       f"choices) < min_rewarded {rules.min_rewarded}")
+            batch.skipped[group.id] = (
+                f"{len(members)} rewarded episodes (or penalized abandons, or rewarded "
+                f"choices) < min_rewarded {rules.min_rewarded}"
+            )
             batch.skipped_few += 1
             continue
         values = _values(members, rules)
@@ -562,7 +615,7 @@ def build_batch(groups: Sequence[Group], *, max_seq_len: int | None = None, min_
         flat = advantages.tolist()
         offset = 0
         for member, member_values in zip(members, values, strict=True):
-            mine = flat[offset:offset + len(member_values)]
+            mine = flat[offset : offset + len(member_values)]
             offset += len(member_values)
             batch.rewards.append(member.reward)
             batch.advantages.append(_assign(member, mine, rules))
@@ -587,8 +640,13 @@ class ChatRetokenizer:
         self.eos = tokenizer.eos_token_id
 
     def _render(self, messages: list[dict[str, Any]], tools: Any, generation_prompt: bool) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt,
-                                                 tokenize=True, chat_template=self.chat_template)
+        ids = self.tokenizer.apply_chat_template(
+            messages,
+            tools=tools,
+            add_generation_prompt=generation_prompt,
+            tokenize=True,
+            chat_template=self.chat_template,
+        )
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def __call__(self, call: Call) -> tuple[list[int], list[int]] | None:
@@ -598,19 +656,21 @@ class ChatRetokenizer:
             prompt = call.request.get("prompt")
             if not isinstance(prompt, str):
                 return None
-            return (list(self.tokenizer.encode(prompt)),
-                    list(self.tokenizer.encode(choice.get("text") or "", add_special_tokens=False)))
+            return (
+                list(self.tokenizer.encode(prompt)),
+                list(self.tokenizer.encode(choice.get("text") or "", add_special_tokens=False)),
+            )
         tools = call.request.get("tools")
         prompt = self._render(messages, tools, True)
         reply = {"role": "assistant", "content": choice.get("text") or ""}
         if choice.get("tool_calls"):
             reply["tool_calls"] = choice["tool_calls"]
         full = self._render([*messages, reply], tools, False)
-        if full[:len(prompt)] != prompt:
+        if full[: len(prompt)] != prompt:
             return None
-        completion = full[len(prompt):]
+        completion = full[len(prompt) :]
         if self.eos in completion:
-            completion = completion[:len(completion) - completion[::-1].index(self.eos)]
+            completion = completion[: len(completion) - completion[::-1].index(self.eos)]
         return (prompt, completion) if completion else None
 
 

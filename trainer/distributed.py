@@ -67,7 +67,7 @@ class World:
         torch.distributed.all_reduce(flat)
         offset = 0
         for p, g in zip(params, grads, strict=True):
-            g.copy_(flat[offset:offset + p.numel()].view_as(p))
+            g.copy_(flat[offset : offset + p.numel()].view_as(p))
             p.grad = g
             offset += p.numel()
 

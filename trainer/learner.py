@@ -35,9 +35,21 @@ from trainer.packing import MicroBatch, pack
 Tensor = torch.Tensor
 ENGINE_GROUPS = (*MODES, "all")
 """Engine-mismatch figures per trained sampling mode, and over all of them."""
-SUMS = ("loss", "policy_loss", "kl", "entropy", "clip_low", "clip_high", "is_weight", "is_capped", "ratio",
-        "outside", "stale_diff", "stale_n",
-        *(f"engine_{g}_{k}" for g in ENGINE_GROUPS for k in ("sum", "n", "above")))
+SUMS = (
+    "loss",
+    "policy_loss",
+    "kl",
+    "entropy",
+    "clip_low",
+    "clip_high",
+    "is_weight",
+    "is_capped",
+    "ratio",
+    "outside",
+    "stale_diff",
+    "stale_n",
+    *(f"engine_{g}_{k}" for g in ENGINE_GROUPS for k in ("sum", "n", "above")),
+)
 """The statistics a step sums over micro-batches (and over ranks)."""
 MAXES = tuple(f"engine_{g}_max" for g in ENGINE_GROUPS)
 KEEP_SNAPSHOTS = 4
@@ -82,9 +94,12 @@ class Learner:
         self.policy = policy
         self.config = config
         self.world = world or World()
-        self.optimizer = torch.optim.AdamW(list(policy.parameters()), lr=config.learning_rate,
-                                           betas=(config.adam_beta1, config.adam_beta2),
-                                           weight_decay=config.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            list(policy.parameters()),
+            lr=config.learning_rate,
+            betas=(config.adam_beta1, config.adam_beta2),
+            weight_decay=config.weight_decay,
+        )
         self.snapshots: OrderedDict[int, dict[str, Tensor]] = OrderedDict()
         """Adapter states by the policy version they were published as (the newest is the weights')."""
         self.weights_version: int | None = None
@@ -118,10 +133,15 @@ class Learner:
         started = time.perf_counter()
         micro = pack(samples, cfg.micro_batch_tokens)
         if sequences is None:  # every rank derives it from the samples alone (followers get no Batch)
-            sequences = len({s.member or str(i) for i, s in enumerate(samples)}) if cfg.normalize_per_episode else len(
-                samples)
-        totals = Totals(sequences=sequences, tokens=sum(mb.num_loss_tokens for mb in micro),
-                        micro_batches=len(micro), max_completion_length=cfg.max_completion_length)
+            sequences = (
+                len({s.member or str(i) for i, s in enumerate(samples)}) if cfg.normalize_per_episode else len(samples)
+            )
+        totals = Totals(
+            sequences=sequences,
+            tokens=sum(mb.num_loss_tokens for mb in micro),
+            micro_batches=len(micro),
+            max_completion_length=cfg.max_completion_length,
+        )
         mine = self.world.share(micro)
         sums: dict[str, float] = {}
         maxes: dict[str, float] = {}
@@ -140,31 +160,58 @@ class Learner:
             if iteration == 0:
                 first = reduced
         maxes = self.world.max_values(maxes, MAXES, self.policy.device)
-        stats = _summarise(reduced, first, maxes, totals, tokens=sum(mb.num_tokens for mb in micro),
-                           tolerance=cfg.engine_logp_tolerance)
+        stats = _summarise(
+            reduced,
+            first,
+            maxes,
+            totals,
+            tokens=sum(mb.num_tokens for mb in micro),
+            tolerance=cfg.engine_logp_tolerance,
+        )
         stats.seconds = time.perf_counter() - started
         if stats.finite:
             self.weights_version = None  # the weights moved: no served version holds them until published
         return stats
 
-    def _accumulate(self, mb: MicroBatch, old: Tensor | None, totals: Totals, sums: dict[str, float],
-                    maxes: dict[str, float]) -> None:
+    def _accumulate(
+        self, mb: MicroBatch, old: Tensor | None, totals: Totals, sums: dict[str, float], maxes: dict[str, float]
+    ) -> None:
         cfg = self.config
         out = self.policy.logprobs(mb)
         logps = mb.table(out.logps)  # (B, T)
         old_logps = logps.detach() if old is None else old
         ref_logps = mb.table(self.policy.logprobs(mb, reference=True).logps) if cfg.beta > 0 else None
         behaviour = mb.behaviour_logps if cfg.vllm_importance_sampling_correction else None
-        loss = grpo_loss(logps, old_logps, mb.advantages, mb.mask, totals=totals, loss_type=cfg.loss_type,
-                         epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_upper, beta=cfg.beta, ref_logps=ref_logps,
-                         behaviour_logps=behaviour, is_cap=cfg.vllm_importance_sampling_cap,
-                         is_mode=cfg.vllm_importance_sampling_mode, level=cfg.importance_sampling_level,
-                         seq_tokens=mb.seq_tokens)
+        loss = grpo_loss(
+            logps,
+            old_logps,
+            mb.advantages,
+            mb.mask,
+            totals=totals,
+            loss_type=cfg.loss_type,
+            epsilon=cfg.epsilon,
+            epsilon_high=cfg.epsilon_upper,
+            beta=cfg.beta,
+            ref_logps=ref_logps,
+            behaviour_logps=behaviour,
+            is_cap=cfg.vllm_importance_sampling_cap,
+            is_mode=cfg.vllm_importance_sampling_mode,
+            level=cfg.importance_sampling_level,
+            seq_tokens=mb.seq_tokens,
+        )
         loss.loss.backward()  # type: ignore[no-untyped-call]
-        for key, value in (("loss", loss.loss), ("policy_loss", loss.policy_loss), ("kl", loss.kl),
-                           ("entropy", out.entropy.sum()), ("clip_low", loss.clipped_low),
-                           ("clip_high", loss.clipped_high), ("is_weight", loss.is_weight_sum),
-                           ("is_capped", loss.is_capped), ("ratio", loss.ratio_sum), ("outside", out.outside.sum())):
+        for key, value in (
+            ("loss", loss.loss),
+            ("policy_loss", loss.policy_loss),
+            ("kl", loss.kl),
+            ("entropy", out.entropy.sum()),
+            ("clip_low", loss.clipped_low),
+            ("clip_high", loss.clipped_high),
+            ("is_weight", loss.is_weight_sum),
+            ("is_capped", loss.is_capped),
+            ("ratio", loss.ratio_sum),
+            ("outside", out.outside.sum()),
+        ):
             sums[key] = sums.get(key, 0.0) + float(value.detach())
         if old is not None:
             return  # a second iteration's weights are no served version
@@ -200,8 +247,15 @@ class Learner:
                 for mb in pack(chosen, self.config.micro_batch_tokens):
                     out = self.policy.logprobs(mb, reference=version == 0)
                     engine = mb.behaviour_logps[mb.rows, mb.cols]
-                    _engine_gap(out.logps, engine, mb.modes, mb.versions == version, self.config.engine_logp_tolerance,
-                                sums, maxes)
+                    _engine_gap(
+                        out.logps,
+                        engine,
+                        mb.modes,
+                        mb.versions == version,
+                        self.config.engine_logp_tolerance,
+                        sums,
+                        maxes,
+                    )
         finally:
             self.policy.load_adapter_state(current)
 
@@ -220,8 +274,15 @@ def _copy(state: dict[str, Tensor]) -> dict[str, Tensor]:
     return {k: v.clone() for k, v in state.items()}
 
 
-def _engine_gap(trainer: Tensor, engine: Tensor, modes: Tensor, served: Tensor, tolerance: float,
-                sums: dict[str, float], maxes: dict[str, float]) -> None:
+def _engine_gap(
+    trainer: Tensor,
+    engine: Tensor,
+    modes: Tensor,
+    served: Tensor,
+    tolerance: float,
+    sums: dict[str, float],
+    maxes: dict[str, float],
+) -> None:
     """Add |trainer - engine| of the tokens ``served`` by the scored version, per mode, to the sums."""
     known = served & ~torch.isnan(engine)  # (N,)
     diff = (trainer - engine).abs()  # (N,)
@@ -233,8 +294,11 @@ def _engine_gap(trainer: Tensor, engine: Tensor, modes: Tensor, served: Tensor, 
 def _add(group: str, diff: Tensor, tolerance: float, sums: dict[str, float], maxes: dict[str, float]) -> None:
     if diff.numel() == 0:
         return
-    for key, value in (("sum", float(diff.sum())), ("n", float(diff.numel())),
-                       ("above", float((diff > tolerance).sum()))):
+    for key, value in (
+        ("sum", float(diff.sum())),
+        ("n", float(diff.numel())),
+        ("above", float((diff > tolerance).sum())),
+    ):
         sums[f"engine_{group}_{key}"] = sums.get(f"engine_{group}_{key}", 0.0) + value
     maxes[f"engine_{group}_max"] = max(maxes.get(f"engine_{group}_max", 0.0), float(diff.max()))
 
@@ -254,14 +318,33 @@ def _engine_figures(sums: dict[str, float], maxes: dict[str, float]) -> dict[str
     return out
 
 
-def _summarise(sums: dict[str, float], first: dict[str, float], maxes: dict[str, float], totals: Totals, *,
-               tokens: int, tolerance: float) -> StepStats:
+def _summarise(
+    sums: dict[str, float],
+    first: dict[str, float],
+    maxes: dict[str, float],
+    totals: Totals,
+    *,
+    tokens: int,
+    tolerance: float,
+) -> StepStats:
     """Loss figures from the last iteration; engine figures from the first (the served weights)."""
     n = max(totals.tokens, 1)
     return StepStats(
-        loss=sums["loss"], policy_loss=sums["policy_loss"], kl=sums["kl"] / n, entropy=sums["entropy"] / n,
-        clip_low=sums["clip_low"] / n, clip_high=sums["clip_high"] / n, is_weight=sums["is_weight"] / n,
-        is_capped=sums["is_capped"] / n, ratio=sums["ratio"] / n, grad_norm=sums["grad_norm"],
-        tokens=tokens, loss_tokens=totals.tokens, sequences=totals.sequences, micro_batches=totals.micro_batches,
-        engine=_engine_figures(first, maxes), outside=int(first["outside"]), sums=sums)
-
+        loss=sums["loss"],
+        policy_loss=sums["policy_loss"],
+        kl=sums["kl"] / n,
+        entropy=sums["entropy"] / n,
+        clip_low=sums["clip_low"] / n,
+        clip_high=sums["clip_high"] / n,
+        is_weight=sums["is_weight"] / n,
+        is_capped=sums["is_capped"] / n,
+        ratio=sums["ratio"] / n,
+        grad_norm=sums["grad_norm"],
+        tokens=tokens,
+        loss_tokens=totals.tokens,
+        sequences=totals.sequences,
+        micro_batches=totals.micro_batches,
+        engine=_engine_figures(first, maxes),
+        outside=int(first["outside"]),
+        sums=sums,
+    )

@@ -112,14 +112,23 @@ def _chunks(n: int, rows: int, active: Tensor | None) -> Iterator[tuple[slice | 
         return
     for group, truncated in (((~active).nonzero().squeeze(1), False), (active.nonzero().squeeze(1), True)):
         for s in range(0, group.numel(), rows):
-            yield group[s:s + rows], truncated
+            yield group[s : s + rows], truncated
 
 
 class _SelectedLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor, inv_temp: Tensor, rows: int,
-                active: Tensor | None, top_k: Tensor | None, top_p: Tensor | None,
-                min_p: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        targets: Tensor,
+        inv_temp: Tensor,
+        rows: int,
+        active: Tensor | None,
+        top_k: Tensor | None,
+        top_p: Tensor | None,
+        min_p: Tensor | None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
         n = hidden.shape[0]
         logps = hidden.new_empty(n, dtype=torch.float32)  # (N,)
         entropy = hidden.new_empty(n, dtype=torch.float32)  # (N,)
@@ -151,14 +160,21 @@ class _SelectedLogProbs(torch.autograd.Function):
         return logps, entropy, outside
 
     @staticmethod
-    def backward(ctx: Any, grad_logps: Tensor, _grad_entropy: Tensor,
-                 _grad_outside: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(
+        ctx: Any, grad_logps: Tensor, _grad_entropy: Tensor, _grad_outside: Tensor
+    ) -> tuple[Tensor | None, ...]:
         (dlogp_dh,) = ctx.saved_tensors
         return (dlogp_dh * grad_logps[:, None].to(dlogp_dh.dtype),) + (None,) * 8
 
 
-def selected_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: Tensor, rows: int = 512,
-                      truncation: Truncation | None = None) -> LogProbs:
+def selected_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    temperature: Tensor,
+    rows: int = 512,
+    truncation: Truncation | None = None,
+) -> LogProbs:
     """Log-probs (N,) with grad to ``hidden``, entropies (N,) and ``outside`` flags (N,) of ``targets``
     under vLLM's sampling distribution: ``softmax(hidden @ weight.T / temperature)`` restricted to the
     tokens min-p, top-k and top-p keep (``truncation``; None = all off), ``rows`` positions at a time."""
@@ -175,8 +191,7 @@ def selected_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperatu
         top_p = truncation.top_p.to(device=device, dtype=torch.float32)
         min_p = truncation.min_p.to(device=device, dtype=torch.float32)
         if not top_k.shape == top_p.shape == min_p.shape == (n,):
-            raise ValueError(f"truncation tensors must have shape ({n},): {top_k.shape}, {top_p.shape}, "
-                             f"{min_p.shape}")
+            raise ValueError(f"truncation tensors must have shape ({n},): {top_k.shape}, {top_p.shape}, {min_p.shape}")
         active = (_top_k_on(top_k, vocab) | (top_p < 1.0) | (min_p > 0)) & ~greedy  # (N,)
         if not bool(active.any()):
             active = None  # the fast path, exactly as without truncation
@@ -185,5 +200,6 @@ def selected_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperatu
         # keeps the graph connected for an empty micro-batch
         return LogProbs(empty + hidden.sum() * 0, empty, torch.zeros(0, dtype=torch.bool, device=device))
     logps, entropy, outside = _SelectedLogProbs.apply(  # type: ignore[no-untyped-call]
-        hidden, weight, targets, inv_temp, rows, active, top_k, top_p, min_p)
+        hidden, weight, targets, inv_temp, rows, active, top_k, top_p, min_p
+    )
     return LogProbs(logps, entropy, outside)

@@ -98,8 +98,9 @@ class LeaseKeeper:
 
     def _renew(self, lease: LeaseRecord, *, final: bool) -> None:
         try:
-            lease.expires_at = self.client.renew(lease_id=lease.lease_id, group_ids=lease.group_ids,
-                                                 lease_s=self.lease_s)
+            lease.expires_at = self.client.renew(
+                lease_id=lease.lease_id, group_ids=lease.group_ids, lease_s=self.lease_s
+            )
         except ProxyError as exc:
             if exc.status in (404, 409) or final:
                 with self._lock:
@@ -123,8 +124,14 @@ class LeaseKeeper:
 
 
 class Trainer:
-    def __init__(self, config: TrainerConfig, client: ProxyClient, policy: LoraPolicy, reporter: Reporter,
-                 world: World | None = None) -> None:
+    def __init__(
+        self,
+        config: TrainerConfig,
+        client: ProxyClient,
+        policy: LoraPolicy,
+        reporter: Reporter,
+        world: World | None = None,
+    ) -> None:
         self.config = config
         self.client = client
         self.policy = policy
@@ -150,8 +157,10 @@ class Trainer:
         if latest is None:
             self.version_base = self.client.policy().version
             self.reporter.log(f"fresh start: publishing versions after the proxy's current v{self.version_base}")
-            self._initial = ({k: v.clone() for k, v in self.policy.adapter_state().items()},
-                             copy.deepcopy(self.learner.optimizer.state_dict()))
+            self._initial = (
+                {k: v.clone() for k, v in self.policy.adapter_state().items()},
+                copy.deepcopy(self.learner.optimizer.state_dict()),
+            )
         else:
             directory, state = latest
             adapter, optimizer = self.checkpoints.load_tensors(directory)
@@ -164,20 +173,23 @@ class Trainer:
         if self.world.distributed:  # followers start from the leader's adapter and optimizer state
             self.world.broadcast((self.policy.adapter_state(), _to_cpu(self.learner.optimizer.state_dict())))
         done = {lease.lease_id for lease in latest[1].leases} if latest else set()
-        self._resumable = [lease for lease in self.checkpoints.pending()
-                           if lease.lease_id not in done and self._still_held(lease)]
+        self._resumable = [
+            lease for lease in self.checkpoints.pending() if lease.lease_id not in done and self._still_held(lease)
+        ]
 
     def _still_held(self, lease: LeaseRecord) -> bool:
         """Renew a lease claimed before a restart; a lost one is handed back (what is left of it) and forgotten."""
         try:
-            lease.expires_at = self.client.renew(lease_id=lease.lease_id, group_ids=lease.group_ids,
-                                                 lease_s=self.config.lease_s)
+            lease.expires_at = self.client.renew(
+                lease_id=lease.lease_id, group_ids=lease.group_ids, lease_s=self.config.lease_s
+            )
             return True
         except ProxyError as exc:
             if exc.status not in (404, 409):
                 raise
-            self.reporter.log(f"lease {lease.lease_id} from before the restart is lost ({exc.message}); "
-                              "its groups are offered again")
+            self.reporter.log(
+                f"lease {lease.lease_id} from before the restart is lost ({exc.message}); its groups are offered again"
+            )
             self._release(lease)
             return False
 
@@ -191,9 +203,14 @@ class Trainer:
         for lease in state.leases:
             self._ack(lease, state.step)
         if state.step not in self.reporter.journal_steps():
-            self.reporter.journal({"step": state.step, "trained": [g for lease in state.leases for g in lease.trained],
-                                   "skipped": [g for lease in state.leases for g in lease.skipped],
-                                   "leases": [lease.lease_id for lease in state.leases]})
+            self.reporter.journal(
+                {
+                    "step": state.step,
+                    "trained": [g for lease in state.leases for g in lease.trained],
+                    "skipped": [g for lease in state.leases for g in lease.skipped],
+                    "leases": [lease.lease_id for lease in state.leases],
+                }
+            )
         metrics = dict(state.metrics)
         if state.step % self.config.publish_every == 0:
             metrics.update(self._publish(state.step))
@@ -215,13 +232,17 @@ class Trainer:
                 self._ack_groups(lease.lease_id, ids, step, status, note)
             except ProxyError as exc:
                 if exc.status == 404:
-                    raise ProxyError(404, f"the proxy does not know the groups of step {step} ({exc.message}); "
-                                     "this output_dir belongs to another store: use a fresh output_dir") from exc
+                    raise ProxyError(
+                        404,
+                        f"the proxy does not know the groups of step {step} ({exc.message}); "
+                        "this output_dir belongs to another store: use a fresh output_dir",
+                    ) from exc
                 if exc.status != 409:
                     raise  # unacked groups would be offered again: stop, a restart re-acks from the checkpoint
                 if len(ids) == 1:
-                    self.reporter.log(f"[warning] ack of group {ids[0]} ({status}) for step {step} refused: "
-                                      f"{exc.message}")
+                    self.reporter.log(
+                        f"[warning] ack of group {ids[0]} ({status}) for step {step} refused: {exc.message}"
+                    )
                     continue
                 for group_id in ids:  # acks are all or nothing: the groups still held are acked one by one
                     try:
@@ -229,8 +250,9 @@ class Trainer:
                     except ProxyError as one:
                         if one.status != 409:
                             raise
-                        self.reporter.log(f"[warning] ack of group {group_id} ({status}) for step {step} refused: "
-                                          f"{one.message}")
+                        self.reporter.log(
+                            f"[warning] ack of group {group_id} ({status}) for step {step} refused: {one.message}"
+                        )
 
     def _ack_groups(self, lease_id: str, ids: list[str], step: int, status: AckStatus, note: str | None) -> None:
         """One ack. A lease that lapsed since the step was committed (a restart, a slow disk) is
@@ -278,9 +300,13 @@ class Trainer:
         lease_id = str(uuid.uuid4())  # kept until a claim answers: a retried claim gets what the lost one leased
         while len(groups) < self.config.groups_per_step and not self.stop_requested:
             try:
-                claim = self.client.claim(trainer_id=self.config.trainer_id, lease_s=self.config.lease_s,
-                                          max_groups=self.config.groups_per_step - len(groups),
-                                          max_staleness=self.config.staleness_bound, lease_id=lease_id)
+                claim = self.client.claim(
+                    trainer_id=self.config.trainer_id,
+                    lease_s=self.config.lease_s,
+                    max_groups=self.config.groups_per_step - len(groups),
+                    max_staleness=self.config.staleness_bound,
+                    lease_id=lease_id,
+                )
             except ProxyError as exc:
                 if exc.status not in (0, 502, 503, 504):
                     raise
@@ -290,8 +316,10 @@ class Trainer:
             lease_id = str(uuid.uuid4())
             current, stale = claim.current_version, stale + claim.stale
             if claim.stale:
-                self.reporter.log(f"{claim.stale} groups dropped as stale: older than {self.config.staleness_bound} "
-                                  f"versions behind v{current} (max_staleness / mode)")
+                self.reporter.log(
+                    f"{claim.stale} groups dropped as stale: older than {self.config.staleness_bound} "
+                    f"versions behind v{current} (max_staleness / mode)"
+                )
             if claim.groups:
                 groups += claim.groups
                 leases.append(LeaseRecord(claim.lease_id, [g.id for g in claim.groups], claim.lease_expires_at))
@@ -357,12 +385,14 @@ class Trainer:
         if lost:
             self._drop_lost(step, leases, lost)
             return True
-        metrics = step_metrics(batch, groups, stats, current=current, stale=stale, wait_s=wait_s,
-                               pass_threshold=cfg.pass_threshold)
+        metrics = step_metrics(
+            batch, groups, stats, current=current, stale=stale, wait_s=wait_s, pass_threshold=cfg.pass_threshold
+        )
         metrics.update(self.counters)
         state = CheckpointState(step=step, version_base=self.version_base, leases=leases, metrics=finite(metrics))
-        self.checkpoints.save(adapter=self.policy.adapter_state(), optimizer=self.learner.optimizer.state_dict(),
-                              state=state)
+        self.checkpoints.save(
+            adapter=self.policy.adapter_state(), optimizer=self.learner.optimizer.state_dict(), state=state
+        )
         self.step = step
         self._fault("after_checkpoint", step)
         self.checkpoints.set_pending([])
@@ -395,9 +425,11 @@ class Trainer:
             lease.skipped.update(dict.fromkeys(lease.trained, reason))
             lease.trained = []
         self.counters["trainer/nonfinite_steps"] += 1
-        self.reporter.log(f"[warning] step {step} dropped: {reason}; no update, nothing checkpointed or published; "
-                          f"{sum(len(lease.skipped) for lease in leases)} groups acked skipped "
-                          f"({self.counters['trainer/nonfinite_steps']} such steps so far)")
+        self.reporter.log(
+            f"[warning] step {step} dropped: {reason}; no update, nothing checkpointed or published; "
+            f"{sum(len(lease.skipped) for lease in leases)} groups acked skipped "
+            f"({self.counters['trainer/nonfinite_steps']} such steps so far)"
+        )
         for lease in leases:
             self._ack(lease, step)
         self.checkpoints.set_pending([])
@@ -408,9 +440,11 @@ class Trainer:
         self._roll_back()
         self.counters["trainer/steps_rolled_back"] += 1
         why = "; ".join(f"{lease_id}: {reason}" for lease_id, reason in lost.items())
-        self.reporter.log(f"[warning] step {step} rolled back: lease lost before commit ({why}); adapter and "
-                          f"optimizer are back at step {self.step}, nothing checkpointed, acked or published "
-                          f"({self.counters['trainer/steps_rolled_back']} rolled back so far)")
+        self.reporter.log(
+            f"[warning] step {step} rolled back: lease lost before commit ({why}); adapter and "
+            f"optimizer are back at step {self.step}, nothing checkpointed, acked or published "
+            f"({self.counters['trainer/steps_rolled_back']} rolled back so far)"
+        )
         for lease in leases:
             if lease.lease_id not in lost:
                 self._release(lease)
@@ -457,6 +491,7 @@ def follow(config: TrainerConfig, policy: LoraPolicy, world: World) -> int:
     Signals are the leader's to act on (torchrun sends them to every rank): a first one is ignored
     here, so the step in flight completes on all ranks; a second stops at once.
     """
+
     def stop_now(signum: int, _frame: Any) -> None:
         raise SystemExit(128 + signum)
 
@@ -492,10 +527,16 @@ def _to_cpu(value: Any) -> Any:
 
 def data_rules(config: TrainerConfig) -> Rules:
     """The config's data and credit fields, as ``build_batch`` takes them."""
-    return Rules(max_seq_len=config.max_seq_len, min_rewarded=config.min_rewarded, scale_rewards=config.scale_rewards,
-                 turn_credit=config.turn_credit, turn_discount=config.turn_discount,
-                 abandoned=None if config.abandoned == "workflow" else config.abandoned,
-                 abandoned_reward=config.abandoned_reward, normalize_per_episode=config.normalize_per_episode)
+    return Rules(
+        max_seq_len=config.max_seq_len,
+        min_rewarded=config.min_rewarded,
+        scale_rewards=config.scale_rewards,
+        turn_credit=config.turn_credit,
+        turn_discount=config.turn_discount,
+        abandoned=None if config.abandoned == "workflow" else config.abandoned,
+        abandoned_reward=config.abandoned_reward,
+        normalize_per_episode=config.normalize_per_episode,
+    )
 
 
 def _template(config: TrainerConfig) -> str | None:
@@ -508,32 +549,59 @@ def _stats(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.pstdev(values)
 
 
-def step_metrics(batch: Batch, groups: list[Group], stats: StepStats, *, current: int, stale: int, wait_s: float,
-                 pass_threshold: float) -> dict[str, Any]:
+def step_metrics(
+    batch: Batch,
+    groups: list[Group],
+    stats: StepStats,
+    *,
+    current: int,
+    stale: int,
+    wait_s: float,
+    pass_threshold: float,
+) -> dict[str, Any]:
     """The step's metrics, keyed like cleanrl's charts (reward/, loss/, policy/, data/, perf/, proxy/)."""
-    rewards = [float(e.reward) for g in groups for e in g.episodes or []
-               if e.status == "rewarded" and e.reward is not None]
+    rewards = [
+        float(e.reward) for g in groups for e in g.episodes or [] if e.status == "rewarded" and e.reward is not None
+    ]
     reward_mean, reward_std = _stats(rewards)
     adv_mean, adv_std = _stats(batch.advantages)
     lags = staleness(batch.samples, current)
     metrics: dict[str, Any] = {
-        "reward/mean": reward_mean, "reward/std": reward_std, "reward/episodes": len(rewards),
+        "reward/mean": reward_mean,
+        "reward/std": reward_std,
+        "reward/episodes": len(rewards),
         "reward/pass_rate": sum(r >= pass_threshold for r in rewards) / len(rewards) if rewards else 0.0,
-        "advantage/mean": adv_mean, "advantage/std": adv_std,
+        "advantage/mean": adv_mean,
+        "advantage/std": adv_std,
         "advantage/abs_mean": statistics.fmean(abs(a) for a in batch.advantages) if batch.advantages else 0.0,
-        "loss/total": stats.loss, "loss/policy": stats.policy_loss, "loss/kl": stats.kl,
-        "policy/entropy": stats.entropy, "policy/clip_fraction": stats.clip_low + stats.clip_high,
-        "policy/clip_low": stats.clip_low, "policy/clip_high": stats.clip_high, "policy/ratio_mean": stats.ratio,
-        "policy/is_weight_mean": stats.is_weight, "policy/is_capped_fraction": stats.is_capped,
-        "policy/grad_norm": stats.grad_norm, "data/tokens_outside_truncation": stats.outside,
-        "data/tokens": stats.tokens, "data/loss_tokens": stats.loss_tokens, "data/samples": len(batch.samples),
+        "loss/total": stats.loss,
+        "loss/policy": stats.policy_loss,
+        "loss/kl": stats.kl,
+        "policy/entropy": stats.entropy,
+        "policy/clip_fraction": stats.clip_low + stats.clip_high,
+        "policy/clip_low": stats.clip_low,
+        "policy/clip_high": stats.clip_high,
+        "policy/ratio_mean": stats.ratio,
+        "policy/is_weight_mean": stats.is_weight,
+        "policy/is_capped_fraction": stats.is_capped,
+        "policy/grad_norm": stats.grad_norm,
+        "data/tokens_outside_truncation": stats.outside,
+        "data/tokens": stats.tokens,
+        "data/loss_tokens": stats.loss_tokens,
+        "data/samples": len(batch.samples),
         "data/members": batch.members,
-        "data/micro_batches": stats.micro_batches, "data/groups_trained": len(batch.trained),
-        "data/groups_skipped_equal": batch.skipped_equal, "data/groups_skipped_few": batch.skipped_few,
+        "data/micro_batches": stats.micro_batches,
+        "data/groups_trained": len(batch.trained),
+        "data/groups_skipped_equal": batch.skipped_equal,
+        "data/groups_skipped_few": batch.skipped_few,
         "data/groups_skipped_empty": batch.skipped_empty,
-        "staleness/mean": statistics.fmean(lags) if lags else 0.0, "staleness/max": max(lags, default=0),
-        "proxy/policy_version": current, "proxy/stale_groups": stale,
-        "perf/step_s": stats.seconds, "perf/tokens_per_s": stats.tokens_per_s, "perf/wait_s": wait_s,
+        "staleness/mean": statistics.fmean(lags) if lags else 0.0,
+        "staleness/max": max(lags, default=0),
+        "proxy/policy_version": current,
+        "proxy/stale_groups": stale,
+        "perf/step_s": stats.seconds,
+        "perf/tokens_per_s": stats.tokens_per_s,
+        "perf/wait_s": wait_s,
     }
     metrics.update({f"data/{k}": v for k, v in batch.stats.as_dict().items()})
     metrics.update(stats.engine)

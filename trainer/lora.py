@@ -51,24 +51,43 @@ class _Packed(threading.local):
 _packed = _Packed()
 
 
-def packed_sdpa(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-                dropout: float = 0.0, scaling: float | None = None, cu_seq_lens_q: Tensor | None = None,
-                **kwargs: Any) -> tuple[Tensor, None]:
+def packed_sdpa(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    cu_seq_lens_q: Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
     """Causal SDPA per packed sample. query (1, heads, L, D); key/value (1, kv_heads, L, D)."""
     if cu_seq_lens_q is None:
         if _packed.samples > 1:
-            raise PackingError(f"{_packed.samples} samples are packed in one row but the attention function got no "
-                               "cu_seq_lens_q: they would attend across each other (does this transformers release "
-                               "still pass the sequence-length kwargs through to the attention function?)")
+            raise PackingError(
+                f"{_packed.samples} samples are packed in one row but the attention function got no "
+                "cu_seq_lens_q: they would attend across each other (does this transformers release "
+                "still pass the sequence-length kwargs through to the attention function?)"
+            )
         bounds = [0, query.shape[2]]
     else:
         bounds = cu_seq_lens_q.tolist()
         _packed.bounded_calls += 1
     _refuse_unsupported(kwargs, bounds)
     gqa = key.shape[1] != query.shape[1]
-    outs = [F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True,
-                                           dropout_p=dropout, scale=scaling, enable_gqa=gqa)
-            for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
+    outs = [
+        F.scaled_dot_product_attention(
+            query[:, :, s:e],
+            key[:, :, s:e],
+            value[:, :, s:e],
+            is_causal=True,
+            dropout_p=dropout,
+            scale=scaling,
+            enable_gqa=gqa,
+        )
+        for s, e in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # (1, heads, L, D)
     return out.transpose(1, 2).contiguous(), None
 
@@ -76,16 +95,20 @@ def packed_sdpa(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tens
 def _refuse_unsupported(kwargs: dict[str, Any], bounds: list[int]) -> None:
     """What the model asks of its attention that plain causal SDPA would silently not do."""
     if kwargs.get("softcap") is not None:
-        raise PackingError(f"attention logit soft-capping ({kwargs['softcap']}) is not supported by the packed "
-                           "attention (attn_logit_softcapping)")
+        raise PackingError(
+            f"attention logit soft-capping ({kwargs['softcap']}) is not supported by the packed "
+            "attention (attn_logit_softcapping)"
+        )
     if kwargs.get("s_aux") is not None:
         raise PackingError("attention sinks (s_aux) are not supported by the packed attention")
     if kwargs.get("is_causal") is False:
         raise PackingError("the model asked for non-causal attention; the packed attention is causal only")
     window = kwargs.get("sliding_window")
     if window is not None and max(e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True)) > window:
-        raise PackingError(f"a sample is longer than the sliding window ({window} tokens), which the packed "
-                           "attention does not apply; lower max_seq_len to the window")
+        raise PackingError(
+            f"a sample is longer than the sliding window ({window} tokens), which the packed "
+            "attention does not apply; lower max_seq_len to the window"
+        )
 
 
 class PackedForward:
@@ -105,9 +128,11 @@ class PackedForward:
     def check(self) -> None:
         """After the forward: a multi-sample row must have gone through ``packed_sdpa`` with its boundaries."""
         if self.samples > 1 and self.bounded_calls == 0:
-            raise PackingError(f"{self.samples} samples were packed in one row but no attention call went through "
-                               f"{ATTENTION!r} with their boundaries: the model does not use the packed attention "
-                               "(attn_implementation changed?), so the samples attended across each other")
+            raise PackingError(
+                f"{self.samples} samples were packed in one row but no attention call went through "
+                f"{ATTENTION!r} with their boundaries: the model does not use the packed attention "
+                "(attn_implementation changed?), so the samples attended across each other"
+            )
 
 
 def _register_attention() -> None:
@@ -146,27 +171,35 @@ def check_logit_head(model: torch.nn.Module, backbone: torch.nn.Module) -> None:
         for name, identity in LOGIT_TRANSFORMS.items():
             value = getattr(cfg, name, identity)
             if value != identity and not (identity is not None and value is None):
-                raise ConfigError(f"model type {kind!r} sets {name}={value!r}: its logits are transformed after the "
-                                  "output projection, which the trainer's log-prob path does not do yet (not "
-                                  "supported); its log-probs would not be the ones vLLM samples from")
+                raise ConfigError(
+                    f"model type {kind!r} sets {name}={value!r}: its logits are transformed after the "
+                    "output projection, which the trainer's log-prob path does not do yet (not "
+                    "supported); its log-probs would not be the ones vLLM samples from"
+                )
         base, width = getattr(cfg, "dim_model_base", None), getattr(cfg, "hidden_size", None)
         if base and width and width != base:  # MiniCPM (muP): logits of hidden / (hidden_size / dim_model_base)
-            raise ConfigError(f"model type {kind!r} scales its logits by dim_model_base/hidden_size ({base}/{width}), "
-                              "which the trainer's log-prob path does not do yet (not supported)")
+            raise ConfigError(
+                f"model type {kind!r} scales its logits by dim_model_base/hidden_size ({base}/{width}), "
+                "which the trainer's log-prob path does not do yet (not supported)"
+            )
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
         raise ConfigError(f"model type {kind!r} has no output embedding the log-prob path can use")
     if getattr(head, "bias", None) is not None:
-        raise ConfigError(f"model type {kind!r} has a bias on lm_head, which the trainer's log-prob path does not "
-                          "add yet (not supported)")
+        raise ConfigError(
+            f"model type {kind!r} has a bias on lm_head, which the trainer's log-prob path does not "
+            "add yet (not supported)"
+        )
     ids = torch.arange(1, 9, device=head.weight.device)[None] % head.weight.shape[0]
     with torch.no_grad():
         logits = model(input_ids=ids, use_cache=False).logits.float()
         wanted = F.linear(backbone(input_ids=ids, use_cache=False).last_hidden_state, head.weight).float()
     if logits.shape != wanted.shape or (logits - wanted).abs().max() > 1e-2 * (1 + wanted.abs().max()):
-        raise ConfigError(f"model type {kind!r}: its logits are not its hidden states times the output embedding "
-                          "(the head transforms them), which the trainer's log-prob path does not do (not supported)")
+        raise ConfigError(
+            f"model type {kind!r}: its logits are not its hidden states times the output embedding "
+            "(the head transforms them), which the trainer's log-prob path does not do (not supported)"
+        )
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
@@ -187,8 +220,10 @@ class LoraPolicy:
 
         model_dir = config.model_dir
         if not str(model_dir) or not (model_dir / "config.json").is_file():
-            raise ConfigError(f"model directory not found or not a Hugging Face model: {str(model_dir)!r}; set "
-                              "`model:` or FLYWHEEL_MODEL_DIR (`python -m deploy.model path` prints the local SmolLM2)")
+            raise ConfigError(
+                f"model directory not found or not a Hugging Face model: {str(model_dir)!r}; set "
+                "`model:` or FLYWHEEL_MODEL_DIR (`python -m deploy.model path` prints the local SmolLM2)"
+            )
         if config.threads:
             torch.set_num_threads(config.threads)
         torch.manual_seed(config.seed)
@@ -200,8 +235,14 @@ class LoraPolicy:
         base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=self.dtype, attn_implementation="sdpa")
         base.set_attn_implementation(ATTENTION)
         check_logit_head(base, base.model)
-        lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                          target_modules=list(config.lora_target_modules), bias="none", task_type="CAUSAL_LM")
+        lora = LoraConfig(
+            r=config.lora_r,
+            lora_alpha=config.lora_alpha,
+            lora_dropout=config.lora_dropout,
+            target_modules=list(config.lora_target_modules),
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
         try:
             self.model = get_peft_model(base, lora).to(self.device)
         except ValueError as exc:
@@ -225,14 +266,23 @@ class LoraPolicy:
 
     def _logprobs(self, mb: MicroBatch) -> LogProbs:
         with PackedForward(len(mb.samples)) as packed:
-            hidden = self.backbone(input_ids=mb.input_ids.to(self.device),
-                                   position_ids=mb.position_ids.to(self.device),
-                                   cu_seq_lens_q=mb.cu_seqlens.to(self.device), use_cache=False).last_hidden_state
+            hidden = self.backbone(
+                input_ids=mb.input_ids.to(self.device),
+                position_ids=mb.position_ids.to(self.device),
+                cu_seq_lens_q=mb.cu_seqlens.to(self.device),
+                use_cache=False,
+            ).last_hidden_state
         packed.check()
         selected = hidden[0].index_select(0, mb.select.to(self.device))  # (N, H)
         truncation = Truncation(top_k=mb.top_k, top_p=mb.top_p, min_p=mb.min_p) if mb.truncated else None
-        out = selected_logprobs(selected, self.output_weight, mb.targets.to(self.device), mb.temperatures,
-                                rows=self.config.logprob_chunk_rows, truncation=truncation)
+        out = selected_logprobs(
+            selected,
+            self.output_weight,
+            mb.targets.to(self.device),
+            mb.temperatures,
+            rows=self.config.logprob_chunk_rows,
+            truncation=truncation,
+        )
         return LogProbs(out.logps.cpu(), out.entropy.cpu(), out.outside.cpu())
 
     # -- adapter state ---------------------------------------------------------------------------

@@ -27,8 +27,9 @@ EPS_STD = 1e-4
 """Added to the reward std before dividing (TRL's constant)."""
 
 
-def group_advantages(rewards: Sequence[Tensor], scale: ScaleRewards, *,
-                     batch_values: Tensor | None = None) -> list[Tensor]:
+def group_advantages(
+    rewards: Sequence[Tensor], scale: ScaleRewards, *, batch_values: Tensor | None = None
+) -> list[Tensor]:
     """Per-group advantages: reward minus the group mean, scaled by a std (unbiased, as torch.std).
 
     ``batch`` divides by the std of ``batch_values``: every reward of the step, equal-reward groups
@@ -49,8 +50,7 @@ def per_token_kl(logps: Tensor, ref_logps: Tensor) -> Tensor:
     return torch.exp(delta) - delta - 1
 
 
-def importance_ratio(logps: Tensor, old_logps: Tensor, mask: Tensor,
-                     level: ImportanceLevel) -> Tensor:
+def importance_ratio(logps: Tensor, old_logps: Tensor, mask: Tensor, level: ImportanceLevel) -> Tensor:
     """pi_theta / pi_old per token, or GSPO's exp(mean log-ratio) per sequence broadcast to its tokens."""
     log_ratio = logps - old_logps  # (B, T)
     if level == "sequence":
@@ -58,8 +58,9 @@ def importance_ratio(logps: Tensor, old_logps: Tensor, mask: Tensor,
     return torch.exp(log_ratio).expand_as(logps)  # (B, T)
 
 
-def truncated_importance_weights(old_logps: Tensor, behaviour_logps: Tensor, mask: Tensor, *, cap: float,
-                                 mode: CorrectionMode) -> tuple[Tensor, Tensor]:
+def truncated_importance_weights(
+    old_logps: Tensor, behaviour_logps: Tensor, mask: Tensor, *, cap: float, mode: CorrectionMode
+) -> tuple[Tensor, Tensor]:
     """Weights pi_old / pi_engine correcting for sampling by the engine (a stale or numerically
     different policy). NaN engine log-probs (unknown) give weight 1. Returns (weights (B, T),
     capped (B, T) bool: where the cap truncated or masked)."""
@@ -85,8 +86,9 @@ class Totals:
     max_completion_length: int
 
 
-def aggregate(per_token_loss: Tensor, mask: Tensor, loss_type: LossType, totals: Totals,
-              seq_tokens: Tensor | None = None) -> Tensor:
+def aggregate(
+    per_token_loss: Tensor, mask: Tensor, loss_type: LossType, totals: Totals, seq_tokens: Tensor | None = None
+) -> Tensor:
     """Reduce per-token losses to this micro-batch's share of the step loss.
 
     ``seq_tokens`` (B,): what each row's token sum divides by under ``grpo``. Per-episode
@@ -122,11 +124,24 @@ class LossOut:
     ratio_sum: Tensor
 
 
-def grpo_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tensor, *, totals: Totals,
-              loss_type: LossType, epsilon: float, epsilon_high: float, beta: float = 0.0,
-              ref_logps: Tensor | None = None, behaviour_logps: Tensor | None = None,
-              is_cap: float = 3.0, is_mode: CorrectionMode = "token_truncate",
-              level: ImportanceLevel = "token", seq_tokens: Tensor | None = None) -> LossOut:
+def grpo_loss(
+    logps: Tensor,
+    old_logps: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    totals: Totals,
+    loss_type: LossType,
+    epsilon: float,
+    epsilon_high: float,
+    beta: float = 0.0,
+    ref_logps: Tensor | None = None,
+    behaviour_logps: Tensor | None = None,
+    is_cap: float = 3.0,
+    is_mode: CorrectionMode = "token_truncate",
+    level: ImportanceLevel = "token",
+    seq_tokens: Tensor | None = None,
+) -> LossOut:
     """Clipped surrogate with optional KL and truncated importance weights.
 
     logps (B, T) with grad; old_logps (B, T) detached (the policy before this step's updates);
@@ -140,8 +155,9 @@ def grpo_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tensor
     adv = adv.unsqueeze(-1) if adv.dim() == 1 else adv  # (B, 1) or (B, T)
     per_token_loss = -torch.min(ratio * adv, clipped_ratio * adv)  # (B, T)
     if behaviour_logps is not None:
-        weights, capped = truncated_importance_weights(old_logps.detach(), behaviour_logps, mask, cap=is_cap,
-                                                       mode=is_mode)
+        weights, capped = truncated_importance_weights(
+            old_logps.detach(), behaviour_logps, mask, cap=is_cap, mode=is_mode
+        )
         per_token_loss = per_token_loss * weights
     else:
         weights, capped = torch.ones_like(logps), torch.zeros_like(mask, dtype=torch.bool)
@@ -158,6 +174,13 @@ def grpo_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tensor
         on = mask.bool()
         low = (ratio < 1 - epsilon) & (adv < 0) & on
         high = (ratio > 1 + epsilon_high) & (adv > 0) & on
-        return LossOut(loss=loss, policy_loss=policy_part.detach(), kl=kl_sum, clipped_low=low.sum(),
-                       clipped_high=high.sum(), is_capped=capped.sum(), is_weight_sum=(weights * mask).sum(),
-                       ratio_sum=(ratio * mask).sum())
+        return LossOut(
+            loss=loss,
+            policy_loss=policy_part.detach(),
+            kl=kl_sum,
+            clipped_low=low.sum(),
+            clipped_high=high.sum(),
+            is_capped=capped.sum(),
+            is_weight_sum=(weights * mask).sum(),
+            ratio_sum=(ratio * mask).sum(),
+        )

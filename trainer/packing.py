@@ -85,8 +85,9 @@ def collate(samples: Sequence[Sample]) -> MicroBatch:
     positions: list[int] = []
     bounds = [0]
     select: list[int] = []
-    flat: dict[str, list[float]] = {k: [] for k in ("targets", "temps", "behaviour", "advantages", "top_k", "top_p",
-                                                    "min_p", "versions", "modes")}
+    flat: dict[str, list[float]] = {
+        k: [] for k in ("targets", "temps", "behaviour", "advantages", "top_k", "top_p", "min_p", "versions", "modes")
+    }
     rows: list[int] = []
     cols: list[int] = []
     seq_tokens: list[int] = []
@@ -96,10 +97,16 @@ def collate(samples: Sequence[Sample]) -> MicroBatch:
         positions += range(len(sample))
         bounds.append(len(ids))
         columns: dict[str, Sequence[float]] = {
-            "targets": sample.input_ids, "temps": sample.temperatures, "behaviour": sample.behaviour_logprobs,
-            "advantages": _per_token(sample, "advantages", sample.advantage), "top_k": _per_token(sample, "top_k", 0),
-            "top_p": _per_token(sample, "top_p", 1.0), "min_p": _per_token(sample, "min_p", 0.0),
-            "versions": _per_token(sample, "versions", -1), "modes": _per_token(sample, "modes", 0)}
+            "targets": sample.input_ids,
+            "temps": sample.temperatures,
+            "behaviour": sample.behaviour_logprobs,
+            "advantages": _per_token(sample, "advantages", sample.advantage),
+            "top_k": _per_token(sample, "top_k", 0),
+            "top_p": _per_token(sample, "top_p", 1.0),
+            "min_p": _per_token(sample, "min_p", 0.0),
+            "versions": _per_token(sample, "versions", -1),
+            "modes": _per_token(sample, "modes", 0),
+        }
         slot = 0
         for j in range(1, len(sample)):
             if sample.loss_mask[j]:
@@ -124,14 +131,25 @@ def collate(samples: Sequence[Sample]) -> MicroBatch:
         return torch.tensor([int(v) for v in values], dtype=torch.long)
 
     return MicroBatch(
-        samples=list(samples), input_ids=torch.tensor([ids], dtype=torch.long),
-        position_ids=torch.tensor([positions], dtype=torch.long), cu_seqlens=torch.tensor(bounds, dtype=torch.long),
-        select=torch.tensor(select, dtype=torch.long), targets=longs(flat["targets"]),
-        temperatures=torch.tensor(flat["temps"], dtype=torch.float32), rows=rows_t, cols=cols_t, mask=mask,
-        behaviour_logps=table(flat["behaviour"], float("nan")), advantages=table(flat["advantages"], 0.0),
-        top_k=longs(flat["top_k"]), top_p=torch.tensor(flat["top_p"], dtype=torch.float32),
-        min_p=torch.tensor(flat["min_p"], dtype=torch.float32), versions=longs(flat["versions"]),
-        modes=longs(flat["modes"]), seq_tokens=torch.tensor(seq_tokens, dtype=torch.float32))
+        samples=list(samples),
+        input_ids=torch.tensor([ids], dtype=torch.long),
+        position_ids=torch.tensor([positions], dtype=torch.long),
+        cu_seqlens=torch.tensor(bounds, dtype=torch.long),
+        select=torch.tensor(select, dtype=torch.long),
+        targets=longs(flat["targets"]),
+        temperatures=torch.tensor(flat["temps"], dtype=torch.float32),
+        rows=rows_t,
+        cols=cols_t,
+        mask=mask,
+        behaviour_logps=table(flat["behaviour"], float("nan")),
+        advantages=table(flat["advantages"], 0.0),
+        top_k=longs(flat["top_k"]),
+        top_p=torch.tensor(flat["top_p"], dtype=torch.float32),
+        min_p=torch.tensor(flat["min_p"], dtype=torch.float32),
+        versions=longs(flat["versions"]),
+        modes=longs(flat["modes"]),
+        seq_tokens=torch.tensor(seq_tokens, dtype=torch.float32),
+    )
 
 
 def pack(samples: Sequence[Sample], budget: int) -> list[MicroBatch]:

@@ -46,9 +46,11 @@ class Publisher:
             problem = _differs(final, policy.adapter_state())
             if problem is None:
                 return final
-            raise PublishError(f"{final} already exists but does not hold this trainer's adapter for version "
-                               f"{version} ({problem}): it is left from another run. Use a fresh output_dir, or "
-                               "move that directory away if nothing serves it any more")
+            raise PublishError(
+                f"{final} already exists but does not hold this trainer's adapter for version "
+                f"{version} ({problem}): it is left from another run. Use a fresh output_dir, or "
+                "move that directory away if nothing serves it any more"
+            )
         tmp = self.root / f".tmp-v{version}"
         shutil.rmtree(tmp, ignore_errors=True)
         policy.save_adapter(tmp)
@@ -72,13 +74,15 @@ class Publisher:
         for known in self.client.policy_versions():
             if known.version == version and known.adapter_path == str(directory):
                 return known
-        raise PublishError(f"the proxy refused version {version}: {exc.message}. Another trainer published it, or "
-                           "this output_dir belongs to a different store; use a fresh output_dir (it starts "
-                           "numbering after the proxy's current version)") from exc
+        raise PublishError(
+            f"the proxy refused version {version}: {exc.message}. Another trainer published it, or "
+            "this output_dir belongs to a different store; use a fresh output_dir (it starts "
+            "numbering after the proxy's current version)"
+        ) from exc
 
     def _prune(self, current: int) -> None:
         versions = sorted(int(p.name[1:]) for p in self.root.glob("v*") if p.name[1:].isdigit())
-        for old in versions[:-self.keep]:
+        for old in versions[: -self.keep]:
             if old != current:
                 shutil.rmtree(self.path(old), ignore_errors=True)
 

@@ -16,9 +16,16 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-HEADLINE = (("reward/mean", "reward {:.3f}"), ("reward/pass_rate", "pass {:.0%}"), ("loss/total", "loss {:+.4f}"),
-            ("policy/entropy", "ent {:.2f}"), ("policy/grad_norm", "|g| {:.3f}"), ("data/samples", "{:.0f} samples"),
-            ("perf/tokens_per_s", "{:.0f} tok/s"), ("proxy/published_version", "v{:.0f}"))
+HEADLINE = (
+    ("reward/mean", "reward {:.3f}"),
+    ("reward/pass_rate", "pass {:.0%}"),
+    ("loss/total", "loss {:+.4f}"),
+    ("policy/entropy", "ent {:.2f}"),
+    ("policy/grad_norm", "|g| {:.3f}"),
+    ("data/samples", "{:.0f} samples"),
+    ("perf/tokens_per_s", "{:.0f} tok/s"),
+    ("proxy/published_version", "v{:.0f}"),
+)
 
 
 def finite(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -36,8 +43,9 @@ def headline(step: int, metrics: dict[str, Any]) -> str:
 
 
 class Reporter:
-    def __init__(self, output_dir: Path, *, tensorboard: bool, progress: bool, max_steps: int | None,
-                 start_step: int) -> None:
+    def __init__(
+        self, output_dir: Path, *, tensorboard: bool, progress: bool, max_steps: int | None, start_step: int
+    ) -> None:
         self.journal_path = output_dir / "steps.jsonl"
         self.console = Console(stderr=True)
         self.writer = None
@@ -47,8 +55,14 @@ class Reporter:
             self.writer = SummaryWriter(log_dir=str(output_dir / "tensorboard"))
         self.progress: Progress | None = None
         if progress and self.console.is_terminal:
-            self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                                     MofNCompleteColumn(), TimeElapsedColumn(), console=self.console)
+            self.progress = Progress(
+                SpinnerColumn(),
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=self.console,
+            )
             self.task = self.progress.add_task("starting", total=max_steps, completed=start_step)
             self.progress.start()
 

@@ -35,8 +35,9 @@ cli = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
 ProxyOpt = Annotated[str, typer.Option("--proxy", help="the proxy's URL, e.g. http://127.0.0.1:8100")]
 KeyFileOpt = Annotated[Path, typer.Option("--admin-key-file", help="used when FLYWHEEL_ADMIN_KEY is unset")]
-OptionsOpt = Annotated[list[str] | None, typer.Option("--option", "-o", help="workflow option key=value "
-                                                      "(see `python -m workflows list`)")]
+OptionsOpt = Annotated[
+    list[str] | None, typer.Option("--option", "-o", help="workflow option key=value (see `python -m workflows list`)")
+]
 SplitOpt = Annotated[str, typer.Option("--split", help="train or test")]
 
 
@@ -48,8 +49,9 @@ def admin_key(path: Path) -> str:
         key = path.read_text().strip()
         if key:
             return key
-    raise typer.BadParameter(f"no admin key: set FLYWHEEL_ADMIN_KEY or write it to {path}",
-                             param_hint="--admin-key-file")
+    raise typer.BadParameter(
+        f"no admin key: set FLYWHEEL_ADMIN_KEY or write it to {path}", param_hint="--admin-key-file"
+    )
 
 
 def build(name: str, options: list[str] | None) -> Workflow[Any, Any]:
@@ -67,30 +69,43 @@ def check_split(split: str) -> Split:
 
 
 @cli.command()
-def run(name: Annotated[str, typer.Argument(help="math, tau2, tac, or package.module:Class")],
-        proxy: ProxyOpt,
-        groups: Annotated[int, typer.Option(help="groups to run (ignored with --loop)")] = 1,
-        group_size: Annotated[int, typer.Option(help="episodes per group (GRPO's G)")] = 4,
-        concurrency: Annotated[int, typer.Option(help="episodes running at once")] = 4,
-        split: SplitOpt = "train",
-        loop: Annotated[bool, typer.Option(help="keep producing groups until interrupted")] = False,
-        model: Annotated[str, typer.Option(help="model the agents ask for")] = "policy",
-        timeout: Annotated[float | None, typer.Option(help="seconds per episode (default: the workflow's)")] = None,
-        seed: Annotated[int, typer.Option(help="seeds the task order")] = 0,
-        max_pending: Annotated[int | None, typer.Option(
-            help="with --loop: wait while the trainer has this many complete groups unclaimed")] = None,
-        option: OptionsOpt = None,
-        admin_key_file: KeyFileOpt = Path("data/admin.key")) -> None:
+def run(
+    name: Annotated[str, typer.Argument(help="math, tau2, tac, or package.module:Class")],
+    proxy: ProxyOpt,
+    groups: Annotated[int, typer.Option(help="groups to run (ignored with --loop)")] = 1,
+    group_size: Annotated[int, typer.Option(help="episodes per group (GRPO's G)")] = 4,
+    concurrency: Annotated[int, typer.Option(help="episodes running at once")] = 4,
+    split: SplitOpt = "train",
+    loop: Annotated[bool, typer.Option(help="keep producing groups until interrupted")] = False,
+    model: Annotated[str, typer.Option(help="model the agents ask for")] = "policy",
+    timeout: Annotated[float | None, typer.Option(help="seconds per episode (default: the workflow's)")] = None,
+    seed: Annotated[int, typer.Option(help="seeds the task order")] = 0,
+    max_pending: Annotated[
+        int | None, typer.Option(help="with --loop: wait while the trainer has this many complete groups unclaimed")
+    ] = None,
+    option: OptionsOpt = None,
+    admin_key_file: KeyFileOpt = Path("data/admin.key"),
+) -> None:
     """Create groups of episodes for a workflow's tasks, run its agents, post rewards."""
     from workflows.progress import RunProgress
     from workflows.runner import RunConfig, Runner
 
     workflow = build(name, option)
     try:
-        config = RunConfig(proxy_url=proxy, admin_key=admin_key(admin_key_file), groups=groups,
-                           group_size=group_size, concurrency=concurrency, split=check_split(split), loop=loop,
-                           model=model, episode_timeout_s=timeout, seed=seed, max_pending=max_pending,
-                           passthrough_key=os.environ.get("FLYWHEEL_AGENT_KEY") or None)
+        config = RunConfig(
+            proxy_url=proxy,
+            admin_key=admin_key(admin_key_file),
+            groups=groups,
+            group_size=group_size,
+            concurrency=concurrency,
+            split=check_split(split),
+            loop=loop,
+            model=model,
+            episode_timeout_s=timeout,
+            seed=seed,
+            max_pending=max_pending,
+            passthrough_key=os.environ.get("FLYWHEEL_AGENT_KEY") or None,
+        )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
 
@@ -128,22 +143,25 @@ def run(name: Annotated[str, typer.Argument(help="math, tau2, tac, or package.mo
 
 
 @cli.command("eval")
-def evaluate(name: Annotated[str, typer.Argument(help="a workflow with an evaluation (math)")],
-             proxy: ProxyOpt,
-             split: SplitOpt = "test",
-             limit: Annotated[int | None, typer.Option(help="first K problems of the split")] = None,
-             concurrency: Annotated[int, typer.Option(help="requests at once")] = 16,
-             model: Annotated[str, typer.Option(help="model to evaluate")] = "policy",
-             output: Annotated[Path | None, typer.Option(help="also write the JSON report here")] = None,
-             option: OptionsOpt = None,
-             admin_key_file: KeyFileOpt = Path("data/admin.key")) -> None:
+def evaluate(
+    name: Annotated[str, typer.Argument(help="a workflow with an evaluation (math)")],
+    proxy: ProxyOpt,
+    split: SplitOpt = "test",
+    limit: Annotated[int | None, typer.Option(help="first K problems of the split")] = None,
+    concurrency: Annotated[int, typer.Option(help="requests at once")] = 16,
+    model: Annotated[str, typer.Option(help="model to evaluate")] = "policy",
+    output: Annotated[Path | None, typer.Option(help="also write the JSON report here")] = None,
+    option: OptionsOpt = None,
+    admin_key_file: KeyFileOpt = Path("data/admin.key"),
+) -> None:
     """Evaluate the current policy through the unrecorded passthrough route; prints a JSON report."""
     workflow = build(name, option)
     key = os.environ.get("FLYWHEEL_AGENT_KEY") or admin_key(admin_key_file)
     endpoint = Endpoint(f"{proxy.rstrip('/')}/passthrough/v1", key)
     try:
-        report = asyncio.run(workflow.evaluate(endpoint, split=check_split(split), limit=limit,
-                                               concurrency=concurrency, model=model))
+        report = asyncio.run(
+            workflow.evaluate(endpoint, split=check_split(split), limit=limit, concurrency=concurrency, model=model)
+        )
     except NotImplementedError as exc:
         raise typer.BadParameter(f"workflow {name!r} has no evaluation") from exc
     text = json.dumps(report)

@@ -134,8 +134,9 @@ class Workflow(ABC, Generic[T, O]):
     async def run_episode(self, task: T, episode: Episode) -> Outcome:
         """Play ``task`` with an agent whose model calls go to ``episode``; return its reward."""
 
-    async def evaluate(self, endpoint: Endpoint, *, split: Split, limit: int | None, concurrency: int,
-                       model: str) -> dict[str, Any]:
+    async def evaluate(
+        self, endpoint: Endpoint, *, split: Split, limit: int | None, concurrency: int, model: str
+    ) -> dict[str, Any]:
         """Score ``model`` on ``split`` through ``endpoint`` (unrecorded); workflows without one raise."""
         raise NotImplementedError
 

@@ -13,9 +13,16 @@ from workflows.runner import EpisodeResult, GroupResult
 class RunProgress:
     def __init__(self, total_episodes: int | None, *, console: Console | None = None) -> None:
         self.console = console or Console(stderr=True)
-        self._progress = Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(),
-                                  MofNCompleteColumn(), TextColumn("{task.fields[line]}"), TimeElapsedColumn(),
-                                  console=self.console, transient=False)
+        self._progress = Progress(
+            SpinnerColumn(),
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[line]}"),
+            TimeElapsedColumn(),
+            console=self.console,
+            transient=False,
+        )
         self._task = self._progress.add_task("episodes", total=total_episodes, line="")
         self._rewards: list[float] = []
         self._abandoned = 0
@@ -27,8 +34,9 @@ class RunProgress:
         self._progress.start()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self._progress.stop()
 
     def episode(self, result: EpisodeResult) -> None:
@@ -49,6 +57,8 @@ class RunProgress:
 
     def _refresh(self, advance: int) -> None:
         mean = f"{sum(self._rewards) / len(self._rewards):.3f}" if self._rewards else "-"
-        line = (f"mean reward {mean} · abandoned {self._abandoned} · errors {self._errors} · "
-                f"groups {self._complete}/{self._groups} complete")
+        line = (
+            f"mean reward {mean} · abandoned {self._abandoned} · errors {self._errors} · "
+            f"groups {self._complete}/{self._groups} complete"
+        )
         self._progress.update(self._task, advance=advance, line=line)

@@ -27,14 +27,18 @@ def load(name: str) -> type[Workflow[Any, Any]]:
     except ModuleNotFoundError as exc:
         if exc.name and module_name.startswith(exc.name):
             raise ValueError(f"workflow {name!r}: no module {module_name}") from exc
-        raise ValueError(f"workflow {name!r} needs module {exc.name!r}, which is not installed here; "
-                         "the agent workflows run in the agents venv (.venv-agents)") from exc
+        raise ValueError(
+            f"workflow {name!r} needs module {exc.name!r}, which is not installed here; "
+            "the agent workflows run in the agents venv (.venv-agents)"
+        ) from exc
     except AttributeError:
         raise ValueError(f"module {module_name} has no {attr}") from None
     if not (isinstance(cls, type) and issubclass(cls, Workflow)):
         raise ValueError(f"{target} is not a workflows.base.Workflow subclass")
     missing = [pkg for pkg in cls.requires if importlib.util.find_spec(pkg) is None]
     if missing:
-        raise ValueError(f"workflow {name!r} needs {', '.join(missing)}, not installed here; "
-                         "the agent workflows run in the agents venv (.venv-agents/bin/python)")
+        raise ValueError(
+            f"workflow {name!r} needs {', '.join(missing)}, not installed here; "
+            "the agent workflows run in the agents venv (.venv-agents/bin/python)"
+        )
     return cls

@@ -125,14 +125,17 @@ class RunStats:
         by_status = {s: sum(e.status == s for e in episodes) for s in ("rewarded", "abandoned", "error")}
         return {
             "groups": len(self.groups),
-            "groups_by_status": {s: sum(g.status == s for g in self.groups) for s in
-                                 sorted({g.status for g in self.groups})},
-            "episodes": len(episodes), **by_status,
+            "groups_by_status": {
+                s: sum(g.status == s for g in self.groups) for s in sorted({g.status for g in self.groups})
+            },
+            "episodes": len(episodes),
+            **by_status,
             "mean_reward": sum(rewards) / len(rewards) if rewards else None,
             "episode_seconds_mean": (sum(e.seconds for e in episodes) / len(episodes)) if episodes else None,
             "wall_seconds": round(time.monotonic() - self.started, 2),
-            "errors": [{"episode_id": e.episode_id, "error": (e.error or "")[:300]}
-                       for e in episodes if e.status != "rewarded"][:20],
+            "errors": [
+                {"episode_id": e.episode_id, "error": (e.error or "")[:300]} for e in episodes if e.status != "rewarded"
+            ][:20],
         }
 
 
@@ -144,8 +147,11 @@ def _infrastructure(exc: BaseException) -> bool:
     """A model call that failed on the proxy or the engine (5xx, connection, transport timeout), not the agent."""
     status = getattr(exc, "status_code", None)
     name = type(exc).__name__
-    return (isinstance(status, int) and status >= 500) or isinstance(exc, ConnectionError) or name in (
-        "APIConnectionError", "APITimeoutError", "ConnectError", "ReadError", "RemoteProtocolError")
+    return (
+        (isinstance(status, int) and status >= 500)
+        or isinstance(exc, ConnectionError)
+        or name in ("APIConnectionError", "APITimeoutError", "ConnectError", "ReadError", "RemoteProtocolError")
+    )
 
 
 def describe_error(exc: BaseException) -> str:
@@ -162,9 +168,15 @@ def describe_error(exc: BaseException) -> str:
 
 
 class Runner:
-    def __init__(self, workflow: Workflow[Any, Any], config: RunConfig, client: AsyncProxyClient, *,
-                 on_episode: Callable[[EpisodeResult], None] | None = None,
-                 on_group: Callable[[GroupResult], None] | None = None) -> None:
+    def __init__(
+        self,
+        workflow: Workflow[Any, Any],
+        config: RunConfig,
+        client: AsyncProxyClient,
+        *,
+        on_episode: Callable[[EpisodeResult], None] | None = None,
+        on_group: Callable[[GroupResult], None] | None = None,
+    ) -> None:
         self.workflow = workflow
         self.config = config
         self.client = client
@@ -174,8 +186,7 @@ class Runner:
         self._episode_slots = asyncio.Semaphore(config.concurrency)
         self._stopping = asyncio.Event()
         self._timeout = config.episode_timeout_s or workflow.episode_timeout_s
-        self._passthrough = Endpoint(f"{client.proxy_url}/passthrough/v1",
-                                     config.passthrough_key or config.admin_key)
+        self._passthrough = Endpoint(f"{client.proxy_url}/passthrough/v1", config.passthrough_key or config.admin_key)
 
     @property
     def stopping(self) -> bool:
@@ -240,12 +251,19 @@ class Runner:
         wf, cfg = self.workflow, self.config
         task_id = wf.task_id(task)
         created = await self.client.create_group(
-            task_id, cfg.group_size,
-            metadata={"workflow": wf.name, "split": cfg.split, "task": wf.task_metadata(task),
-                      "abandoned": wf.abandoned},
-            episode_metadata=[{"index": i} for i in range(cfg.group_size)])
-        results = await asyncio.gather(*(self._episode(task, task_id, created.id, key, i, pool)
-                                         for i, key in enumerate(created.episode_keys)))
+            task_id,
+            cfg.group_size,
+            metadata={
+                "workflow": wf.name,
+                "split": cfg.split,
+                "task": wf.task_metadata(task),
+                "abandoned": wf.abandoned,
+            },
+            episode_metadata=[{"index": i} for i in range(cfg.group_size)],
+        )
+        results = await asyncio.gather(
+            *(self._episode(task, task_id, created.id, key, i, pool) for i, key in enumerate(created.episode_keys))
+        )
         status: str  # the proxy's GroupStatus, or why it is unknown
         try:
             status = (await self.client.group(created.id)).status
@@ -255,10 +273,19 @@ class Runner:
         self.stats.groups.append(group)
         self._on_group(group)
 
-    async def _episode(self, task: Any, task_id: str, group_id: str, key: EpisodeKey, index: int,
-                       pool: ThreadPoolExecutor) -> EpisodeResult:
-        episode = Episode(id=key.id, group_id=group_id, index=index, base_url=key.base_url, api_key=key.api_key,
-                          model=self.config.model, passthrough=self._passthrough, proxy_url=self.client.proxy_url)
+    async def _episode(
+        self, task: Any, task_id: str, group_id: str, key: EpisodeKey, index: int, pool: ThreadPoolExecutor
+    ) -> EpisodeResult:
+        episode = Episode(
+            id=key.id,
+            group_id=group_id,
+            index=index,
+            base_url=key.base_url,
+            api_key=key.api_key,
+            model=self.config.model,
+            passthrough=self._passthrough,
+            proxy_url=self.client.proxy_url,
+        )
         async with self._episode_slots:
             started = time.monotonic()
             token = EPISODE_POOL.set(pool)
@@ -278,23 +305,31 @@ class Runner:
         self._on_episode(result)
         return result
 
-    async def _finish(self, episode_id: str, group_id: str, task_id: str, started: float,
-                      outcome: Outcome | None, error: str | None) -> EpisodeResult:
+    async def _finish(
+        self, episode_id: str, group_id: str, task_id: str, started: float, outcome: Outcome | None, error: str | None
+    ) -> EpisodeResult:
         status: Status
         try:
             if outcome is not None:
-                await self.client.reward(episode_id, outcome.reward, metadata=outcome.metadata or None,
-                                         call_rewards=outcome.call_rewards)
+                await self.client.reward(
+                    episode_id, outcome.reward, metadata=outcome.metadata or None, call_rewards=outcome.call_rewards
+                )
                 status = "rewarded"
             else:
                 await self.client.abandon(episode_id, error or "abandoned")
                 status = "abandoned"
         except ProxyError as exc:
             status, error = "error", f"{error + '; ' if error else ''}could not finish the episode: {exc}"
-        return EpisodeResult(episode_id=episode_id, group_id=group_id, task_id=task_id, status=status,
-                             reward=outcome.reward if outcome is not None and status == "rewarded" else None,
-                             error=error, seconds=round(time.monotonic() - started, 3),
-                             metadata=outcome.metadata if outcome is not None else {})
+        return EpisodeResult(
+            episode_id=episode_id,
+            group_id=group_id,
+            task_id=task_id,
+            status=status,
+            reward=outcome.reward if outcome is not None and status == "rewarded" else None,
+            error=error,
+            seconds=round(time.monotonic() - started, 3),
+            metadata=outcome.metadata if outcome is not None else {},
+        )
 
 
 def _check_outcome(outcome: Any) -> None:

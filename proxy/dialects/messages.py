@@ -245,13 +245,18 @@ def _text_of(content: str | list[dict[str, Any]], where: str, what: str) -> str:
 
 def _unserved(kind: Any, role: str, where: str) -> InvalidRequest:
     if kind == "redacted_thinking":
-        return InvalidRequest("redacted_thinking blocks cannot be passed on: this engine has no encrypted "
-                              "reasoning to restore; drop them from the history", param=f"{where}.type")
+        return InvalidRequest(
+            "redacted_thinking blocks cannot be passed on: this engine has no encrypted "
+            "reasoning to restore; drop them from the history",
+            param=f"{where}.type",
+        )
     accepted = "text, image and tool_result" if role == "user" else "text, tool_use and thinking"
     if kind is None:
         return InvalidRequest("a content block needs a 'type'", param=f"{where}.type")
-    return InvalidRequest(f"content block type {kind!r} is not served in {role} messages by this deployment "
-                          f"(accepted: {accepted})", param=f"{where}.type")
+    return InvalidRequest(
+        f"content block type {kind!r} is not served in {role} messages by this deployment (accepted: {accepted})",
+        param=f"{where}.type",
+    )
 
 
 def _image_url(block: dict[str, Any], where: str) -> str:
@@ -263,8 +268,9 @@ def _image_url(block: dict[str, Any], where: str) -> str:
     if kind == "url":
         return _check(_UrlSource, source, f"{where}.source").url
     if kind == "file":
-        raise InvalidRequest("image sources from the Files API are not served; send base64 data or a url",
-                             param=f"{where}.source.type")
+        raise InvalidRequest(
+            "image sources from the Files API are not served; send base64 data or a url", param=f"{where}.source.type"
+        )
     raise InvalidRequest(f"image source type {kind!r} is not accepted (base64 or url)", param=f"{where}.source.type")
 
 
@@ -286,8 +292,13 @@ def _user(content: str | list[dict[str, Any]], where: str, out: list[dict[str, A
         elif kind == "tool_result":
             result = _check(_ToolResult, block, at)
             text = _text_of(result.content, f"{at}.content", "tool_result content")
-            out.append({"role": "tool", "tool_call_id": result.tool_use_id,
-                        "content": f"Error: {text}" if result.is_error else text})
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": result.tool_use_id,
+                    "content": f"Error: {text}" if result.is_error else text,
+                }
+            )
             tools = True
         else:
             raise _unserved(kind, "user", at)
@@ -321,10 +332,12 @@ def _assistant(content: str | list[dict[str, Any]], where: str) -> dict[str, Any
         elif kind == "tool_use":
             use = _check(_ToolUse, block, at)
             if use.caller is not None and use.caller.get("type") != "direct":
-                raise InvalidRequest(f"{at}.caller: tool calls made by server tools are not served",
-                                     param=f"{at}.caller")
-            calls.append({"id": use.id, "type": "function",
-                          "function": {"name": use.name, "arguments": _arguments(use.input)}})
+                raise InvalidRequest(
+                    f"{at}.caller: tool calls made by server tools are not served", param=f"{at}.caller"
+                )
+            calls.append(
+                {"id": use.id, "type": "function", "function": {"name": use.name, "arguments": _arguments(use.input)}}
+            )
         elif kind == "thinking":
             reasoning.append(_check(_Thinking, block, at).thinking)
         else:
@@ -357,9 +370,11 @@ def _tools(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for k, item in enumerate(raw):
         kind = item.get("type")
         if kind is not None and kind != "custom":
-            raise InvalidRequest(f"built-in tool {kind!r} is not served by this deployment; define client tools "
-                                 "(name, description, input_schema) and run them in the agent",
-                                 param=f"tools.{k}.type")
+            raise InvalidRequest(
+                f"built-in tool {kind!r} is not served by this deployment; define client tools "
+                "(name, description, input_schema) and run them in the agent",
+                param=f"tools.{k}.type",
+            )
         tool = _check(_Tool, item, f"tools.{k}")
         function: dict[str, Any] = {"name": tool.name}
         if tool.description is not None:
@@ -374,8 +389,11 @@ def _tools(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _conversation(req: _Conversation) -> dict[str, Any]:
     """The chat body's ``model``, ``messages``, ``tools`` and ``tool_choice`` / ``parallel_tool_calls``."""
     if req.thinking is not None and req.thinking.type != "disabled":
-        raise InvalidRequest("extended thinking is not served by this deployment (passing back thinking blocks "
-                             "from earlier turns is fine)", param="thinking.type")
+        raise InvalidRequest(
+            "extended thinking is not served by this deployment (passing back thinking blocks "
+            "from earlier turns is fine)",
+            param="thinking.type",
+        )
     if not req.messages:
         raise InvalidRequest("'messages' must contain at least one message", param="messages")
     chat: dict[str, Any] = {"model": req.model, "messages": _messages(req)}
@@ -459,8 +477,9 @@ class MessagesTranslation:
 
     __slots__ = ("client_request", "chat", "response_id", "model", "stop_sequences")
 
-    def __init__(self, client_request: dict[str, Any], chat: dict[str, Any], model: str,
-                 stop_sequences: tuple[str, ...]) -> None:
+    def __init__(
+        self, client_request: dict[str, Any], chat: dict[str, Any], model: str, stop_sequences: tuple[str, ...]
+    ) -> None:
         self.client_request = client_request
         self.chat = chat
         self.response_id = "msg_" + uuid4().hex
@@ -514,17 +533,30 @@ class MessagesTranslation:
         calls = message.get("tool_calls") or ()
         for call in calls:
             function = call.get("function") or {}
-            content.append({"type": "tool_use", "id": call.get("id") or _tool_id(), "name": function.get("name") or "",
-                            "input": _tool_input(function.get("arguments"))})
+            content.append(
+                {
+                    "type": "tool_use",
+                    "id": call.get("id") or _tool_id(),
+                    "name": function.get("name") or "",
+                    "input": _tool_input(function.get("arguments")),
+                }
+            )
         stop_reason, stop_sequence = self.stop(choice.get("finish_reason"), choice.get("stop_reason"), bool(calls))
         usage = chat.get("usage") or {}
         prompt = usage.get("prompt_tokens")
         completion = usage.get("completion_tokens")
         return {
-            "id": self.response_id, "type": "message", "role": "assistant", "model": self.model, "content": content,
-            "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-            "usage": {"input_tokens": prompt if type(prompt) is int else len(chat.get("prompt_token_ids") or ()),
-                      "output_tokens": completion if type(completion) is int else len(choice.get("token_ids") or ())},
+            "id": self.response_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": stop_sequence,
+            "usage": {
+                "input_tokens": prompt if type(prompt) is int else len(chat.get("prompt_token_ids") or ()),
+                "output_tokens": completion if type(completion) is int else len(choice.get("token_ids") or ()),
+            },
         }
 
     def stream(self) -> MessagesStream:
@@ -557,8 +589,18 @@ class MessagesStream:
     (stop reason, output tokens) and ``message_stop`` come from ``done``.
     """
 
-    __slots__ = ("_t", "_started", "_index", "_open", "_calls", "_tool_use", "_finish", "_matched", "_prompt",
-                 "_completion")
+    __slots__ = (
+        "_t",
+        "_started",
+        "_index",
+        "_open",
+        "_calls",
+        "_tool_use",
+        "_finish",
+        "_matched",
+        "_prompt",
+        "_completion",
+    )
 
     def __init__(self, translation: MessagesTranslation) -> None:
         self._t = translation
@@ -576,8 +618,13 @@ class MessagesStream:
         self._started = True
         ids = chunk.get("prompt_token_ids") if chunk else None
         message: dict[str, Any] = {
-            "id": self._t.response_id, "type": "message", "role": "assistant", "model": self._t.model, "content": [],
-            "stop_reason": None, "stop_sequence": None,
+            "id": self._t.response_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self._t.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
             "usage": {"input_tokens": len(ids) if ids else 0, "output_tokens": 0},
         }
         return _sse(b"message_start", {"type": "message_start", "message": message})
@@ -589,15 +636,20 @@ class MessagesStream:
 
     def _block(self, block: dict[str, Any], out: list[bytes]) -> None:
         self._index += 1
-        out.append(_sse(b"content_block_start", {"type": "content_block_start", "index": self._index,
-                                                 "content_block": block}))
+        out.append(
+            _sse(b"content_block_start", {"type": "content_block_start", "index": self._index, "content_block": block})
+        )
 
     def _delta(self, kind: Literal["text", "thinking"], text: str, out: list[bytes]) -> None:
         if self._open != kind:
             self._close(out)
             self._open = kind
-            self._block({"type": "text", "text": ""} if kind == "text"
-                        else {"type": "thinking", "thinking": "", "signature": ""}, out)
+            self._block(
+                {"type": "text", "text": ""}
+                if kind == "text"
+                else {"type": "thinking", "thinking": "", "signature": ""},
+                out,
+            )
         delta = {"type": "text_delta", "text": text} if kind == "text" else {"type": "thinking_delta", "thinking": text}
         out.append(_sse(b"content_block_delta", {"type": "content_block_delta", "index": self._index, "delta": delta}))
 
@@ -630,8 +682,9 @@ class MessagesStream:
             partial = orjson.dumps({RAW_ARGUMENTS: text}).decode() if parsed is None else text if parsed else ""
             if partial:
                 delta = {"type": "input_json_delta", "partial_json": partial}
-                out.append(_sse(b"content_block_delta", {"type": "content_block_delta", "index": self._index,
-                                                         "delta": delta}))
+                out.append(
+                    _sse(b"content_block_delta", {"type": "content_block_delta", "index": self._index, "delta": delta})
+                )
             out.append(_sse(b"content_block_stop", {"type": "content_block_stop", "index": self._index}))
 
     def chunk(self, chunk: dict[str, Any]) -> bytes:
@@ -670,8 +723,16 @@ class MessagesStream:
         usage: dict[str, int] = {"output_tokens": self._completion if type(self._completion) is int else 0}
         if type(self._prompt) is int:
             usage["input_tokens"] = self._prompt
-        out.append(_sse(b"message_delta", {"type": "message_delta", "usage": usage,
-                                           "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}}))
+        out.append(
+            _sse(
+                b"message_delta",
+                {
+                    "type": "message_delta",
+                    "usage": usage,
+                    "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                },
+            )
+        )
         out.append(b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
         return b"".join(out)
 

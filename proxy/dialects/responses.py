@@ -75,11 +75,13 @@ class ResponsesRequest(BaseModel):
 
 def parse(body: dict[str, Any]) -> ResponsesRequest:
     """The validated request; ``InvalidRequest`` naming the first bad field."""
-    refused = {"background": "background responses are not served (the proxy answers while the call runs)",
-               "conversation": "conversations are not stored; pass previous_response_id or the input items",
-               "prompt": "prompt templates are not served; send instructions and input",
-               "max_tool_calls": "max_tool_calls is not served; the agent loop decides how many calls to make",
-               "context_management": "context management is not served"}
+    refused = {
+        "background": "background responses are not served (the proxy answers while the call runs)",
+        "conversation": "conversations are not stored; pass previous_response_id or the input items",
+        "prompt": "prompt templates are not served; send instructions and input",
+        "max_tool_calls": "max_tool_calls is not served; the agent loop decides how many calls to make",
+        "context_management": "context management is not served",
+    }
     for name, why in refused.items():
         if body.get(name) not in (None, False):
             raise InvalidRequest(f"'{name}': {why}", param=name)
@@ -89,8 +91,9 @@ def parse(body: dict[str, Any]) -> ResponsesRequest:
         raise _invalid(exc) from None
     for name in request.include or ():
         if name not in INCLUDABLE:
-            raise InvalidRequest(f"'include' value {name!r} is not served; supported: {sorted(INCLUDABLE)}",
-                                 param="include")
+            raise InvalidRequest(
+                f"'include' value {name!r} is not served; supported: {sorted(INCLUDABLE)}", param="include"
+            )
     return request
 
 
@@ -100,8 +103,9 @@ def _invalid(exc: ValidationError) -> InvalidRequest:
     if error["type"] == "extra_forbidden":
         return InvalidRequest(f"unsupported parameter '{where}'", param=where)
     if error["type"] == "literal_error" and where == "truncation":
-        return InvalidRequest("'truncation: auto' is not served: the proxy never drops context; send what fits",
-                              param=where)
+        return InvalidRequest(
+            "'truncation: auto' is not served: the proxy never drops context; send what fits", param=where
+        )
     return InvalidRequest(f"'{where}': {error['msg']}", param=where)
 
 
@@ -125,8 +129,9 @@ def _text_of(content: Any, where: str, *, images: bool) -> str | list[dict[str, 
         elif kind == "input_image" and images:
             url = part.get("image_url")
             if not isinstance(url, str):
-                raise InvalidRequest(f"'{where}[{i}]': only images given by 'image_url' are served",
-                                     param=f"{where}[{i}]")
+                raise InvalidRequest(
+                    f"'{where}[{i}]': only images given by 'image_url' are served", param=f"{where}[{i}]"
+                )
             parts.append({"type": "image_url", "image_url": {"url": url}})
         else:
             raise InvalidRequest(f"'{where}[{i}]': content part type {kind!r} is not served", param=f"{where}[{i}]")
@@ -139,7 +144,7 @@ def _reasoning_text(item: dict[str, Any]) -> str:
     """The reasoning an item carries back: our own encrypted content, else its text or summary."""
     encrypted = item.get("encrypted_content")
     if isinstance(encrypted, str) and encrypted.startswith(_ENCRYPTED_PREFIX):
-        return base64.b64decode(encrypted[len(_ENCRYPTED_PREFIX):]).decode()
+        return base64.b64decode(encrypted[len(_ENCRYPTED_PREFIX) :]).decode()
     parts = item.get("content") or item.get("summary") or []
     return "".join(p.get("text", "") for p in parts if isinstance(p, dict))
 
@@ -156,8 +161,9 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
-                raise InvalidRequest(f"'{where}.role' must be user, system, developer or assistant",
-                                     param=f"{where}.role")
+                raise InvalidRequest(
+                    f"'{where}.role' must be user, system, developer or assistant", param=f"{where}.role"
+                )
             content = _text_of(item.get("content"), f"{where}.content", images=role == "user")
             message: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
             if role == "assistant" and reasoning is not None:
@@ -166,8 +172,9 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif kind == "function_call":
             call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
             if not (isinstance(call_id, str) and isinstance(name, str) and isinstance(arguments, str)):
-                raise InvalidRequest(f"'{where}': a function_call needs string call_id, name and arguments",
-                                     param=where)
+                raise InvalidRequest(
+                    f"'{where}': a function_call needs string call_id, name and arguments", param=where
+                )
             last = messages[-1] if messages else None
             if last is None or last["role"] != "assistant":
                 last = {"role": "assistant", "content": None}
@@ -175,7 +182,8 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                     last["reasoning_content"], reasoning = reasoning, None
                 messages.append(last)
             last.setdefault("tool_calls", []).append(
-                {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            )
         elif kind == "function_call_output":
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str):
@@ -185,8 +193,11 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif kind == "reasoning":
             reasoning = (reasoning or "") + _reasoning_text(item)
         else:
-            raise InvalidRequest(f"'{where}': input item type {kind!r} is not served "
-                                 "(messages, function_call, function_call_output and reasoning are)", param=where)
+            raise InvalidRequest(
+                f"'{where}': input item type {kind!r} is not served "
+                "(messages, function_call, function_call_output and reasoning are)",
+                param=where,
+            )
     return messages
 
 
@@ -194,8 +205,11 @@ def _tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for i, tool in enumerate(tools):
         if tool.get("type") != "function":
-            raise InvalidRequest(f"'tools[{i}]': tool type {tool.get('type')!r} is not served; only function tools "
-                                 "are (hosted tools run on OpenAI's servers)", param=f"tools[{i}].type")
+            raise InvalidRequest(
+                f"'tools[{i}]': tool type {tool.get('type')!r} is not served; only function tools "
+                "are (hosted tools run on OpenAI's servers)",
+                param=f"tools[{i}].type",
+            )
         if not isinstance(tool.get("name"), str) or not tool["name"]:
             raise InvalidRequest(f"'tools[{i}].name' is required", param=f"tools[{i}].name")
         function: dict[str, Any] = {"name": tool["name"]}
@@ -213,8 +227,11 @@ def _tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
         return choice
     if choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise InvalidRequest(f"'tool_choice' of type {choice.get('type')!r} is not served; "
-                         "use auto, none, required or {type: function, name}", param="tool_choice")
+    raise InvalidRequest(
+        f"'tool_choice' of type {choice.get('type')!r} is not served; "
+        "use auto, none, required or {type: function, name}",
+        param="tool_choice",
+    )
 
 
 def _response_format(text: dict[str, Any]) -> dict[str, Any] | None:
@@ -257,15 +274,28 @@ def _usage(usage: dict[str, Any] | None) -> dict[str, Any]:
     usage = usage or {}
     prompt, completion = usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
-            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": prompt + completion}
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + completion,
+    }
 
 
 def _logprobs(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{"token": x.get("token", ""), "logprob": x["logprob"], "bytes": x.get("bytes") or [],
-             "top_logprobs": [{"token": t.get("token", ""), "logprob": t["logprob"], "bytes": t.get("bytes") or []}
-                              for t in x.get("top_logprobs") or ()]} for x in items]
+    return [
+        {
+            "token": x.get("token", ""),
+            "logprob": x["logprob"],
+            "bytes": x.get("bytes") or [],
+            "top_logprobs": [
+                {"token": t.get("token", ""), "logprob": t["logprob"], "bytes": t.get("bytes") or []}
+                for t in x.get("top_logprobs") or ()
+            ],
+        }
+        for x in items
+    ]
 
 
 def _text_logprobs(items: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
@@ -326,35 +356,56 @@ class ResponsesTranslation:
 
     # the Response object --------------------------------------------------------------------
 
-    def envelope(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None,
-                 incomplete: bool = False) -> dict[str, Any]:
+    def envelope(
+        self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None, incomplete: bool = False
+    ) -> dict[str, Any]:
         r = self.request
         return {
-            "id": self.response_id, "object": "response", "created_at": self.created_at, "status": status,
+            "id": self.response_id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
             "completed_at": int(time.time()) if status in ("completed", "incomplete") else None,
-            "error": None, "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-            "instructions": r.instructions, "model": r.model, "output": output,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "instructions": r.instructions,
+            "model": r.model,
+            "output": output,
             "parallel_tool_calls": r.parallel_tool_calls if r.parallel_tool_calls is not None else True,
-            "temperature": r.temperature, "top_p": r.top_p, "top_logprobs": r.top_logprobs,
-            "tool_choice": r.tool_choice if r.tool_choice is not None else "auto", "tools": r.tools or [],
-            "text": r.text or {"format": {"type": "text"}}, "reasoning": r.reasoning,
-            "max_output_tokens": r.max_output_tokens, "previous_response_id": r.previous_response_id,
-            "store": r.store if r.store is not None else True, "metadata": r.metadata or {},
-            "user": r.user, "safety_identifier": r.safety_identifier, "prompt_cache_key": r.prompt_cache_key,
-            "service_tier": r.service_tier or "default", "truncation": "disabled", "background": False,
+            "temperature": r.temperature,
+            "top_p": r.top_p,
+            "top_logprobs": r.top_logprobs,
+            "tool_choice": r.tool_choice if r.tool_choice is not None else "auto",
+            "tools": r.tools or [],
+            "text": r.text or {"format": {"type": "text"}},
+            "reasoning": r.reasoning,
+            "max_output_tokens": r.max_output_tokens,
+            "previous_response_id": r.previous_response_id,
+            "store": r.store if r.store is not None else True,
+            "metadata": r.metadata or {},
+            "user": r.user,
+            "safety_identifier": r.safety_identifier,
+            "prompt_cache_key": r.prompt_cache_key,
+            "service_tier": r.service_tier or "default",
+            "truncation": "disabled",
+            "background": False,
             "usage": usage,
         }
 
     def reasoning_item(self, item_id: str, text: str, status: str) -> dict[str, Any]:
-        item: dict[str, Any] = {"id": item_id, "type": "reasoning", "summary": [], "status": status,
-                                "content": [{"type": "reasoning_text", "text": text}]}
+        item: dict[str, Any] = {
+            "id": item_id,
+            "type": "reasoning",
+            "summary": [],
+            "status": status,
+            "content": [{"type": "reasoning_text", "text": text}],
+        }
         if self.encrypted:
             item["encrypted_content"] = _ENCRYPTED_PREFIX + base64.b64encode(text.encode()).decode()
         return item
 
     @staticmethod
-    def message_item(item_id: str, text: str, status: str, logprobs: list[dict[str, Any]] | None
-                     ) -> dict[str, Any]:
+    def message_item(item_id: str, text: str, status: str, logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
         part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
         if logprobs is not None:
             part["logprobs"] = logprobs
@@ -363,8 +414,14 @@ class ResponsesTranslation:
     @staticmethod
     def call_item(item_id: str, call: dict[str, Any], status: str) -> dict[str, Any]:
         function = call.get("function") or {}
-        return {"id": item_id, "type": "function_call", "call_id": call.get("id") or item_id,
-                "name": function.get("name") or "", "arguments": function.get("arguments") or "", "status": status}
+        return {
+            "id": item_id,
+            "type": "function_call",
+            "call_id": call.get("id") or item_id,
+            "name": function.get("name") or "",
+            "arguments": function.get("arguments") or "",
+            "status": status,
+        }
 
     def response(self, chat: dict[str, Any]) -> dict[str, Any]:
         choice = (chat.get("choices") or [{}])[0]
@@ -390,8 +447,13 @@ class ResponsesTranslation:
 
 
 def _event(kind: str, seq: int, payload: dict[str, Any]) -> bytes:
-    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, "sequence_number": seq,
-                                                                      **payload}) + b"\n\n"
+    return (
+        b"event: "
+        + kind.encode()
+        + b"\ndata: "
+        + orjson.dumps({"type": kind, "sequence_number": seq, **payload})
+        + b"\n\n"
+    )
 
 
 class ResponsesStream:
@@ -429,15 +491,28 @@ class ResponsesStream:
             if reasoning:
                 self._open(out, "reasoning")
                 self.text.append(reasoning)
-                self._emit(out, "response.reasoning_text.delta", item_id=self._item_id(), output_index=self._index(),
-                           content_index=0, delta=reasoning)
+                self._emit(
+                    out,
+                    "response.reasoning_text.delta",
+                    item_id=self._item_id(),
+                    output_index=self._index(),
+                    content_index=0,
+                    delta=reasoning,
+                )
             if delta.get("content"):
                 self._open(out, "message")
                 logprobs = _logprobs((choice.get("logprobs") or {}).get("content") or []) if self.t.logprobs else []
                 self.text.append(delta["content"])
                 self.logprobs.extend(logprobs)
-                self._emit(out, "response.output_text.delta", item_id=self._item_id(), output_index=self._index(),
-                           content_index=0, delta=delta["content"], logprobs=logprobs)
+                self._emit(
+                    out,
+                    "response.output_text.delta",
+                    item_id=self._item_id(),
+                    output_index=self._index(),
+                    content_index=0,
+                    delta=delta["content"],
+                    logprobs=logprobs,
+                )
             for fragment in delta.get("tool_calls") or ():
                 index = fragment.get("index", 0)
                 if self.open_kind != "call" or self.open_call != index:
@@ -449,8 +524,13 @@ class ResponsesStream:
                     self.open["name"] = function["name"]
                 if function.get("arguments"):
                     self.text.append(function["arguments"])
-                    self._emit(out, "response.function_call_arguments.delta", item_id=self._item_id(),
-                               output_index=self._index(), delta=function["arguments"])
+                    self._emit(
+                        out,
+                        "response.function_call_arguments.delta",
+                        item_id=self._item_id(),
+                        output_index=self._index(),
+                        delta=function["arguments"],
+                    )
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
         return b"".join(out)
@@ -472,18 +552,33 @@ class ResponsesStream:
             self.open = self.t.reasoning_item(_id("rs"), "", "in_progress")
             self.open["content"] = []
             self._emit(out, "response.output_item.added", output_index=self._index(), item=self.open)
-            self._emit(out, "response.content_part.added", item_id=self.open["id"], output_index=self._index(),
-                       content_index=0, part={"type": "reasoning_text", "text": ""})
+            self._emit(
+                out,
+                "response.content_part.added",
+                item_id=self.open["id"],
+                output_index=self._index(),
+                content_index=0,
+                part={"type": "reasoning_text", "text": ""},
+            )
         elif kind == "message":
             self.open = self.t.message_item(_id("msg"), "", "in_progress", None)
             self.open["content"] = []
             self._emit(out, "response.output_item.added", output_index=self._index(), item=self.open)
-            self._emit(out, "response.content_part.added", item_id=self.open["id"], output_index=self._index(),
-                       content_index=0, part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+            self._emit(
+                out,
+                "response.content_part.added",
+                item_id=self.open["id"],
+                output_index=self._index(),
+                content_index=0,
+                part={"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+            )
         else:
             assert fragment is not None
-            self.open = self.t.call_item(_id("fc"), {"id": fragment.get("id"), "function": {
-                "name": (fragment.get("function") or {}).get("name")}}, "in_progress")
+            self.open = self.t.call_item(
+                _id("fc"),
+                {"id": fragment.get("id"), "function": {"name": (fragment.get("function") or {}).get("name")}},
+                "in_progress",
+            )
             self._emit(out, "response.output_item.added", output_index=self._index(), item=self.open)
 
     def _close(self, out: list[bytes]) -> None:
@@ -493,22 +588,43 @@ class ResponsesStream:
         item_id, index, text = self.open["id"], self._index(), "".join(self.text)
         status = "incomplete" if self.finish_reason == "length" else "completed"
         if self.open_kind == "reasoning":
-            self._emit(out, "response.reasoning_text.done", item_id=item_id, output_index=index, content_index=0,
-                       text=text)
-            self._emit(out, "response.content_part.done", item_id=item_id, output_index=index, content_index=0,
-                       part={"type": "reasoning_text", "text": text})
+            self._emit(
+                out, "response.reasoning_text.done", item_id=item_id, output_index=index, content_index=0, text=text
+            )
+            self._emit(
+                out,
+                "response.content_part.done",
+                item_id=item_id,
+                output_index=index,
+                content_index=0,
+                part={"type": "reasoning_text", "text": text},
+            )
             item = self.t.reasoning_item(item_id, text, status)
         elif self.open_kind == "message":
             logprobs = self.logprobs if self.t.logprobs else []
-            self._emit(out, "response.output_text.done", item_id=item_id, output_index=index, content_index=0,
-                       text=text, logprobs=logprobs)
+            self._emit(
+                out,
+                "response.output_text.done",
+                item_id=item_id,
+                output_index=index,
+                content_index=0,
+                text=text,
+                logprobs=logprobs,
+            )
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
-            self._emit(out, "response.content_part.done", item_id=item_id, output_index=index, content_index=0,
-                       part=part)
+            self._emit(
+                out, "response.content_part.done", item_id=item_id, output_index=index, content_index=0, part=part
+            )
             item = self.t.message_item(item_id, text, status, logprobs if self.t.logprobs else None)
         else:
-            self._emit(out, "response.function_call_arguments.done", item_id=item_id, output_index=index,
-                       name=self.open["name"], arguments=text)
+            self._emit(
+                out,
+                "response.function_call_arguments.done",
+                item_id=item_id,
+                output_index=index,
+                name=self.open["name"],
+                arguments=text,
+            )
             item = {**self.open, "arguments": text, "status": "completed"}
         self._emit(out, "response.output_item.done", output_index=index, item=item)
         self.output.append(item)
@@ -518,11 +634,13 @@ class ResponsesStream:
         out: list[bytes] = []
         self._close(out)
         incomplete = self.finish_reason == "length"
-        final = self.t.envelope("incomplete" if incomplete else "completed", self.output, _usage(self.usage),
-                                incomplete)
+        final = self.t.envelope(
+            "incomplete" if incomplete else "completed", self.output, _usage(self.usage), incomplete
+        )
         self._emit(out, "response.incomplete" if incomplete else "response.completed", response=final)
         return b"".join(out)
 
     def error(self, error: FlywheelError) -> bytes:
-        return _event("error", self.seq, {"code": error.code or error.type, "message": error.message,
-                                          "param": error.param})
+        return _event(
+            "error", self.seq, {"code": error.code or error.type, "message": error.message, "param": error.param}
+        )

@@ -49,15 +49,23 @@ async def _models(request: Request) -> Response:
     models = await svc.upstreams.list_models(replica)
     current = svc.policies.current
     for alias in svc.policies.settings.aliases:
-        models.append({"id": alias, "object": "model", "owned_by": "flywheel", "created": int(time.time()),
-                       "parent": svc.policies.settings.base_model,
-                       "root": current.name if current else svc.policies.settings.base_model,
-                       "policy_version": current.version if current else 0})
+        models.append(
+            {
+                "id": alias,
+                "object": "model",
+                "owned_by": "flywheel",
+                "created": int(time.time()),
+                "parent": svc.policies.settings.base_model,
+                "root": current.name if current else svc.policies.settings.base_model,
+                "policy_version": current.version if current else 0,
+            }
+        )
     return Response(orjson.dumps({"object": "list", "data": models}), media_type="application/json")
 
 
 # Model routes check the key inside the handler (``read_call``), not through FastAPI's dependency
 # machinery: one plain call on the hottest path.
+
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:

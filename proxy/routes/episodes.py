@@ -35,35 +35,47 @@ def _public_url(svc: ServicesDep, request: Request) -> str:
 
 
 def _key(svc: ServicesDep, request: Request, episode_id: str) -> EpisodeKey:
-    return EpisodeKey(id=episode_id, api_key=svc.keys.episode_key(episode_id),
-                      base_url=f"{_public_url(svc, request)}/episodes/{episode_id}/v1")
+    return EpisodeKey(
+        id=episode_id,
+        api_key=svc.keys.episode_key(episode_id),
+        base_url=f"{_public_url(svc, request)}/episodes/{episode_id}/v1",
+    )
 
 
 @router.post("/groups", status_code=201, response_model=CreatedGroup)
 async def create_group(body: GroupCreate, svc: ServicesDep, _: AdminDep, request: Request) -> CreatedGroup:
     """Create a group of ``size`` episodes for one task, each with its own key and base URL."""
     if body.size > svc.settings.episodes.max_group_size:
-        raise InvalidRequest(f"size {body.size} exceeds the limit {svc.settings.episodes.max_group_size}",
-                             param="size")
+        raise InvalidRequest(f"size {body.size} exceeds the limit {svc.settings.episodes.max_group_size}", param="size")
     if body.episode_metadata is not None and len(body.episode_metadata) != body.size:
-        raise InvalidRequest(f"episode_metadata has {len(body.episode_metadata)} entries; size is {body.size}",
-                             param="episode_metadata")
-    group = await svc.repo.create_group(task_id=body.task_id, size=body.size, metadata=body.metadata,
-                                        episode_metadata=body.episode_metadata)
+        raise InvalidRequest(
+            f"episode_metadata has {len(body.episode_metadata)} entries; size is {body.size}", param="episode_metadata"
+        )
+    group = await svc.repo.create_group(
+        task_id=body.task_id, size=body.size, metadata=body.metadata, episode_metadata=body.episode_metadata
+    )
     svc.metrics.episodes.labels("created").inc(body.size)
     return CreatedGroup.model_validate(
-        {**GroupOut.model_validate(group).model_dump(),
-         "episode_keys": [_key(svc, request, e.id) for e in group.episodes or []]})
+        {
+            **GroupOut.model_validate(group).model_dump(),
+            "episode_keys": [_key(svc, request, e.id) for e in group.episodes or []],
+        }
+    )
 
 
 @router.get("/groups", response_model=ListOut)
-async def list_groups(svc: ServicesDep, _: AdminDep,
-                      status: GroupStatus | None = None,
-                      task_id: str | None = None,
-                      train_status: TrainStatus | None = None,
-                      limit: Limit = 100, offset: int = Query(0, ge=0, le=MAX_STORED_INT)) -> ListOut:
-    groups = await svc.repo.list_groups(status=status, task_id=task_id, train_status=train_status,
-                                        limit=limit, offset=offset)
+async def list_groups(
+    svc: ServicesDep,
+    _: AdminDep,
+    status: GroupStatus | None = None,
+    task_id: str | None = None,
+    train_status: TrainStatus | None = None,
+    limit: Limit = 100,
+    offset: int = Query(0, ge=0, le=MAX_STORED_INT),
+) -> ListOut:
+    groups = await svc.repo.list_groups(
+        status=status, task_id=task_id, train_status=train_status, limit=limit, offset=offset
+    )
     return ListOut(data=[GroupOut.model_validate(g) for g in groups])
 
 
@@ -79,31 +91,43 @@ async def create_episode(body: EpisodeCreate, svc: ServicesDep, _: AdminDep, req
     svc.metrics.episodes.labels("created").inc()
     key = _key(svc, request, episode.id)
     return CreatedEpisode.model_validate(
-        {**EpisodeOut.model_validate(episode).model_dump(), "api_key": key.api_key, "base_url": key.base_url})
+        {**EpisodeOut.model_validate(episode).model_dump(), "api_key": key.api_key, "base_url": key.base_url}
+    )
 
 
 @router.get("/episodes", response_model=ListOut)
-async def list_episodes(svc: ServicesDep, _: AdminDep,
-                        status: EpisodeStatus | None = None,
-                        group_id: str | None = None, task_id: str | None = None,
-                        limit: Limit = 100, offset: int = Query(0, ge=0, le=MAX_STORED_INT)) -> ListOut:
+async def list_episodes(
+    svc: ServicesDep,
+    _: AdminDep,
+    status: EpisodeStatus | None = None,
+    group_id: str | None = None,
+    task_id: str | None = None,
+    limit: Limit = 100,
+    offset: int = Query(0, ge=0, le=MAX_STORED_INT),
+) -> ListOut:
     episodes = await svc.repo.list_episodes(
-        status=status, group_id=canonical_id(group_id, param="group_id") if group_id else None,
-        task_id=task_id, limit=limit, offset=offset)
+        status=status,
+        group_id=canonical_id(group_id, param="group_id") if group_id else None,
+        task_id=task_id,
+        limit=limit,
+        offset=offset,
+    )
     return ListOut(data=[EpisodeOut.model_validate(e) for e in episodes])
 
 
 @router.get("/episodes/{episode_id}", response_model=EpisodeOut)
-async def get_episode(episode_id: str, svc: ServicesDep, _: AdminDep,
-                      calls: bool = Query(True, description="include the recorded calls")) -> EpisodeOut:
+async def get_episode(
+    episode_id: str, svc: ServicesDep, _: AdminDep, calls: bool = Query(True, description="include the recorded calls")
+) -> EpisodeOut:
     return EpisodeOut.model_validate(await svc.repo.get_episode(canonical_id(episode_id), with_calls=calls))
 
 
 @router.post("/episodes/{episode_id}/reward", response_model=EpisodeOut)
 async def reward_episode(episode_id: str, body: RewardIn, svc: ServicesDep, _: AdminDep) -> EpisodeOut:
     """Finish an episode with its reward. The same payload again is a no-op; a different one is 409."""
-    episode, changed = await svc.repo.set_reward(canonical_id(episode_id), reward=body.reward,
-                                                 call_rewards=body.call_rewards, metadata=body.metadata)
+    episode, changed = await svc.repo.set_reward(
+        canonical_id(episode_id), reward=body.reward, call_rewards=body.call_rewards, metadata=body.metadata
+    )
     svc.gate.closed(episode.id)
     if changed:
         svc.metrics.episodes.labels("rewarded").inc()

@@ -22,8 +22,13 @@ async def healthz(svc: ServicesDep) -> JSONResponse:
         store = f"error: {type(exc).__name__}"
     ok = store == "ok" and any(replicas.values())
     current = svc.policies.current
-    body = {"status": "ok" if ok else "degraded", "store": store, "replicas": replicas,
-            "policy_version": current.version if current else 0, "recorder_queue": svc.recorder.queue_depth}
+    body = {
+        "status": "ok" if ok else "degraded",
+        "store": store,
+        "replicas": replicas,
+        "policy_version": current.version if current else 0,
+        "recorder_queue": svc.recorder.queue_depth,
+    }
     return JSONResponse(body, status_code=200 if ok else 503)
 
 

@@ -16,8 +16,7 @@ async def current_policy(svc: ServicesDep, _: AdminDep) -> PolicyOut:
     await svc.policies.refresh()
     current = svc.policies.current
     if current is None:
-        return PolicyOut(version=0, name=svc.settings.policy.base_model, adapter_path="", created_at=0.0,
-                         metadata={})
+        return PolicyOut(version=0, name=svc.settings.policy.base_model, adapter_path="", created_at=0.0, metadata={})
     return PolicyOut.model_validate(current)
 
 

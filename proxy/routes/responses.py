@@ -21,15 +21,23 @@ router = APIRouter(tags=["openai"])
 
 async def _history(svc: Services, response_id: str, episode_id: str | None) -> list[dict[str, Any]]:
     if episode_id is None:
-        raise InvalidRequest("'previous_response_id' needs a recorded episode; passthrough answers are not stored",
-                             param="previous_response_id")
+        raise InvalidRequest(
+            "'previous_response_id' needs a recorded episode; passthrough answers are not stored",
+            param="previous_response_id",
+        )
     call = await svc.repo.call_by_response_id(response_id)
     if call is None or call.api != "responses" or (call.client_request or {}).get("store") is False:
-        raise NotFound(f"no stored response '{response_id}' (answers made with store: false are not kept)",
-                       param="previous_response_id", code="previous_response_not_found")
+        raise NotFound(
+            f"no stored response '{response_id}' (answers made with store: false are not kept)",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
     if call.episode_id != episode_id:
-        raise PermissionDenied(f"response '{response_id}' belongs to another episode", param="previous_response_id",
-                               code="previous_response_of_another_episode")
+        raise PermissionDenied(
+            f"response '{response_id}' belongs to another episode",
+            param="previous_response_id",
+            code="previous_response_of_another_episode",
+        )
     return history_of(call)
 
 

@@ -32,11 +32,21 @@ router = APIRouter(prefix="/trainer", tags=["trainer"])
 async def claim(body: ClaimIn, svc: ServicesDep, _: AdminDep) -> ClaimOut:
     await svc.policies.refresh()
     current = svc.policies.current.version if svc.policies.current else 0
-    result = await svc.repo.claim_groups(owner=body.trainer_id, max_groups=body.max_groups, lease_s=body.lease_s,
-                                         max_staleness=body.max_staleness, current_version=current,
-                                         lease_id=body.lease_id)
-    return ClaimOut(lease_id=result.lease_id, lease_expires_at=result.lease_expires_at, current_version=current,
-                    stale=result.stale, groups=[GroupOut.model_validate(g) for g in result.groups])
+    result = await svc.repo.claim_groups(
+        owner=body.trainer_id,
+        max_groups=body.max_groups,
+        lease_s=body.lease_s,
+        max_staleness=body.max_staleness,
+        current_version=current,
+        lease_id=body.lease_id,
+    )
+    return ClaimOut(
+        lease_id=result.lease_id,
+        lease_expires_at=result.lease_expires_at,
+        current_version=current,
+        stale=result.stale,
+        groups=[GroupOut.model_validate(g) for g in result.groups],
+    )
 
 
 @router.post("/renew", response_model=RenewOut)
@@ -48,8 +58,9 @@ async def renew(body: RenewIn, svc: ServicesDep, _: AdminDep) -> RenewOut:
 
 @router.post("/ack", response_model=ListOut)
 async def ack(body: AckIn, svc: ServicesDep, _: AdminDep) -> ListOut:
-    groups = await svc.repo.ack_groups(lease_id=body.lease_id, group_ids=body.group_ids, step=body.step,
-                                       status=body.status, note=body.note)
+    groups = await svc.repo.ack_groups(
+        lease_id=body.lease_id, group_ids=body.group_ids, step=body.step, status=body.status, note=body.note
+    )
     return ListOut(data=[GroupOut.model_validate(g) for g in groups])
 
 
@@ -66,7 +77,11 @@ async def report_step(body: StepIn, svc: ServicesDep, _: AdminDep) -> dict[str, 
 
 
 @router.get("/steps", response_model=ListOut)
-async def list_steps(svc: ServicesDep, _: AdminDep, since_step: int = Query(-1, ge=-1, le=MAX_STORED_INT),
-                     limit: int = Query(1000, ge=1, le=10000)) -> ListOut:
+async def list_steps(
+    svc: ServicesDep,
+    _: AdminDep,
+    since_step: int = Query(-1, ge=-1, le=MAX_STORED_INT),
+    limit: int = Query(1000, ge=1, le=10000),
+) -> ListOut:
     steps = await svc.repo.list_trainer_steps(since_step=since_step, limit=limit)
     return ListOut(data=[{"step": s.step, "metrics": s.metrics, "created_at": s.created_at} for s in steps])

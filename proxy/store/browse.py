@@ -57,15 +57,25 @@ class Browse:
     def __init__(self, sessions: async_sessionmaker[AsyncSession]) -> None:
         self._sessions = sessions
 
-    async def episodes(self, *, status: EpisodeStatus | None = None, task: str | None = None,
-                       group_id: str | None = None, after: Cursor | None = None,
-                       limit: int = 50) -> list[EpisodeRow]:
+    async def episodes(
+        self,
+        *,
+        status: EpisodeStatus | None = None,
+        task: str | None = None,
+        group_id: str | None = None,
+        after: Cursor | None = None,
+        limit: int = 50,
+    ) -> list[EpisodeRow]:
         """A page of episodes, newest first; ``task`` matches a substring of the task id."""
         from proxy.store.repository import _episode  # one row-to-record mapping for the store
 
-        query = (select(Episode, Group.train_status).outerjoin(Group, Group.id == Episode.group_id)
-                 .where(_before(Episode.created_at, Episode.id, after))
-                 .order_by(Episode.created_at.desc(), Episode.id.desc()).limit(limit))
+        query = (
+            select(Episode, Group.train_status)
+            .outerjoin(Group, Group.id == Episode.group_id)
+            .where(_before(Episode.created_at, Episode.id, after))
+            .order_by(Episode.created_at.desc(), Episode.id.desc())
+            .limit(limit)
+        )
         if status:
             query = query.where(Episode.status == status)
         if task:
@@ -75,8 +85,10 @@ class Browse:
         async with self._sessions() as session:
             rows = (await session.execute(query)).all()
             summary = await self._call_summary(session, [row[0].id for row in rows])
-        return [EpisodeRow(episode=_episode(episode), train_status=train, **summary.get(episode.id, _NO_CALLS))
-                for episode, train in rows]
+        return [
+            EpisodeRow(episode=_episode(episode), train_status=train, **summary.get(episode.id, _NO_CALLS))
+            for episode, train in rows
+        ]
 
     @staticmethod
     async def _call_summary(session: AsyncSession, episode_ids: list[str]) -> dict[str, dict[str, Any]]:
@@ -84,17 +96,32 @@ class Browse:
             return {}
         result = await session.execute(
             select(Call.episode_id, func.count(), func.min(Call.policy_version), func.max(Call.policy_version))
-            .where(Call.episode_id.in_(episode_ids)).group_by(Call.episode_id))
-        return {eid: {"calls": n, "versions": (low, high) if low is not None and high is not None else None}
-                for eid, n, low, high in result.all()}
+            .where(Call.episode_id.in_(episode_ids))
+            .group_by(Call.episode_id)
+        )
+        return {
+            eid: {"calls": n, "versions": (low, high) if low is not None and high is not None else None}
+            for eid, n, low, high in result.all()
+        }
 
-    async def groups(self, *, status: GroupStatus | None = None, train_status: TrainStatus | None = None,
-                     task: str | None = None, after: Cursor | None = None, limit: int = 50) -> list[GroupRecord]:
+    async def groups(
+        self,
+        *,
+        status: GroupStatus | None = None,
+        train_status: TrainStatus | None = None,
+        task: str | None = None,
+        after: Cursor | None = None,
+        limit: int = 50,
+    ) -> list[GroupRecord]:
         """A page of groups, newest first, each with its episodes (for counts and rewards)."""
         from proxy.store.repository import _episode, _group
 
-        query = (select(Group).where(_before(Group.created_at, Group.id, after))
-                 .order_by(Group.created_at.desc(), Group.id.desc()).limit(limit))
+        query = (
+            select(Group)
+            .where(_before(Group.created_at, Group.id, after))
+            .order_by(Group.created_at.desc(), Group.id.desc())
+            .limit(limit)
+        )
         if status:
             query = query.where(Group.status == status)
         if train_status:
@@ -104,8 +131,15 @@ class Browse:
         async with self._sessions() as session:
             groups = (await session.scalars(query)).all()
             ids = [g.id for g in groups]
-            episodes = (await session.scalars(select(Episode).where(Episode.group_id.in_(ids))
-                                              .order_by(Episode.group_index))).all() if ids else []
+            episodes = (
+                (
+                    await session.scalars(
+                        select(Episode).where(Episode.group_id.in_(ids)).order_by(Episode.group_index)
+                    )
+                ).all()
+                if ids
+                else []
+            )
         by_group: dict[str, list[EpisodeRecord]] = {gid: [] for gid in ids}
         for episode in episodes:
             by_group[episode.group_id or ""].append(_episode(episode))
@@ -115,8 +149,9 @@ class Browse:
         """Episodes by status, groups by train status, and all calls."""
         async with self._sessions() as session:
             episodes = (await session.execute(select(Episode.status, func.count()).group_by(Episode.status))).all()
-            groups = (await session.execute(select(Group.train_status, func.count())
-                                            .group_by(Group.train_status))).all()
+            groups = (
+                await session.execute(select(Group.train_status, func.count()).group_by(Group.train_status))
+            ).all()
             calls = (await session.execute(select(func.count()).select_from(Call))).scalar_one()
         return Counts(episodes={s: n for s, n in episodes}, groups={s: n for s, n in groups}, calls=calls)
 

@@ -24,8 +24,7 @@ def is_sqlite(url: str) -> bool:
     return make_url(url).get_backend_name() == "sqlite"
 
 
-def make_engine(url: str, *, synchronous: str = "NORMAL", pool_size: int = 10,
-                immediate: bool = False) -> AsyncEngine:
+def make_engine(url: str, *, synchronous: str = "NORMAL", pool_size: int = 10, immediate: bool = False) -> AsyncEngine:
     """Create the async engine, with SQLite pragmas applied to every new connection.
 
     ``immediate`` makes every SQLite transaction ``BEGIN IMMEDIATE``: it takes the write lock up
@@ -34,8 +33,9 @@ def make_engine(url: str, *, synchronous: str = "NORMAL", pool_size: int = 10,
     ``json_text``, the same text the SQLite fast path writes.
     """
     if not is_sqlite(url):
-        return create_async_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True,
-                                   json_serializer=json_text)
+        return create_async_engine(
+            url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True, json_serializer=json_text
+        )
     pool: dict[str, Any] = {}
     if database := sqlite_file(url):
         Path(database).parent.mkdir(parents=True, exist_ok=True)

@@ -50,10 +50,19 @@ FINISHED = (REWARDED, ABANDONED)
 
 def _episode(row: Episode, calls: list[CallRecord] | None = None) -> EpisodeRecord:
     return EpisodeRecord(
-        id=row.id, group_id=row.group_id, group_index=row.group_index, task_id=row.task_id,
-        metadata=row.meta or {}, status=row.status,
-        reward=row.reward, call_rewards=row.call_rewards, reward_metadata=row.reward_metadata,
-        abandon_reason=row.abandon_reason, created_at=row.created_at, finished_at=row.finished_at, calls=calls,
+        id=row.id,
+        group_id=row.group_id,
+        group_index=row.group_index,
+        task_id=row.task_id,
+        metadata=row.meta or {},
+        status=row.status,
+        reward=row.reward,
+        call_rewards=row.call_rewards,
+        reward_metadata=row.reward_metadata,
+        abandon_reason=row.abandon_reason,
+        created_at=row.created_at,
+        finished_at=row.finished_at,
+        calls=calls,
     )
 
 
@@ -62,9 +71,18 @@ def _group(row: Group, episodes: list[EpisodeRecord] | None = None) -> GroupReco
     for episode in episodes or []:
         counts[episode.status] = counts.get(episode.status, 0) + 1
     return GroupRecord(
-        id=row.id, task_id=row.task_id, size=row.size, metadata=row.meta or {}, status=row.status,
-        created_at=row.created_at, completed_at=row.completed_at, train_status=row.train_status,
-        trained_step=row.trained_step, train_note=row.train_note, episodes=episodes, counts=counts,
+        id=row.id,
+        task_id=row.task_id,
+        size=row.size,
+        metadata=row.meta or {},
+        status=row.status,
+        created_at=row.created_at,
+        completed_at=row.completed_at,
+        train_status=row.train_status,
+        trained_step=row.trained_step,
+        train_note=row.train_note,
+        episodes=episodes,
+        counts=counts,
     )
 
 
@@ -78,28 +96,41 @@ def _call(row: Any) -> CallRecord:
 def _episode_states(episode_ids: list[str]) -> Select[str, str, int | None]:
     """Each episode's status and highest stored ordinal (None for one without calls), as a query:
     one max() per episode (an index seek) instead of GROUP BY over every call of the episodes."""
-    last = (select(func.max(Call.ordinal)).where(Call.episode_id == Episode.id).correlate(Episode)
-            .scalar_subquery())
+    last = select(func.max(Call.ordinal)).where(Call.episode_id == Episode.id).correlate(Episode).scalar_subquery()
     return select(Episode.id, Episode.status, last).where(Episode.id.in_(episode_ids))
 
 
 def _refusal(episode_id: str, status: str | None) -> FlywheelError:
     if status is None:
         return NotFound(f"episode {episode_id} not found", param="episode_id", code="episode_not_found")
-    return EpisodeClosed(f"episode {episode_id} was {status} before this call's record was written; the call "
-                         "was not recorded", code="episode_closed")
+    return EpisodeClosed(
+        f"episode {episode_id} was {status} before this call's record was written; the call was not recorded",
+        code="episode_closed",
+    )
 
 
 def _policy(row: PolicyVersion) -> PolicyVersionRecord:
-    return PolicyVersionRecord(version=row.version, name=row.name, adapter_path=row.adapter_path,
-                               created_at=row.created_at, metadata=row.meta or {})
+    return PolicyVersionRecord(
+        version=row.version,
+        name=row.name,
+        adapter_path=row.adapter_path,
+        created_at=row.created_at,
+        metadata=row.meta or {},
+    )
 
 
 class Repository:
     """Async data access for the proxy: episodes, groups, calls, policy versions, trainer steps."""
 
-    def __init__(self, url: str, *, synchronous: str = "NORMAL", pool_size: int = 10,
-                 min_rewarded: int = 2, sqlite_fast_path: bool = True) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        synchronous: str = "NORMAL",
+        pool_size: int = 10,
+        min_rewarded: int = 2,
+        sqlite_fast_path: bool = True,
+    ) -> None:
         self.url = url
         self.sqlite = is_sqlite(url)
         self.min_rewarded = min_rewarded
@@ -139,14 +170,34 @@ class Repository:
 
     # -- episodes and groups ------------------------------------------------------------------
 
-    async def create_group(self, *, task_id: str, size: int, metadata: dict[str, Any],
-                           episode_metadata: Sequence[dict[str, Any]] | None = None) -> GroupRecord:
+    async def create_group(
+        self,
+        *,
+        task_id: str,
+        size: int,
+        metadata: dict[str, Any],
+        episode_metadata: Sequence[dict[str, Any]] | None = None,
+    ) -> GroupRecord:
         now = time.time()
-        group = Group(id=str(uuid.uuid4()), task_id=task_id, size=size, meta=metadata, status=OPEN,
-                      created_at=now, train_status="pending")
+        group = Group(
+            id=str(uuid.uuid4()),
+            task_id=task_id,
+            size=size,
+            meta=metadata,
+            status=OPEN,
+            created_at=now,
+            train_status="pending",
+        )
         episodes = [
-            Episode(id=str(uuid.uuid4()), group_id=group.id, group_index=i, task_id=task_id,
-                    meta=(episode_metadata[i] if episode_metadata else {}), status=OPEN, created_at=now)
+            Episode(
+                id=str(uuid.uuid4()),
+                group_id=group.id,
+                group_index=i,
+                task_id=task_id,
+                meta=(episode_metadata[i] if episode_metadata else {}),
+                status=OPEN,
+                created_at=now,
+            )
             for i in range(size)
         ]
         async with self._write() as session:
@@ -156,8 +207,9 @@ class Repository:
         return _group(group, [_episode(e) for e in episodes])
 
     async def create_episode(self, *, task_id: str | None, metadata: dict[str, Any]) -> EpisodeRecord:
-        episode = Episode(id=str(uuid.uuid4()), group_id=None, task_id=task_id, meta=metadata, status=OPEN,
-                          created_at=time.time())
+        episode = Episode(
+            id=str(uuid.uuid4()), group_id=None, task_id=task_id, meta=metadata, status=OPEN, created_at=time.time()
+        )
         async with self._write() as session:
             session.add(episode)
         return _episode(episode)
@@ -167,8 +219,9 @@ class Repository:
         if self._fast is not None:
             return await self._fast.episode_state(episode_id)
         async with self._read() as session:
-            row = (await session.execute(
-                select(Episode.status, Episode.group_id).where(Episode.id == episode_id))).first()
+            row = (
+                await session.execute(select(Episode.status, Episode.group_id).where(Episode.id == episode_id))
+            ).first()
         return (row[0], row[1]) if row else None
 
     async def get_episode(self, episode_id: str, *, with_calls: bool = True) -> EpisodeRecord:
@@ -184,7 +237,8 @@ class Repository:
         if not episode_ids:
             return out
         result = await session.execute(
-            select(Call.__table__).where(Call.episode_id.in_(episode_ids)).order_by(Call.episode_id, Call.ordinal))
+            select(Call.__table__).where(Call.episode_id.in_(episode_ids)).order_by(Call.episode_id, Call.ordinal)
+        )
         for row in result:
             out[row.episode_id].append(_call(row))
         return out
@@ -193,21 +247,31 @@ class Repository:
         """The episode's newest answered chat calls, newest first: the history a spliced call continues."""
         async with self._read() as session:
             result = await session.execute(
-                select(Call.__table__).where(Call.episode_id == episode_id, Call.kind == "chat",
-                                             Call.status_code == 200)
-                .order_by(Call.ordinal.desc()).limit(limit))
+                select(Call.__table__)
+                .where(Call.episode_id == episode_id, Call.kind == "chat", Call.status_code == 200)
+                .order_by(Call.ordinal.desc())
+                .limit(limit)
+            )
             return [_call(row) for row in result]
 
     async def call_by_response_id(self, response_id: str) -> CallRecord | None:
         """The answered call a client saw as ``response_id`` (a Responses ``previous_response_id``)."""
         async with self._read() as session:
             result = await session.execute(
-                select(Call.__table__).where(Call.response_id == response_id, Call.status_code == 200).limit(1))
+                select(Call.__table__).where(Call.response_id == response_id, Call.status_code == 200).limit(1)
+            )
             row = result.first()
             return _call(row) if row is not None else None
 
-    async def list_episodes(self, *, status: EpisodeStatus | None = None, group_id: str | None = None,
-                            task_id: str | None = None, limit: int = 100, offset: int = 0) -> list[EpisodeRecord]:
+    async def list_episodes(
+        self,
+        *,
+        status: EpisodeStatus | None = None,
+        group_id: str | None = None,
+        task_id: str | None = None,
+        limit: int = 100,
+        offset: int = 0,
+    ) -> list[EpisodeRecord]:
         query = select(Episode).order_by(Episode.created_at.desc(), Episode.id).limit(limit).offset(offset)
         if status:
             query = query.where(Episode.status == status)
@@ -223,13 +287,22 @@ class Repository:
             row = await session.get(Group, group_id)
             if row is None:
                 raise NotFound(f"group {group_id} not found", param="group_id")
-            episodes = (await session.scalars(
-                select(Episode).where(Episode.group_id == group_id).order_by(Episode.group_index, Episode.id))).all()
+            episodes = (
+                await session.scalars(
+                    select(Episode).where(Episode.group_id == group_id).order_by(Episode.group_index, Episode.id)
+                )
+            ).all()
         return _group(row, [_episode(e) for e in episodes])
 
-    async def list_groups(self, *, status: GroupStatus | None = None, task_id: str | None = None,
-                          train_status: TrainStatus | None = None, limit: int = 100,
-                          offset: int = 0) -> list[GroupRecord]:
+    async def list_groups(
+        self,
+        *,
+        status: GroupStatus | None = None,
+        task_id: str | None = None,
+        train_status: TrainStatus | None = None,
+        limit: int = 100,
+        offset: int = 0,
+    ) -> list[GroupRecord]:
         query = select(Group).order_by(Group.created_at.desc(), Group.id).limit(limit).offset(offset)
         if status:
             query = query.where(Group.status == status)
@@ -240,8 +313,15 @@ class Repository:
         async with self._read() as session:
             groups = (await session.scalars(query)).all()
             ids = [g.id for g in groups]
-            episodes = (await session.scalars(select(Episode).where(Episode.group_id.in_(ids))
-                                              .order_by(Episode.group_index))).all() if ids else []
+            episodes = (
+                (
+                    await session.scalars(
+                        select(Episode).where(Episode.group_id.in_(ids)).order_by(Episode.group_index)
+                    )
+                ).all()
+                if ids
+                else []
+            )
         by_group: dict[str, list[EpisodeRecord]] = {gid: [] for gid in ids}
         for episode in episodes:
             by_group[episode.group_id or ""].append(_episode(episode))
@@ -260,16 +340,22 @@ class Repository:
     async def _complete_group(self, session: AsyncSession, group_id: str | None, now: float) -> None:
         if group_id is None:
             return
-        counts: dict[EpisodeStatus, int] = dict((await session.execute(
-            select(Episode.status, func.count()).where(Episode.group_id == group_id).group_by(Episode.status))).all())
+        counts: dict[EpisodeStatus, int] = dict(
+            (
+                await session.execute(
+                    select(Episode.status, func.count()).where(Episode.group_id == group_id).group_by(Episode.status)
+                )
+            ).all()
+        )
         if counts.get(OPEN, 0) > 0:
             return
         # A group smaller than min_rewarded (a lone episode whose n > 1 choices carry their own rewards)
         # completes when all of it is rewarded: the trainer decides whether its members compare.
         needed = min(self.min_rewarded, sum(counts.values()))
         status: GroupStatus = "complete" if counts.get(REWARDED, 0) >= needed else "failed"
-        await session.execute(update(Group).where(Group.id == group_id, Group.status == OPEN)
-                              .values(status=status, completed_at=now))
+        await session.execute(
+            update(Group).where(Group.id == group_id, Group.status == OPEN).values(status=status, completed_at=now)
+        )
 
     async def _episode_for_update(self, session: AsyncSession, episode_id: str) -> Episode:
         group_id = (await session.execute(select(Episode.group_id).where(Episode.id == episode_id))).scalar()
@@ -279,22 +365,29 @@ class Repository:
             raise NotFound(f"episode {episode_id} not found", param="episode_id")
         return row
 
-    async def set_reward(self, episode_id: str, *, reward: float, call_rewards: dict[str, float] | None,
-                         metadata: dict[str, Any] | None) -> tuple[EpisodeRecord, bool]:
+    async def set_reward(
+        self, episode_id: str, *, reward: float, call_rewards: dict[str, float] | None, metadata: dict[str, Any] | None
+    ) -> tuple[EpisodeRecord, bool]:
         """Reward and finish an episode. Returns (episode, changed); the same payload twice is a
         no-op, a different one is a ``Conflict``."""
         async with self._write() as session:
             row = await self._episode_for_update(session, episode_id)
             if row.status == REWARDED:
-                same = (row.reward == reward and (row.call_rewards or None) == (call_rewards or None)
-                        and (row.reward_metadata or None) == (metadata or None))
+                same = (
+                    row.reward == reward
+                    and (row.call_rewards or None) == (call_rewards or None)
+                    and (row.reward_metadata or None) == (metadata or None)
+                )
                 if same:
                     return _episode(row), False
-                raise Conflict(f"episode {episode_id} already has a different reward ({row.reward})",
-                               code="reward_conflict")
+                raise Conflict(
+                    f"episode {episode_id} already has a different reward ({row.reward})", code="reward_conflict"
+                )
             if row.status == ABANDONED:
-                raise Conflict(f"episode {episode_id} was abandoned ({row.abandon_reason}); it takes no reward",
-                               code="episode_abandoned")
+                raise Conflict(
+                    f"episode {episode_id} was abandoned ({row.abandon_reason}); it takes no reward",
+                    code="episode_abandoned",
+                )
             if call_rewards:
                 await self._check_ordinals(session, episode_id, call_rewards)
             now = time.time()
@@ -308,21 +401,30 @@ class Repository:
         """Keys are ``"<ordinal>"`` (a call) or ``"<ordinal>:<choice>"`` (one choice of an n > 1 call)."""
         count = (await session.execute(select(func.count()).where(Call.episode_id == episode_id))).scalar_one()
         parsed = {k: k.partition(":") for k in call_rewards}
-        bad = [k for k, (ordinal, sep, choice) in parsed.items()
-               if not (ordinal.isdigit() and int(ordinal) < count and (not sep or choice.isdigit()))]
+        bad = [
+            k
+            for k, (ordinal, sep, choice) in parsed.items()
+            if not (ordinal.isdigit() and int(ordinal) < count and (not sep or choice.isdigit()))
+        ]
         if bad:
-            raise InvalidRequest(f"call_rewards names calls {bad} but the episode has {count} calls "
-                                 f"(keys: ordinals 0..{count - 1}, or '<ordinal>:<choice>')", param="call_rewards")
+            raise InvalidRequest(
+                f"call_rewards names calls {bad} but the episode has {count} calls "
+                f"(keys: ordinals 0..{count - 1}, or '<ordinal>:<choice>')",
+                param="call_rewards",
+            )
         wanted = {int(o) for o, sep, _ in parsed.values() if sep}
         if not wanted:
             return
-        rows = await session.execute(select(Call.ordinal, Call.choices).where(
-            Call.episode_id == episode_id, Call.ordinal.in_(wanted)))
+        rows = await session.execute(
+            select(Call.ordinal, Call.choices).where(Call.episode_id == episode_id, Call.ordinal.in_(wanted))
+        )
         choices = {ordinal: len(stored or []) for ordinal, stored in rows.all()}
         bad = [k for k, (o, sep, c) in parsed.items() if sep and int(c) >= choices.get(int(o), 0)]
         if bad:
-            raise InvalidRequest(f"call_rewards names choices {bad} that those calls do not have "
-                                 f"(choices per call: {choices})", param="call_rewards")
+            raise InvalidRequest(
+                f"call_rewards names choices {bad} that those calls do not have (choices per call: {choices})",
+                param="call_rewards",
+            )
 
     async def abandon(self, episode_id: str, *, reason: str) -> EpisodeRecord:
         async with self._write() as session:
@@ -339,10 +441,12 @@ class Repository:
     async def abandon_expired(self, *, idle_s: float) -> int:
         """Abandon open episodes idle (no call, no reward) for ``idle_s``; returns how many."""
         now = time.time()
-        last_call = (select(func.max(Call.started_at)).where(Call.episode_id == Episode.id)
-                     .correlate(Episode).scalar_subquery())
+        last_call = (
+            select(func.max(Call.started_at)).where(Call.episode_id == Episode.id).correlate(Episode).scalar_subquery()
+        )
         idle = select(Episode.id, Episode.group_id).where(
-            Episode.status == OPEN, func.coalesce(last_call, Episode.created_at) < now - idle_s)
+            Episode.status == OPEN, func.coalesce(last_call, Episode.created_at) < now - idle_s
+        )
         async with self._write() as session:
             expired = (await session.execute(idle)).all()
             if not expired:
@@ -351,12 +455,23 @@ class Repository:
             if groups:  # the lock order: group rows, then episode rows, each sorted by id
                 await session.execute(select(Group.id).where(Group.id.in_(groups)).order_by(Group.id).with_for_update())
             # Locked, the episodes are checked again: a call or a reward may have come in since the scan.
-            ids = list((await session.scalars(idle.with_only_columns(Episode.id).where(
-                Episode.id.in_(sorted(e for e, _ in expired))).order_by(Episode.id).with_for_update())).all())
+            ids = list(
+                (
+                    await session.scalars(
+                        idle.with_only_columns(Episode.id)
+                        .where(Episode.id.in_(sorted(e for e, _ in expired)))
+                        .order_by(Episode.id)
+                        .with_for_update()
+                    )
+                ).all()
+            )
             if not ids:
                 return 0
-            await session.execute(update(Episode).where(Episode.id.in_(ids)).values(
-                status=ABANDONED, abandon_reason=f"no reward within {idle_s:.0f}s", finished_at=now))
+            await session.execute(
+                update(Episode)
+                .where(Episode.id.in_(ids))
+                .values(status=ABANDONED, abandon_reason=f"no reward within {idle_s:.0f}s", finished_at=now)
+            )
             for group_id in groups:
                 await self._complete_group(session, group_id, now)
         return len(ids)
@@ -406,8 +521,13 @@ class Repository:
         found = {eid: (status, last) for eid, status, last in (await conn.execute(states)).all()}
         admitted, refused = admit(calls, found)
         if admitted:
-            await conn.execute(insert(Call), [dict(zip(CALL_FIELDS, call_values(call), strict=True))
-                                              | {"ordinal": ordinal} for ordinal, call in admitted])
+            await conn.execute(
+                insert(Call),
+                [
+                    dict(zip(CALL_FIELDS, call_values(call), strict=True)) | {"ordinal": ordinal}
+                    for ordinal, call in admitted
+                ],
+            )
         return refused
 
     async def count_calls(self, episode_id: str | None = None) -> int:
@@ -429,29 +549,43 @@ class Repository:
             latest = (await session.execute(select(func.max(PolicyVersion.version)))).scalar()
         return (latest or 0) + 1
 
-    async def add_policy_version(self, *, version: int, name: str, adapter_path: str,
-                                 metadata: dict[str, Any]) -> PolicyVersionRecord:
+    async def add_policy_version(
+        self, *, version: int, name: str, adapter_path: str, metadata: dict[str, Any]
+    ) -> PolicyVersionRecord:
         """Make ``version`` current. Versions only move forward: publishing an old number is a conflict."""
         async with self._write() as session:
             latest = (await session.execute(select(func.max(PolicyVersion.version)))).scalar() or 0
             if version <= latest:
-                raise Conflict(f"policy version {version} is not newer than the current version {latest}",
-                               param="version", code="version_conflict")
-            row = PolicyVersion(version=version, name=name, adapter_path=adapter_path, created_at=time.time(),
-                                meta=metadata)
+                raise Conflict(
+                    f"policy version {version} is not newer than the current version {latest}",
+                    param="version",
+                    code="version_conflict",
+                )
+            row = PolicyVersion(
+                version=version, name=name, adapter_path=adapter_path, created_at=time.time(), meta=metadata
+            )
             session.add(row)
         return _policy(row)
 
     async def list_policy_versions(self, limit: int = 100) -> list[PolicyVersionRecord]:
         async with self._read() as session:
-            rows = (await session.scalars(
-                select(PolicyVersion).order_by(PolicyVersion.version.desc()).limit(limit))).all()
+            rows = (
+                await session.scalars(select(PolicyVersion).order_by(PolicyVersion.version.desc()).limit(limit))
+            ).all()
         return [_policy(r) for r in rows]
 
     # -- trainer: claim, ack, metrics ---------------------------------------------------------
 
-    async def claim_groups(self, *, owner: str, max_groups: int, lease_s: float, max_staleness: int | None,
-                           current_version: int, lease_id: str | None = None) -> Claim:
+    async def claim_groups(
+        self,
+        *,
+        owner: str,
+        max_groups: int,
+        lease_s: float,
+        max_staleness: int | None,
+        current_version: int,
+        lease_id: str | None = None,
+    ) -> Claim:
         """Lease up to ``max_groups`` completed, untrained groups (oldest first).
 
         Groups whose oldest call is more than ``max_staleness`` versions behind ``current_version``
@@ -462,18 +596,28 @@ class Repository:
         now = time.time()
         if lease_id is not None:
             async with self._write() as session:
-                held = sorted((await session.scalars(self._locked_groups(
-                    Group.lease_id == lease_id, Group.train_status == "pending"))).all(),
-                    key=lambda g: (g.completed_at or 0.0, g.id))
+                held = sorted(
+                    (
+                        await session.scalars(
+                            self._locked_groups(Group.lease_id == lease_id, Group.train_status == "pending")
+                        )
+                    ).all(),
+                    key=lambda g: (g.completed_at or 0.0, g.id),
+                )
                 for group in held:
                     group.lease_owner, group.lease_expires_at = owner, now + lease_s
             if held:
                 return await self._claimed(lease_id, now + lease_s, [g.id for g in held], stale=0)
         lease_id = lease_id or str(uuid.uuid4())
-        available = (select(Group).where(
-            Group.status == "complete", Group.train_status == "pending",
-            (Group.lease_id.is_(None)) | (Group.lease_expires_at < now),
-        ).order_by(Group.completed_at, Group.id))
+        available = (
+            select(Group)
+            .where(
+                Group.status == "complete",
+                Group.train_status == "pending",
+                (Group.lease_id.is_(None)) | (Group.lease_expires_at < now),
+            )
+            .order_by(Group.completed_at, Group.id)
+        )
         if not self.sqlite:
             available = available.with_for_update(skip_locked=True)
         chosen: list[Group] = []
@@ -502,14 +646,21 @@ class Repository:
         """The claim answer: the leased groups with their episodes and calls."""
         async with self._read() as session:
             groups = {g.id: g for g in (await session.scalars(select(Group).where(Group.id.in_(group_ids)))).all()}
-            episodes = (await session.scalars(
-                select(Episode).where(Episode.group_id.in_(group_ids)).order_by(Episode.group_index, Episode.id))).all()
+            episodes = (
+                await session.scalars(
+                    select(Episode).where(Episode.group_id.in_(group_ids)).order_by(Episode.group_index, Episode.id)
+                )
+            ).all()
             calls = await self._calls(session, [e.id for e in episodes])
         by_group: dict[str, list[EpisodeRecord]] = {gid: [] for gid in group_ids}
         for episode in episodes:
             by_group[episode.group_id or ""].append(_episode(episode, calls[episode.id]))
-        return Claim(lease_id=lease_id, lease_expires_at=expires_at,
-                     groups=[_group(groups[gid], by_group[gid]) for gid in group_ids], stale=stale)
+        return Claim(
+            lease_id=lease_id,
+            lease_expires_at=expires_at,
+            groups=[_group(groups[gid], by_group[gid]) for gid in group_ids],
+            stale=stale,
+        )
 
     async def release_groups(self, *, lease_id: str, group_ids: Sequence[str] | None = None) -> int:
         """Hand leased, untrained groups back at once (a trainer stopping before it trained them)."""
@@ -527,7 +678,8 @@ class Repository:
             select(Episode.group_id, func.min(Call.policy_version))
             .join(Call, Call.episode_id == Episode.id)
             .where(Episode.group_id.in_(group_ids), Call.policy_version.is_not(None))
-            .group_by(Episode.group_id))
+            .group_by(Episode.group_id)
+        )
         return {gid: v for gid, v in result.all() if gid is not None and v is not None}
 
     async def _held(self, session: AsyncSession, lease_id: str, group_ids: Sequence[str]) -> dict[str, Group]:
@@ -540,8 +692,11 @@ class Repository:
 
     @staticmethod
     def _lease_lost(group: Group, lease_id: str) -> Conflict:
-        return Conflict(f"group {group.id} is no longer held by lease {lease_id} (it expired and the group was "
-                        "claimed again, or it was released)", code="lease_lost")
+        return Conflict(
+            f"group {group.id} is no longer held by lease {lease_id} (it expired and the group was "
+            "claimed again, or it was released)",
+            code="lease_lost",
+        )
 
     async def renew_lease(self, *, lease_id: str, group_ids: Sequence[str], lease_s: float) -> float:
         """Extend a lease on the groups a trainer is training; returns the new expiry.
@@ -563,8 +718,9 @@ class Repository:
                     group.lease_expires_at = now + lease_s
         return now + lease_s
 
-    async def ack_groups(self, *, lease_id: str, group_ids: Sequence[str], step: int,
-                         status: AckStatus, note: str | None = None) -> list[GroupRecord]:
+    async def ack_groups(
+        self, *, lease_id: str, group_ids: Sequence[str], step: int, status: AckStatus, note: str | None = None
+    ) -> list[GroupRecord]:
         """Mark leased groups ``trained`` (or ``skipped``) by ``step``; all or nothing.
 
         The rule: an ack needs a live lease. Acking the same groups again with the same lease and
@@ -582,19 +738,27 @@ class Repository:
             rows = await self._held(session, lease_id, group_ids)
             todo = []
             for group in rows.values():
-                if (group.train_status in ("trained", "skipped") and group.trained_step == step
-                        and group.lease_id == lease_id):
+                if (
+                    group.train_status in ("trained", "skipped")
+                    and group.trained_step == step
+                    and group.lease_id == lease_id
+                ):
                     continue
                 if group.train_status != "pending":
-                    raise Conflict(f"group {group.id} is already {group.train_status}"
-                                   + (f" by step {group.trained_step}" if group.trained_step is not None else ""),
-                                   code="already_acked")
+                    raise Conflict(
+                        f"group {group.id} is already {group.train_status}"
+                        + (f" by step {group.trained_step}" if group.trained_step is not None else ""),
+                        code="already_acked",
+                    )
                 if group.lease_id != lease_id:
                     raise self._lease_lost(group, lease_id)
                 if group.lease_expires_at is None or group.lease_expires_at < now:
-                    raise Conflict(f"lease {lease_id} on group {group.id} expired "
-                                   f"{now - (group.lease_expires_at or now):.1f}s ago; renew it before acking "
-                                   "(the renewal fails if the group was claimed again)", code="lease_expired")
+                    raise Conflict(
+                        f"lease {lease_id} on group {group.id} expired "
+                        f"{now - (group.lease_expires_at or now):.1f}s ago; renew it before acking "
+                        "(the renewal fails if the group was claimed again)",
+                        code="lease_expired",
+                    )
                 todo.append(group)
             for group in todo:
                 group.train_status, group.trained_step, group.train_note = status, step, note
@@ -614,6 +778,9 @@ class Repository:
 
     async def list_trainer_steps(self, *, since_step: int = -1, limit: int = 1000) -> list[TrainerStepRecord]:
         async with self._read() as session:
-            rows = (await session.scalars(select(TrainerStep).where(TrainerStep.step > since_step)
-                                          .order_by(TrainerStep.step).limit(limit))).all()
+            rows = (
+                await session.scalars(
+                    select(TrainerStep).where(TrainerStep.step > since_step).order_by(TrainerStep.step).limit(limit)
+                )
+            ).all()
         return [TrainerStepRecord(step=r.step, metrics=r.metrics, created_at=r.created_at) for r in rows]

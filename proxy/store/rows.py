@@ -41,8 +41,9 @@ def json_text(value: Any) -> str:
         return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
-def admit(calls: Sequence[NewCall], states: dict[str, tuple[str, int | None]]
-          ) -> tuple[list[tuple[int, NewCall]], dict[str, str | None]]:
+def admit(
+    calls: Sequence[NewCall], states: dict[str, tuple[str, int | None]]
+) -> tuple[list[tuple[int, NewCall]], dict[str, str | None]]:
     """Split a batch by its episodes' state as read inside the inserting transaction.
 
     ``states`` maps episode id -> (status, highest stored ordinal or None). Calls of open episodes

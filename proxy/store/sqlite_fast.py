@@ -26,13 +26,16 @@ from proxy.store.rows import CALL_FIELDS, JSON_COLUMNS, admit, call_values, json
 T = TypeVar("T")
 
 _INSERT_CALL_SQL = "INSERT INTO {} (ordinal, {}) VALUES ({})".format(
-    Call.__tablename__, ", ".join(f'"{name}"' for name in CALL_FIELDS), ", ".join("?" * (len(CALL_FIELDS) + 1)))
+    Call.__tablename__, ", ".join(f'"{name}"' for name in CALL_FIELDS), ", ".join("?" * (len(CALL_FIELDS) + 1))
+)
 _JSON_AT = [i for i, name in enumerate(CALL_FIELDS) if name in JSON_COLUMNS]
 _EPISODE_STATE_SQL = f"SELECT status, group_id FROM {Episode.__tablename__} WHERE id = ?"
 # Each episode's status and highest ordinal: one max() per episode (an index seek) instead of
 # GROUP BY over every call of the episodes.
-_EPISODE_STATES_SQL = (f"SELECT id, status, (SELECT max(ordinal) FROM {Call.__tablename__} WHERE episode_id = "
-                       f"{Episode.__tablename__}.id) FROM {Episode.__tablename__} WHERE id IN ({{}})")
+_EPISODE_STATES_SQL = (
+    f"SELECT id, status, (SELECT max(ordinal) FROM {Call.__tablename__} WHERE episode_id = "
+    f"{Episode.__tablename__}.id) FROM {Episode.__tablename__} WHERE id IN ({{}})"
+)
 
 
 class SqliteWorker:
@@ -50,8 +53,12 @@ class SqliteWorker:
     def _connection(self) -> sqlite3.Connection:
         if self._conn is None:
             conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False, timeout=30)
-            for pragma in ("journal_mode=WAL", f"synchronous={self._synchronous}", "busy_timeout=30000",
-                           "foreign_keys=ON"):
+            for pragma in (
+                "journal_mode=WAL",
+                f"synchronous={self._synchronous}",
+                "busy_timeout=30000",
+                "foreign_keys=ON",
+            ):
                 conn.execute(f"PRAGMA {pragma}")
             self._conn = conn
         return self._conn

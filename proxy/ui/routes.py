@@ -33,7 +33,7 @@ PAGE = 50
 _HEADERS = {
     # No inline script anywhere: data reaches the charts through /ui/api/overview.
     "content-security-policy": "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
-                               "img-src 'self' data:; frame-ancestors 'none'; form-action 'self'",
+    "img-src 'self' data:; frame-ancestors 'none'; form-action 'self'",
     "cache-control": "no-store",
     "referrer-policy": "same-origin",
     "x-content-type-options": "nosniff",
@@ -65,8 +65,13 @@ def _fmt_num(value: Any, digits: int = 3) -> str:
 
 
 def _environment() -> jinja2.Environment:
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True,
-                             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(HERE / "templates"),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
     env.filters["time"] = _fmt_time
     env.filters["num"] = _fmt_num
     return env
@@ -136,8 +141,15 @@ async def login(request: Request, svc: ServicesDep) -> Response:
     if found is None or found.role != "admin":
         return pages.render(request, "login.html", status_code=401, next=target, error="That is not the admin key.")
     response = RedirectResponse(target, status_code=303, headers=_HEADERS)
-    response.set_cookie(COOKIE, pages.tokens.issue(), max_age=int(pages.tokens.ttl_s), path="/ui", httponly=True,
-                        samesite="strict", secure=request.url.scheme == "https")
+    response.set_cookie(
+        COOKIE,
+        pages.tokens.issue(),
+        max_age=int(pages.tokens.ttl_s),
+        path="/ui",
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+    )
     return response
 
 
@@ -160,20 +172,23 @@ def _metric(svc: Services, name: str, **labels: str) -> float | None:
 
 
 @router.get("/api/overview")
-async def overview_data(svc: ServicesDep, _: Pages = Viewer,
-                        since_step: int = Query(-1, ge=-1)) -> JSONResponse:
+async def overview_data(svc: ServicesDep, _: Pages = Viewer, since_step: int = Query(-1, ge=-1)) -> JSONResponse:
     """The live feed: trainer steps after ``since_step``, counts, and this replica's token counters."""
     steps = await svc.repo.list_trainer_steps(since_step=since_step, limit=5000)
     counts = await svc.repo.browse.counts()
     current = svc.policies.current
     body = {
         "steps": [{"step": s.step, "created_at": s.created_at, "metrics": s.metrics} for s in steps],
-        "episodes": counts.episodes, "groups": counts.groups, "calls": counts.calls,
+        "episodes": counts.episodes,
+        "groups": counts.groups,
+        "calls": counts.calls,
         "policy_version": current.version if current else 0,
-        "proxy": {"prompt_tokens": _metric(svc, "flywheel_tokens_total", kind="prompt"),
-                  "completion_tokens": _metric(svc, "flywheel_tokens_total", kind="completion"),
-                  "calls_recorded": _metric(svc, "flywheel_calls_recorded_total"),
-                  "queue_depth": svc.recorder.queue_depth},
+        "proxy": {
+            "prompt_tokens": _metric(svc, "flywheel_tokens_total", kind="prompt"),
+            "completion_tokens": _metric(svc, "flywheel_tokens_total", kind="completion"),
+            "calls_recorded": _metric(svc, "flywheel_calls_recorded_total"),
+            "queue_depth": svc.recorder.queue_depth,
+        },
     }
     return JSONResponse(body, headers={"cache-control": "no-store"})
 
@@ -198,14 +213,22 @@ def _next(rows: list[Any], at: Any) -> str | None:
 
 
 @router.get("/groups")
-async def groups(request: Request, svc: ServicesDep, pages: Pages = Viewer, status: GroupStatus | None = None,
-                 train_status: TrainStatus | None = None, task: str | None = None,
-                 after: str | None = None) -> HTMLResponse:
-    rows = await svc.repo.browse.groups(status=status, train_status=train_status, task=task or None,
-                                        after=_cursor(after), limit=PAGE)
+async def groups(
+    request: Request,
+    svc: ServicesDep,
+    pages: Pages = Viewer,
+    status: GroupStatus | None = None,
+    train_status: TrainStatus | None = None,
+    task: str | None = None,
+    after: str | None = None,
+) -> HTMLResponse:
+    rows = await svc.repo.browse.groups(
+        status=status, train_status=train_status, task=task or None, after=_cursor(after), limit=PAGE
+    )
     filters = {"status": status or "", "train_status": train_status or "", "task": task or ""}
-    return pages.render(request, "groups.html", groups=rows, filters=filters, after=after,
-                        next=_next(rows, lambda g: g))
+    return pages.render(
+        request, "groups.html", groups=rows, filters=filters, after=after, next=_next(rows, lambda g: g)
+    )
 
 
 @router.get("/groups/{group_id}")
@@ -216,23 +239,37 @@ async def compare(request: Request, group_id: str, svc: ServicesDep, pages: Page
     except (NotFound, InvalidRequest):
         return pages.render(request, "missing.html", status_code=404, what="group", ident=group_id)
     members = [await svc.repo.get_episode(e.id) for e in group.episodes or []]
-    return pages.render(request, "compare.html", group=group, members=members,
-                        conversations={e.id: views.conversation(e) for e in members},
-                        advantages=views.advantages(members))
+    return pages.render(
+        request,
+        "compare.html",
+        group=group,
+        members=members,
+        conversations={e.id: views.conversation(e) for e in members},
+        advantages=views.advantages(members),
+    )
 
 
 @router.get("/episodes")
-async def episodes(request: Request, svc: ServicesDep, pages: Pages = Viewer, status: EpisodeStatus | None = None,
-                   task: str | None = None, group: str | None = None, after: str | None = None) -> HTMLResponse:
+async def episodes(
+    request: Request,
+    svc: ServicesDep,
+    pages: Pages = Viewer,
+    status: EpisodeStatus | None = None,
+    task: str | None = None,
+    group: str | None = None,
+    after: str | None = None,
+) -> HTMLResponse:
     try:
         group_id = canonical_id(group, param="group") if group else None
     except InvalidRequest:
         return pages.render(request, "missing.html", status_code=404, what="group", ident=group or "")
-    rows = await svc.repo.browse.episodes(status=status, task=task or None, group_id=group_id,
-                                          after=_cursor(after), limit=PAGE)
+    rows = await svc.repo.browse.episodes(
+        status=status, task=task or None, group_id=group_id, after=_cursor(after), limit=PAGE
+    )
     filters = {"status": status or "", "task": task or "", "group": group or ""}
-    return pages.render(request, "episodes.html", rows=rows, filters=filters, after=after,
-                        next=_next(rows, lambda r: r.episode))
+    return pages.render(
+        request, "episodes.html", rows=rows, filters=filters, after=after, next=_next(rows, lambda r: r.episode)
+    )
 
 
 @router.get("/episodes/{episode_id}")
@@ -245,8 +282,7 @@ async def episode(request: Request, episode_id: str, svc: ServicesDep, pages: Pa
     if record.group_id is not None:
         group = await svc.repo.get_group(record.group_id)
         advantage = views.advantages(group.episodes or []).get(record.id)
-    return pages.render(request, "episode.html", episode=record, calls=views.conversation(record),
-                        advantage=advantage)
+    return pages.render(request, "episode.html", episode=record, calls=views.conversation(record), advantage=advantage)
 
 
 def install(app: FastAPI, admin_key: str) -> None:

@@ -21,8 +21,7 @@ _VERSION = "v1"
 
 
 class SessionTokens:
-    def __init__(self, admin_key: str, *, ttl_s: float = 12 * 3600,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, admin_key: str, *, ttl_s: float = 12 * 3600, clock: Callable[[], float] = time.time) -> None:
         self._secret = hashlib.sha256(b"flywheel-ui-session\0" + admin_key.encode()).digest()
         self.ttl_s = ttl_s
         self._clock = clock

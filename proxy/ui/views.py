@@ -92,8 +92,9 @@ def _text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = [p.get("text", "") if isinstance(p, dict) and "text" in p else orjson.dumps(p).decode()
-                 for p in content]
+        parts = [
+            p.get("text", "") if isinstance(p, dict) and "text" in p else orjson.dumps(p).decode() for p in content
+        ]
         return "\n".join(parts)
     return orjson.dumps(content).decode()
 
@@ -104,15 +105,22 @@ def _tool_calls(raw: Any) -> list[ToolCall]:
         if not isinstance(item, dict):
             continue
         function = item.get("function") or {}
-        calls.append(ToolCall(name=str(function.get("name", "?")), arguments=_pretty(function.get("arguments", "")),
-                              id=item.get("id")))
+        calls.append(
+            ToolCall(
+                name=str(function.get("name", "?")), arguments=_pretty(function.get("arguments", "")), id=item.get("id")
+            )
+        )
     return calls
 
 
 def message(raw: dict[str, Any]) -> Message:
-    return Message(role=str(raw.get("role", "?")), text=_text(raw.get("content")),
-                   tool_calls=_tool_calls(raw.get("tool_calls")), tool_call_id=raw.get("tool_call_id"),
-                   name=raw.get("name"))
+    return Message(
+        role=str(raw.get("role", "?")),
+        text=_text(raw.get("content")),
+        tool_calls=_tool_calls(raw.get("tool_calls")),
+        tool_call_id=raw.get("tool_call_id"),
+        name=raw.get("name"),
+    )
 
 
 def _request_messages(call: CallRecord) -> list[dict[str, Any]]:
@@ -137,13 +145,21 @@ def _choice(call: CallRecord, raw: dict[str, Any], call_rewards: dict[str, float
     ids: list[int] = raw.get("token_ids") or []
     logprobs: list[float] = raw.get("logprobs") or []
     texts = _token_texts(call, index, len(ids))
-    tokens = [Token(id=t, logprob=logprobs[i] if i < len(logprobs) else None, text=texts[i] if texts else None)
-              for i, t in enumerate(ids)]
+    tokens = [
+        Token(id=t, logprob=logprobs[i] if i < len(logprobs) else None, text=texts[i] if texts else None)
+        for i, t in enumerate(ids)
+    ]
     rewards = call_rewards or {}
     reward = rewards.get(f"{call.ordinal}:{index}", rewards.get(str(call.ordinal)))
     answer = Message(role="assistant", text=str(raw.get("text") or ""), tool_calls=_tool_calls(raw.get("tool_calls")))
-    return ChoiceView(index=index, message=answer, finish_reason=raw.get("finish_reason"), tokens=tokens,
-                      with_text=texts is not None, reward=reward)
+    return ChoiceView(
+        index=index,
+        message=answer,
+        finish_reason=raw.get("finish_reason"),
+        tokens=tokens,
+        with_text=texts is not None,
+        reward=reward,
+    )
 
 
 def conversation(episode: EpisodeRecord) -> list[CallView]:
@@ -154,10 +170,16 @@ def conversation(episode: EpisodeRecord) -> list[CallView]:
         messages = _request_messages(call)
         rewritten = bool(views) and len(messages) < seen
         start = 0 if rewritten else seen
-        views.append(CallView(call=call, messages=[message(m) for m in messages[start:]], rewritten=rewritten,
-                              choices=[_choice(call, c, episode.call_rewards) for c in call.choices],
-                              prompt_ids=len(call.prompt_token_ids or []),
-                              splice=(call.notes or {}).get("splice")))
+        views.append(
+            CallView(
+                call=call,
+                messages=[message(m) for m in messages[start:]],
+                rewritten=rewritten,
+                choices=[_choice(call, c, episode.call_rewards) for c in call.choices],
+                prompt_ids=len(call.prompt_token_ids or []),
+                splice=(call.notes or {}).get("splice"),
+            )
+        )
         seen = len(messages) + 1  # the next request repeats these messages and this call's answer
     return views
 

@@ -19,13 +19,31 @@ RUN_CONFIGS = sorted((ROOT / "configs").glob("run-*.yaml"))
 # What the launcher used when a key was absent, before the config was typed: the defaults of its
 # `config.get(key, default)` calls in deploy/local.py and deploy/loop.py, copied from there.
 LAUNCHER_DEFAULTS = {
-    "data_dir": "data", "proxy_config": "configs/local.yaml", "proxy_port": None,
-    "model_name": "SmolLM2-135M-Instruct", "seed": 0, "budget_minutes": 30.0, "eval_after_slowdown": 5.0,
-    "min_train_minutes": 10.0, "resume": True,
-    "engine": {"url": None, "seed_policy": "drop", "model": None, "served_name": "policy-base", "device": "cpu",
-               "max_lora_rank": 16, "max_loras": 4, "max_model_len": 8192, "dtype": "auto", "cpu_kv_cache_gib": 4,
-               "chat_template": str(DEFAULT_TEMPLATE), "tool_call_parser": "hermes",
-               "gpu_memory_utilization": 0.85, "extra_args": []},
+    "data_dir": "data",
+    "proxy_config": "configs/local.yaml",
+    "proxy_port": None,
+    "model_name": "SmolLM2-135M-Instruct",
+    "seed": 0,
+    "budget_minutes": 30.0,
+    "eval_after_slowdown": 5.0,
+    "min_train_minutes": 10.0,
+    "resume": True,
+    "engine": {
+        "url": None,
+        "seed_policy": "drop",
+        "model": None,
+        "served_name": "policy-base",
+        "device": "cpu",
+        "max_lora_rank": 16,
+        "max_loras": 4,
+        "max_model_len": 8192,
+        "dtype": "auto",
+        "cpu_kv_cache_gib": 4,
+        "chat_template": str(DEFAULT_TEMPLATE),
+        "tool_call_parser": "hermes",
+        "gpu_memory_utilization": 0.85,
+        "extra_args": [],
+    },
     "trainer": {"config": "configs/trainer-local.yaml", "overrides": {}},
     "workflow": {"name": "math", "args": []},
     "eval": {"args": []},
@@ -76,39 +94,48 @@ def _plain(value: object) -> object:
     return tuple(value) if isinstance(value, list) else value
 
 
-@pytest.mark.parametrize(("data", "message"), [
-    ({"sed": 2}, "unknown key 'sed' (did you mean 'seed'?)"),
-    ({"budget_minute": 5, "seed": 1}, "unknown key 'budget_minute' (did you mean 'budget_minutes'?)"),
-    ({"engine": {"max_lora_rnk": 8}}, "unknown key 'engine.max_lora_rnk' (did you mean 'max_lora_rank'?)"),
-    ({"workflow": {"arg": []}}, "unknown key 'workflow.arg' (did you mean 'args'?)"),
-    ({"eval": {"split": "test"}}, "unknown key 'eval.split' (known: args)"),
-    ({"trainer": {"overrides": {"learning_rat": 1e-4}}},
-     "unknown trainer setting 'trainer.overrides.learning_rat' (did you mean 'learning_rate'?)"),
-])
-def test_unknown_keys_are_refused_with_a_did_you_mean_naming_the_file(tmp_path: Path, data: object,
-                                                                      message: str) -> None:
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"sed": 2}, "unknown key 'sed' (did you mean 'seed'?)"),
+        ({"budget_minute": 5, "seed": 1}, "unknown key 'budget_minute' (did you mean 'budget_minutes'?)"),
+        ({"engine": {"max_lora_rnk": 8}}, "unknown key 'engine.max_lora_rnk' (did you mean 'max_lora_rank'?)"),
+        ({"workflow": {"arg": []}}, "unknown key 'workflow.arg' (did you mean 'args'?)"),
+        ({"eval": {"split": "test"}}, "unknown key 'eval.split' (known: args)"),
+        (
+            {"trainer": {"overrides": {"learning_rat": 1e-4}}},
+            "unknown trainer setting 'trainer.overrides.learning_rat' (did you mean 'learning_rate'?)",
+        ),
+    ],
+)
+def test_unknown_keys_are_refused_with_a_did_you_mean_naming_the_file(
+    tmp_path: Path, data: object, message: str
+) -> None:
     path = write(tmp_path, data)
     with pytest.raises(RunConfigError) as err:
         load_run_config(path)
     assert str(err.value).startswith(f"{path}: ") and message in str(err.value)
 
 
-@pytest.mark.parametrize(("data", "message"), [
-    ({"seed": "one"}, "seed: expected an integer, got 'one'"),
-    ({"seed": True}, "seed: expected an integer, got True"),
-    ({"resume": "yes"}, "resume: expected true or false, got 'yes'"),
-    ({"budget_minutes": "half"}, "budget_minutes: expected a number, got 'half'"),
-    ({"engine": {"max_loras": "four"}}, "engine.max_loras: expected an integer, got 'four'"),
-    ({"engine": {"device": "tpu"}}, "engine.device: unknown value 'tpu'; choose one of cpu, gpu"),
-    ({"engine": ["cpu"]}, "engine: expected a mapping of settings, got ['cpu']"),
-    ({"workflow": {"args": "--group-size 8"}}, "workflow.args: expected a list of strings or numbers"),
-    ({"workflow": {"args": [["-o"]]}}, "workflow.args: expected a list of strings or numbers"),
-    ({"trainer": {"overrides": [1]}}, "trainer.overrides: expected a mapping of names to values"),
-    ({"data_dir": 3}, "data_dir: expected a string, got 3"),
-    ({"engine": {"max_loras": 0}}, "engine.max_loras must be >= 1"),
-    ({"budget_minutes": 0}, "budget_minutes must be > 0"),
-    ("- a list", "the run config: expected a mapping of settings"),
-])
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"seed": "one"}, "seed: expected an integer, got 'one'"),
+        ({"seed": True}, "seed: expected an integer, got True"),
+        ({"resume": "yes"}, "resume: expected true or false, got 'yes'"),
+        ({"budget_minutes": "half"}, "budget_minutes: expected a number, got 'half'"),
+        ({"engine": {"max_loras": "four"}}, "engine.max_loras: expected an integer, got 'four'"),
+        ({"engine": {"device": "tpu"}}, "engine.device: unknown value 'tpu'; choose one of cpu, gpu"),
+        ({"engine": ["cpu"]}, "engine: expected a mapping of settings, got ['cpu']"),
+        ({"workflow": {"args": "--group-size 8"}}, "workflow.args: expected a list of strings or numbers"),
+        ({"workflow": {"args": [["-o"]]}}, "workflow.args: expected a list of strings or numbers"),
+        ({"trainer": {"overrides": [1]}}, "trainer.overrides: expected a mapping of names to values"),
+        ({"data_dir": 3}, "data_dir: expected a string, got 3"),
+        ({"engine": {"max_loras": 0}}, "engine.max_loras must be >= 1"),
+        ({"budget_minutes": 0}, "budget_minutes must be > 0"),
+        ("- a list", "the run config: expected a mapping of settings"),
+    ],
+)
 def test_wrong_types_and_values_are_refused_naming_key_and_file(tmp_path: Path, data: object, message: str) -> None:
     path = write(tmp_path, data)
     with pytest.raises(RunConfigError) as err:
@@ -117,12 +144,19 @@ def test_wrong_types_and_values_are_refused_naming_key_and_file(tmp_path: Path, 
 
 
 def test_yaml_shapes_the_launcher_accepted_keep_their_meaning(tmp_path: Path) -> None:
-    config = load_run_config(write(tmp_path, {
-        "engine": {"chat_template": "", "tool_call_parser": None, "model": "", "url": "http://127.0.0.1:8000"},
-        "workflow": {"args": ["--group-size", 8, "-o", "temperature=0.7"]},
-        "trainer": {"overrides": {"learning_rate": 2.0e-4, "max_steps": 2}}, "budget_minutes": 12,
-        "eval_after_slowdown": "2.5e0", "proxy_port": None,
-    }))
+    config = load_run_config(
+        write(
+            tmp_path,
+            {
+                "engine": {"chat_template": "", "tool_call_parser": None, "model": "", "url": "http://127.0.0.1:8000"},
+                "workflow": {"args": ["--group-size", 8, "-o", "temperature=0.7"]},
+                "trainer": {"overrides": {"learning_rate": 2.0e-4, "max_steps": 2}},
+                "budget_minutes": 12,
+                "eval_after_slowdown": "2.5e0",
+                "proxy_port": None,
+            },
+        )
+    )
     assert config.engine.chat_template is None and config.engine.tool_call_parser is None
     assert config.engine.model is None and config.engine.url == "http://127.0.0.1:8000"
     assert config.workflow.args == ("--group-size", "8", "-o", "temperature=0.7")
@@ -143,8 +177,13 @@ def test_another_seed_is_another_run() -> None:
 
 def test_launcher_refuses_a_bad_config_before_starting_anything(tmp_path: Path) -> None:
     path = write(tmp_path, {"engine": {"max_lora_rnk": 8}})
-    done = subprocess.run([sys.executable, "-m", "deploy.local", "run", "--config", str(path), "--seed", "3"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "deploy.local", "run", "--config", str(path), "--seed", "3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert f"error: {path}: unknown key 'engine.max_lora_rnk' (did you mean 'max_lora_rank'?)" in done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "data").exists()
@@ -170,9 +209,11 @@ def test_stack_starts_vllm_and_the_proxy_as_the_config_says(tmp_path: Path, monk
     assert stack.vllm.env()["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert stack.proxy.env["FLYWHEEL_STORE__URL"].startswith(f"sqlite+aiosqlite:///{tmp_path.resolve()}/")
 
-    routed = dataclasses.replace(config, proxy_port=8123,
-                                 engine=EngineSection(url="http://127.0.0.1:9000", model=str(tmp_path)))
+    routed = dataclasses.replace(
+        config, proxy_port=8123, engine=EngineSection(url="http://127.0.0.1:9000", model=str(tmp_path))
+    )
     stack = Stack(routed, data_dir=tmp_path)
     assert stack.vllm is None and stack.proxy_url == "http://127.0.0.1:8123"
     assert yaml.safe_load(stack.proxy.env["FLYWHEEL_UPSTREAMS"]) == [
-        {"name": "vllm-0", "url": "http://127.0.0.1:9000", "seed_policy": "drop"}]
+        {"name": "vllm-0", "url": "http://127.0.0.1:9000", "seed_policy": "drop"}
+    ]

@@ -21,8 +21,12 @@ from tests.support.services import ROOT, engine_python
 ENV_EXAMPLE = ROOT / "deploy" / ".env.example"
 SECRETS = {"FLYWHEEL_ADMIN_KEY": "admin-key-for-cli-tests-0123", "POSTGRES_PASSWORD": "unused"}
 GPU_CONFIGS = sorted((ROOT / "configs").glob("gpu-*.yaml"))
-IMAGE_ENV = {"PYTHONPATH": str(ROOT), "LITELLM_LOCAL_MODEL_COST_MAP": "True", "PATH": os.environ["PATH"],
-             "HOME": os.environ.get("HOME", "/root")}
+IMAGE_ENV = {
+    "PYTHONPATH": str(ROOT),
+    "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+    "PATH": os.environ["PATH"],
+    "HOME": os.environ.get("HOME", "/root"),
+}
 
 
 def agents_python() -> str:
@@ -44,11 +48,14 @@ def services() -> dict[str, Any]:
     return rendered
 
 
-@pytest.mark.parametrize(("service", "usage"), [
-    ("migrate", "Usage: python -m proxy migrate [OPTIONS]"),
-    ("proxy", "Usage: python -m proxy serve [OPTIONS]"),
-    ("trainer", "Usage: python -m trainer run [OPTIONS]"),
-])
+@pytest.mark.parametrize(
+    ("service", "usage"),
+    [
+        ("migrate", "Usage: python -m proxy migrate [OPTIONS]"),
+        ("proxy", "Usage: python -m proxy serve [OPTIONS]"),
+        ("trainer", "Usage: python -m trainer run [OPTIONS]"),
+    ],
+)
 def test_engine_service_commands_answer_help(services: dict[str, Any], service: str, usage: str) -> None:
     done = run(localized(services[service]["command"], engine_python()) + ["--help"], {})
     assert done.returncode == 0, done.stderr

@@ -53,8 +53,11 @@ def mounts(service: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def test_compose_refuses_to_start_until_the_secrets_are_set() -> None:
     with pytest.raises(ComposeError) as no_key:
         render(env_file=ENV_EXAMPLE)
-    assert re.search(r"required variable (FLYWHEEL_ADMIN_KEY|POSTGRES_PASSWORD) is missing a value: "
-                     r"set \1 in deploy/\.env \(see \.env\.example\)", str(no_key.value)), no_key.value
+    assert re.search(
+        r"required variable (FLYWHEEL_ADMIN_KEY|POSTGRES_PASSWORD) is missing a value: "
+        r"set \1 in deploy/\.env \(see \.env\.example\)",
+        str(no_key.value),
+    ), no_key.value
     with pytest.raises(ComposeError, match="required variable POSTGRES_PASSWORD is missing a value"):
         render(env_file=ENV_EXAMPLE, env={"FLYWHEEL_ADMIN_KEY": ADMIN_SENTINEL})
     with pytest.raises(ComposeError, match="required variable FLYWHEEL_ADMIN_KEY is missing a value"):
@@ -62,8 +65,10 @@ def test_compose_refuses_to_start_until_the_secrets_are_set() -> None:
 
 
 def test_services_start_in_order(config: dict[str, Any]) -> None:
-    order = {name: {dep: spec["condition"] for dep, spec in (svc.get("depends_on") or {}).items()}
-             for name, svc in config["services"].items()}
+    order = {
+        name: {dep: spec["condition"] for dep, spec in (svc.get("depends_on") or {}).items()}
+        for name, svc in config["services"].items()
+    }
     assert order == {
         "postgres": {},
         "migrate": {"postgres": "service_healthy"},
@@ -92,8 +97,9 @@ def test_health_checks_probe_the_right_endpoints(config: dict[str, Any]) -> None
     assert proxy_check[:3] == ["CMD", "python", "-c"] and "'http://127.0.0.1:8100/healthz'" in proxy_check[3]
     assert services["proxy"]["environment"]["FLYWHEEL_PORT"] == "8100"
     assert services["proxy"]["environment"]["FLYWHEEL_HOST"] == "0.0.0.0"
-    assert services["proxy"]["ports"] == [{"mode": "ingress", "host_ip": "127.0.0.1", "target": 8100,
-                                           "published": "8100", "protocol": "tcp"}]
+    assert services["proxy"]["ports"] == [
+        {"mode": "ingress", "host_ip": "127.0.0.1", "target": 8100, "published": "8100", "protocol": "tcp"}
+    ]
 
 
 def test_model_and_adapters_are_the_same_paths_in_vllm_and_the_trainer(config: dict[str, Any]) -> None:
@@ -122,10 +128,12 @@ def test_secrets_come_only_from_the_env_file(config: dict[str, Any]) -> None:
     # Each secret reaches exactly the services that need it, and only through their environment.
     holders = {}
     for sentinel in (ADMIN_SENTINEL, PG_SENTINEL):
-        holders[sentinel] = sorted(name for name, svc in config["services"].items()
-                                   if sentinel in json.dumps(svc.get("environment", {})))
-        outside = {name: {k: v for k, v in svc.items() if k != "environment"}
-                   for name, svc in config["services"].items()}
+        holders[sentinel] = sorted(
+            name for name, svc in config["services"].items() if sentinel in json.dumps(svc.get("environment", {}))
+        )
+        outside = {
+            name: {k: v for k, v in svc.items() if k != "environment"} for name, svc in config["services"].items()
+        }
         assert sentinel not in json.dumps(outside)
     assert holders == {ADMIN_SENTINEL: ["proxy", "trainer", "worker"], PG_SENTINEL: ["migrate", "postgres", "proxy"]}
     ignored = subprocess.run(["git", "check-ignore", "-q", "deploy/.env"], cwd=ROOT)
@@ -144,11 +152,20 @@ def test_vllm_gets_the_launcher_flags_for_each_gpu_config(gpu_config: Path) -> N
     config = render(env_file=ENV_EXAMPLE, env={**SECRETS, **engine_env(gpu_config)})
     vllm = config["services"]["vllm-0"]
     engine = engine_of(gpu_config)
-    launcher = VLLMServer(model=f"/models/{engine['model']}", served_name=engine["served_name"], host="0.0.0.0",
-                          port=8000, device="gpu", max_lora_rank=engine["max_lora_rank"],
-                          max_loras=engine["max_loras"], max_model_len=engine["max_model_len"],
-                          chat_template=engine["chat_template"] or None, tool_call_parser=engine["tool_call_parser"],
-                          gpu_memory_utilization=engine["gpu_memory_utilization"], python="python3")
+    launcher = VLLMServer(
+        model=f"/models/{engine['model']}",
+        served_name=engine["served_name"],
+        host="0.0.0.0",
+        port=8000,
+        device="gpu",
+        max_lora_rank=engine["max_lora_rank"],
+        max_loras=engine["max_loras"],
+        max_model_len=engine["max_model_len"],
+        chat_template=engine["chat_template"] or None,
+        tool_call_parser=engine["tool_call_parser"],
+        gpu_memory_utilization=engine["gpu_memory_utilization"],
+        python="python3",
+    )
     assert vllm["entrypoint"] + vllm["command"] == launcher.command()
     assert vllm["environment"]["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == launcher.env()["VLLM_ALLOW_RUNTIME_LORA_UPDATING"]
     placement = yaml.safe_load(gpu_config.read_text())["compose"]
@@ -159,8 +176,10 @@ def test_vllm_gets_the_launcher_flags_for_each_gpu_config(gpu_config: Path) -> N
 
 def test_vllm_own_parser_accepts_the_compose_command() -> None:
     """vLLM 0.32.0 (the engine venv; the compose image is the same release) parses every flag and value."""
-    commands = [render(env_file=ENV_EXAMPLE, env={**SECRETS, **engine_env(c)})["services"]["vllm-0"]["command"]
-                for c in GPU_CONFIGS]
+    commands = [
+        render(env_file=ENV_EXAMPLE, env={**SECRETS, **engine_env(c)})["services"]["vllm-0"]["command"]
+        for c in GPU_CONFIGS
+    ]
     script = (
         "import json, sys\n"
         "from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args\n"
@@ -172,14 +191,32 @@ def test_vllm_own_parser_accepts_the_compose_command() -> None:
         "    out.append([args.model, args.served_model_name, args.enable_lora, args.max_lora_rank, args.max_loras,\n"
         "                args.logprobs_mode, args.enable_auto_tool_choice, args.tool_call_parser,\n"
         "                args.gpu_memory_utilization, args.max_model_len])\n"
-        "print(json.dumps(out))\n")
-    done = subprocess.run([engine_python(), "-c", script, json.dumps(commands)], capture_output=True, text=True,
-                          timeout=300, env={"PATH": "/usr/bin:/bin", "VLLM_NO_USAGE_STATS": "1"})
+        "print(json.dumps(out))\n"
+    )
+    done = subprocess.run(
+        [engine_python(), "-c", script, json.dumps(commands)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PATH": "/usr/bin:/bin", "VLLM_NO_USAGE_STATS": "1"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     parsed = json.loads(done.stdout.strip().splitlines()[-1])
-    expected = [[f"/models/{e['model']}", ["policy-base"], True, e["max_lora_rank"], e["max_loras"],
-                 "processed_logprobs", True, "hermes", e["gpu_memory_utilization"], e["max_model_len"]]
-                for e in map(engine_of, GPU_CONFIGS)]
+    expected = [
+        [
+            f"/models/{e['model']}",
+            ["policy-base"],
+            True,
+            e["max_lora_rank"],
+            e["max_loras"],
+            "processed_logprobs",
+            True,
+            "hermes",
+            e["gpu_memory_utilization"],
+            e["max_model_len"],
+        ]
+        for e in map(engine_of, GPU_CONFIGS)
+    ]
     assert parsed == expected
 
 
@@ -220,8 +257,9 @@ def test_gpu_config_loads_in_the_proxy_and_trainer_as_compose_runs_them(gpu_conf
     assert settings.policy.keep_versions <= trainer.keep_adapters
     assert trainer.max_seq_len <= engine["max_model_len"]
     # The agent's requests fit the served context (vLLM refuses prompt + max_tokens beyond it).
-    options = dict(o.split("=", 1) for o in services["worker"]["environment"]["FLYWHEEL_WORKFLOW_ARGS"].split()
-                   if "=" in o)
+    options = dict(
+        o.split("=", 1) for o in services["worker"]["environment"]["FLYWHEEL_WORKFLOW_ARGS"].split() if "=" in o
+    )
     output = options.get("max_output_tokens", options.get("max_tokens", 0))
     asked = int(options.get("max_input_tokens", 0)) + int(output)
     assert 0 < asked <= engine["max_model_len"], options
@@ -240,9 +278,13 @@ def test_scale_override_adds_a_replica_and_proxy_replicas() -> None:
     assert proxy["deploy"]["replicas"] == 2
     assert json.loads(proxy["environment"]["FLYWHEEL_UPSTREAMS"]) == [
         {"name": "vllm-0", "url": "http://vllm-0:8000", "seed_policy": "pass"},
-        {"name": "vllm-1", "url": "http://vllm-1:8000", "seed_policy": "pass"}]
+        {"name": "vllm-1", "url": "http://vllm-1:8000", "seed_policy": "pass"},
+    ]
     assert {d: s["condition"] for d, s in proxy["depends_on"].items()} == {
-        "migrate": "service_completed_successfully", "vllm-0": "service_healthy", "vllm-1": "service_healthy"}
+        "migrate": "service_completed_successfully",
+        "vllm-0": "service_healthy",
+        "vllm-1": "service_healthy",
+    }
     assert [p["published"] for p in proxy["ports"]] == ["8100-8101"]
 
 
@@ -263,9 +305,14 @@ def test_dockerfile_parses_and_builds_the_targets_compose_uses(config: dict[str,
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
 
-    pins = {canonicalize_name(name): version for name, version in (
-        line.split("==") for line in (DEPLOY / "constraints.txt").read_text().splitlines()
-        if line and not line.startswith("#"))}
+    pins = {
+        canonicalize_name(name): version
+        for name, version in (
+            line.split("==")
+            for line in (DEPLOY / "constraints.txt").read_text().splitlines()
+            if line and not line.startswith("#")
+        )
+    }
     for line in requirements(["postgres", "agents", "train"]):
         req = Requirement(line)
         name = canonicalize_name(req.name)

@@ -47,8 +47,12 @@ from tests.support.services import ADMIN_KEY, PG_URL, ROOT, engine_python, free_
 pytestmark = [pytest.mark.vllm, pytest.mark.postgres]
 ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
 # What the image's ENV gives every container (deploy/Dockerfile).
-IMAGE_ENV = {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-             "TOKENIZERS_PARALLELISM": "false"}
+IMAGE_ENV = {
+    "PYTHONPATH": str(ROOT),
+    "PYTHONUNBUFFERED": "1",
+    "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 QUESTION = [{"role": "user", "content": "What is 3 + 4?"}]
 
 
@@ -94,8 +98,9 @@ class Process:
 
     def start(self) -> Process:
         with open(self.log, "ab") as out:  # the child has its own descriptor; ours closes here
-            self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.argv, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
         return self
 
     def wait(self, timeout: float) -> int:
@@ -148,8 +153,16 @@ def stack_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The GPU config's proxy section with the CPU trainer section: what FLYWHEEL_CONFIG names here."""
     gpu = yaml.safe_load((ROOT / "configs" / "gpu-qwen2.5-1.5b.yaml").read_text())
     cpu_trainer = yaml.safe_load((ROOT / "configs" / "trainer-local.yaml").read_text())["trainer"]
-    cpu_trainer.update(groups_per_step=1, batch_wait_s=0, max_steps=1, progress=False, tensorboard=False,
-                       poll_interval_s=0.5, lora_r=8, max_lora_rank=16)
+    cpu_trainer.update(
+        groups_per_step=1,
+        batch_wait_s=0,
+        max_steps=1,
+        progress=False,
+        tensorboard=False,
+        poll_interval_s=0.5,
+        lora_r=8,
+        max_lora_rank=16,
+    )
     path = tmp_path_factory.mktemp("config") / "stack.yaml"
     path.write_text(yaml.safe_dump({"proxy": gpu["proxy"], "trainer": cpu_trainer}))
     return path
@@ -158,10 +171,16 @@ def stack_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def services(database: str, stack_config: Path) -> dict[str, Any]:
     model = Path(model_dir())
-    env = {"FLYWHEEL_ADMIN_KEY": ADMIN_KEY, "POSTGRES_USER": "postgres", "POSTGRES_PASSWORD": "trust-auth-ignores-it",
-           "POSTGRES_DB": database, "FLYWHEEL_CONFIG": str(stack_config), "FLYWHEEL_MODEL": model.name,
-           "FLYWHEEL_WORKFLOW": "math",
-           "FLYWHEEL_WORKFLOW_ARGS": "--group-size 2 --concurrency 2 --max-pending 2 -o max_tokens=16"}
+    env = {
+        "FLYWHEEL_ADMIN_KEY": ADMIN_KEY,
+        "POSTGRES_USER": "postgres",
+        "POSTGRES_PASSWORD": "trust-auth-ignores-it",
+        "POSTGRES_DB": database,
+        "FLYWHEEL_CONFIG": str(stack_config),
+        "FLYWHEEL_MODEL": model.name,
+        "FLYWHEEL_WORKFLOW": "math",
+        "FLYWHEEL_WORKFLOW_ARGS": "--group-size 2 --concurrency 2 --max-pending 2 -o max_tokens=16",
+    }
     scale = ROOT / "deploy" / "docker-compose.scale.yml"
     rendered: dict[str, Any] = render([COMPOSE_FILE, scale], env=env)["services"]
     return rendered
@@ -192,17 +211,24 @@ def stack(services: dict[str, Any], vllm_url: str, tmp_path_factory: pytest.Temp
     logs = tmp_path_factory.mktemp("logs")
     adapters = tmp_path_factory.mktemp("adapters")
     model = Path(model_dir())
-    mirror = Mirror(hosts={"@postgres:5432": "@127.0.0.1:5432", "http://vllm-0:8000": vllm_url,
-                           "http://vllm-1:8000": vllm_url},
-                    paths={"/adapters": adapters, "/models": model.parent, "/app": ROOT})
+    mirror = Mirror(
+        hosts={"@postgres:5432": "@127.0.0.1:5432", "http://vllm-0:8000": vllm_url, "http://vllm-1:8000": vllm_url},
+        paths={"/adapters": adapters, "/models": model.parent, "/app": ROOT},
+    )
     port_a, port_b = free_port(), free_port()
     a, b = f"http://127.0.0.1:{port_a}", f"http://127.0.0.1:{port_b}"
     prefix = f"deploy-{uuid.uuid4().hex[:6]}-v"
 
     migrate = services["migrate"]
     for attempt in (1, 2):  # the one-shot service; a second run (a restart of the stack) is a no-op
-        done = subprocess.run(mirror.argv(migrate, engine_python()), cwd=ROOT, env=mirror.env(migrate),
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            mirror.argv(migrate, engine_python()),
+            cwd=ROOT,
+            env=mirror.env(migrate),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 0, f"migrate run {attempt}: {done.stderr[-3000:]}"
 
     proxy = services["proxy"]
@@ -213,9 +239,14 @@ def stack(services: dict[str, Any], vllm_url: str, tmp_path_factory: pytest.Temp
     processes: list[Process] = []
     try:
         for name, port in (("proxy-a", port_a), ("proxy-b", port_b)):
-            env = mirror.env(proxy, {"proxy:8100": f"127.0.0.1:{port_a}"}, FLYWHEEL_HOST="127.0.0.1",
-                             FLYWHEEL_PORT=str(port), FLYWHEEL_UPSTREAMS=json.dumps(upstreams),
-                             FLYWHEEL_POLICY__ADAPTER_PREFIX=prefix)
+            env = mirror.env(
+                proxy,
+                {"proxy:8100": f"127.0.0.1:{port_a}"},
+                FLYWHEEL_HOST="127.0.0.1",
+                FLYWHEEL_PORT=str(port),
+                FLYWHEEL_UPSTREAMS=json.dumps(upstreams),
+                FLYWHEEL_POLICY__ADAPTER_PREFIX=prefix,
+            )
             processes.append(Process(name, mirror.argv(proxy, engine_python()), env, logs / f"{name}.log").start())
         for process, port in zip(processes, (port_a, port_b), strict=True):
             deadline = time.monotonic() + 120
@@ -238,9 +269,12 @@ def admin(method: str, url: str, **kwargs: Any) -> httpx.Response:
 
 def chat(base: str, episode: dict[str, Any]) -> httpx.Response:
     """One sampled call on an episode, through the replica at ``base`` (episode-scoped URL, episode key)."""
-    response = httpx.post(f"{base}/episodes/{episode['id']}/v1/chat/completions", timeout=180,
-                          headers={"authorization": f"Bearer {episode['api_key']}"},
-                          json={"model": "policy", "messages": QUESTION, "max_tokens": 8, "temperature": 1.0})
+    response = httpx.post(
+        f"{base}/episodes/{episode['id']}/v1/chat/completions",
+        timeout=180,
+        headers={"authorization": f"Bearer {episode['api_key']}"},
+        json={"model": "policy", "messages": QUESTION, "max_tokens": 8, "temperature": 1.0},
+    )
     assert response.status_code == 200, response.text
     return response
 
@@ -344,8 +378,9 @@ def test_worker_command_produces_rewarded_groups(stack: Stack) -> None:
     worker = stack.services["worker"]
     assert worker["command"][:2] == ["sh", "-c"]
     hosts = {"proxy:8100": stack.a.removeprefix("http://")}
-    process = Process("worker", stack.mirror.argv(worker, python, **hosts), stack.mirror.env(worker, hosts),
-                      stack.logs / "worker.log").start()
+    process = Process(
+        "worker", stack.mirror.argv(worker, python, **hosts), stack.mirror.env(worker, hosts), stack.logs / "worker.log"
+    ).start()
     try:
         deadline = time.monotonic() + 240
         while True:  # until a worker group is complete, as replica B sees it
@@ -373,8 +408,12 @@ def test_trainer_command_trains_through_b_and_a_routes_to_its_adapter(stack: Sta
         assert admin("POST", f"{stack.b}/episodes/{key['id']}/reward", json={"reward": reward}).status_code == 200
     before = admin("GET", f"{stack.a}/policy").json()["version"]
     hosts = {"proxy:8100": stack.b.removeprefix("http://")}  # the trainer talks to replica B
-    process = Process("trainer", stack.mirror.argv(trainer, engine_python(), **hosts), stack.mirror.env(trainer, hosts),
-                      stack.logs / "trainer.log").start()
+    process = Process(
+        "trainer",
+        stack.mirror.argv(trainer, engine_python(), **hosts),
+        stack.mirror.env(trainer, hosts),
+        stack.logs / "trainer.log",
+    ).start()
     try:
         assert process.wait(timeout=600) == 0, process.tail()
     finally:

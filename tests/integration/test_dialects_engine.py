@@ -22,12 +22,28 @@ from trainer.data import DataStats, episode_samples
 
 pytestmark = pytest.mark.vllm
 
-CALCULATOR = {"type": "function", "name": "calculator", "description": "Compute a op b.", "strict": True,
-              "parameters": {"type": "object", "additionalProperties": False, "required": ["a", "op", "b"],
-                             "properties": {"a": {"type": "integer"}, "b": {"type": "integer"},
-                                            "op": {"type": "string", "enum": ["add", "multiply"]}}}}
-ANTHROPIC_CALCULATOR = {"name": "calculator", "description": "Compute a op b.", "strict": True,
-                        "input_schema": CALCULATOR["parameters"]}
+CALCULATOR = {
+    "type": "function",
+    "name": "calculator",
+    "description": "Compute a op b.",
+    "strict": True,
+    "parameters": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["a", "op", "b"],
+        "properties": {
+            "a": {"type": "integer"},
+            "b": {"type": "integer"},
+            "op": {"type": "string", "enum": ["add", "multiply"]},
+        },
+    },
+}
+ANTHROPIC_CALCULATOR = {
+    "name": "calculator",
+    "description": "Compute a op b.",
+    "strict": True,
+    "input_schema": CALCULATOR["parameters"],
+}
 QUESTION = "What is 37 * 48? Use the calculator."
 
 
@@ -52,14 +68,15 @@ def assert_exact(call: dict[str, Any], api: str) -> None:
 def assert_extends(first: dict[str, Any], second: dict[str, Any]) -> None:
     """The follow-up's prompt starts with the first call's prompt and sampled ids."""
     sampled = first["prompt_token_ids"] + first["choices"][0]["token_ids"]
-    assert second["prompt_token_ids"][:len(sampled)] == sampled
+    assert second["prompt_token_ids"][: len(sampled)] == sampled
 
 
 def assert_merges(proxy: ProxyProcess, episode_id: str, calls: int) -> None:
     """The trainer's data path merges the episode into one sample, no break."""
     stats = DataStats()
-    (sample,) = episode_samples(Episode.model_validate(episode_record(proxy, episode_id)), group_id="g",
-                                max_seq_len=8192, stats=stats)
+    (sample,) = episode_samples(
+        Episode.model_validate(episode_record(proxy, episode_id)), group_id="g", max_seq_len=8192, stats=stats
+    )
     assert (stats.merged, stats.breaks) == (calls - 1, 0)
 
 
@@ -70,14 +87,26 @@ def assert_merges(proxy: ProxyProcess, episode_id: str, calls: int) -> None:
 def test_responses_create_with_a_function_tool_then_previous_response_id(proxy: ProxyProcess, stream: bool) -> None:
     episode = new_episode(proxy, "responses")
     client = openai.OpenAI(base_url=episode["base_url"], api_key=episode["api_key"], max_retries=0)
-    first = client.responses.create(model="policy", instructions="You are a careful assistant.", input=QUESTION,
-                                    tools=[CALCULATOR], tool_choice={"type": "function", "name": "calculator"},
-                                    temperature=1.0, max_output_tokens=64)  # type: ignore[arg-type]
+    first = client.responses.create(
+        model="policy",
+        instructions="You are a careful assistant.",
+        input=QUESTION,
+        tools=[CALCULATOR],
+        tool_choice={"type": "function", "name": "calculator"},
+        temperature=1.0,
+        max_output_tokens=64,
+    )  # type: ignore[arg-type]
     (fc,) = [item for item in first.output if item.type == "function_call"]
     assert fc.name == "calculator" and json.loads(fc.arguments).keys() == {"a", "op", "b"}
-    follow = {"model": "policy", "previous_response_id": first.id, "tools": [CALCULATOR], "temperature": 1.0,
-              "max_output_tokens": 24, "instructions": "You are a careful assistant.",
-              "input": [{"type": "function_call_output", "call_id": fc.call_id, "output": "1776"}]}
+    follow = {
+        "model": "policy",
+        "previous_response_id": first.id,
+        "tools": [CALCULATOR],
+        "temperature": 1.0,
+        "max_output_tokens": 24,
+        "instructions": "You are a careful assistant.",
+        "input": [{"type": "function_call_output", "call_id": fc.call_id, "output": "1776"}],
+    }
     if stream:  # the SDK's typed events; the last carries the whole response (incomplete: the length cut)
         events = list(client.responses.create(**follow, stream=True))  # type: ignore[call-overload]
         kinds = [event.type for event in events]
@@ -113,8 +142,7 @@ def test_previous_response_of_another_episode_is_refused(proxy: ProxyProcess) ->
         thief.responses.create(model="policy", input="and?", previous_response_id=first.id, max_output_tokens=4)
     assert "another episode" in err.value.message
     with pytest.raises(openai.NotFoundError):
-        client.responses.create(model="policy", input="and?", previous_response_id="resp_missing",
-                                max_output_tokens=4)
+        client.responses.create(model="policy", input="and?", previous_response_id="resp_missing", max_output_tokens=4)
     assert len(stored_calls(proxy, other["id"])) == 0
 
 
@@ -126,18 +154,37 @@ def test_anthropic_messages_create_and_stream_with_a_tool_round_trip(proxy: Prox
     root = episode["base_url"].removesuffix("/v1")  # the Anthropic SDK appends /v1/messages itself
     client = anthropic.Anthropic(base_url=root, api_key=episode["api_key"], max_retries=0)
     question = [{"role": "user", "content": QUESTION}]
-    counted = client.messages.count_tokens(model="policy", system="Use tools.", messages=question,  # type: ignore[arg-type]
-                                           tools=[ANTHROPIC_CALCULATOR])  # type: ignore[list-item]
-    first = client.messages.create(model="policy", system="Use tools.", messages=question,  # type: ignore[arg-type]
-                                   tools=[ANTHROPIC_CALCULATOR], tool_choice={"type": "tool", "name": "calculator"},  # type: ignore[list-item]
-                                   max_tokens=64, extra_body={"temperature": 1.0})
+    counted = client.messages.count_tokens(
+        model="policy",
+        system="Use tools.",
+        messages=question,  # type: ignore[arg-type]
+        tools=[ANTHROPIC_CALCULATOR],
+    )  # type: ignore[list-item]
+    first = client.messages.create(
+        model="policy",
+        system="Use tools.",
+        messages=question,  # type: ignore[arg-type]
+        tools=[ANTHROPIC_CALCULATOR],
+        tool_choice={"type": "tool", "name": "calculator"},  # type: ignore[list-item]
+        max_tokens=64,
+        extra_body={"temperature": 1.0},
+    )
     assert first.stop_reason == "tool_use"
     (use,) = [block for block in first.content if block.type == "tool_use"]
     assert use.name == "calculator" and set(use.input) == {"a", "op", "b"}  # type: ignore[arg-type]
-    follow = [*question, {"role": "assistant", "content": [block.model_dump() for block in first.content]},
-              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "1776"}]}]
-    with client.messages.stream(model="policy", system="Use tools.", messages=follow,  # type: ignore[arg-type]
-                                tools=[ANTHROPIC_CALCULATOR], max_tokens=24, extra_body={"temperature": 1.0}) as stream:  # type: ignore[list-item]
+    follow = [
+        *question,
+        {"role": "assistant", "content": [block.model_dump() for block in first.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "1776"}]},
+    ]
+    with client.messages.stream(
+        model="policy",
+        system="Use tools.",
+        messages=follow,  # type: ignore[arg-type]
+        tools=[ANTHROPIC_CALCULATOR],
+        max_tokens=24,
+        extra_body={"temperature": 1.0},
+    ) as stream:  # type: ignore[list-item]
         kinds = [event.type for event in stream]
         second = stream.get_final_message()
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
@@ -156,17 +203,23 @@ def test_anthropic_messages_create_and_stream_with_a_tool_round_trip(proxy: Prox
 
 def test_anthropic_errors_come_in_anthropic_shape(proxy: ProxyProcess) -> None:
     episode = new_episode(proxy, "messages")
-    client = anthropic.Anthropic(base_url=episode["base_url"].removesuffix("/v1"), api_key=episode["api_key"],
-                                 max_retries=0)
+    client = anthropic.Anthropic(
+        base_url=episode["base_url"].removesuffix("/v1"), api_key=episode["api_key"], max_retries=0
+    )
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
     with pytest.raises(anthropic.BadRequestError) as err:  # SmolLM2 takes no images: vLLM refuses, clearly
-        client.messages.create(model="policy", max_tokens=8, messages=[  # type: ignore[list-item]
-            {"role": "user", "content": [image, {"type": "text", "text": "What is this?"}]}])
+        client.messages.create(
+            model="policy",
+            max_tokens=8,
+            messages=[  # type: ignore[list-item]
+                {"role": "user", "content": [image, {"type": "text", "text": "What is this?"}]}
+            ],
+        )
     assert err.value.body["type"] == "error" and err.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
     with pytest.raises(anthropic.AuthenticationError):
-        anthropic.Anthropic(base_url=episode["base_url"].removesuffix("/v1"), api_key="wrong",
-                            max_retries=0).messages.create(model="policy", max_tokens=8,
-                                                           messages=[{"role": "user", "content": "hi"}])
+        anthropic.Anthropic(
+            base_url=episode["base_url"].removesuffix("/v1"), api_key="wrong", max_retries=0
+        ).messages.create(model="policy", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
     calls = stored_calls(proxy, episode["id"])
     assert [c["status_code"] for c in calls] == [400] and calls[0]["api"] == "messages"
 
@@ -205,12 +258,17 @@ async def test_openai_agents_sdk_two_tool_agent_is_recorded_and_merged(proxy: Pr
 
     episode = new_episode(proxy, "agents-sdk")
     client = openai.AsyncOpenAI(base_url=episode["base_url"], api_key=episode["api_key"], max_retries=0)
-    agent = Agent(name="calc", instructions="Use the calculator, then submit the answer.",
-                  tools=[calculator, submit_answer], reset_tool_choice=False,
-                  tool_use_behavior=StopAtTools(stop_at_tool_names=["submit_answer"]),
-                  model=OpenAIResponsesModel(model="policy", openai_client=client),
-                  model_settings=ModelSettings(tool_choice="required", temperature=1.0, max_tokens=128,
-                                               parallel_tool_calls=False))
+    agent = Agent(
+        name="calc",
+        instructions="Use the calculator, then submit the answer.",
+        tools=[calculator, submit_answer],
+        reset_tool_choice=False,
+        tool_use_behavior=StopAtTools(stop_at_tool_names=["submit_answer"]),
+        model=OpenAIResponsesModel(model="policy", openai_client=client),
+        model_settings=ModelSettings(
+            tool_choice="required", temperature=1.0, max_tokens=128, parallel_tool_calls=False
+        ),
+    )
     try:
         await Runner.run(agent, QUESTION, max_turns=3)
     except MaxTurnsExceeded:

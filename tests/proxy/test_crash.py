@@ -36,8 +36,12 @@ class Acked(list[tuple[str, str]]):
 async def _agent(client: httpx.AsyncClient, episode: dict[str, Any], acked: Acked, stream: bool) -> None:
     """Call the model until the proxy dies; remember every response the client fully received."""
     auth = {"authorization": f"Bearer {episode['api_key']}"}
-    body = {"model": "policy", "messages": [{"role": "user", "content": "Say one word."}], "max_tokens": 3,
-            "stream": stream}
+    body = {
+        "model": "policy",
+        "messages": [{"role": "user", "content": "Say one word."}],
+        "max_tokens": 3,
+        "stream": stream,
+    }
     url = f"{episode['base_url']}/chat/completions"
     while True:
         try:
@@ -57,8 +61,9 @@ async def _agent(client: httpx.AsyncClient, episode: dict[str, Any], acked: Acke
             return
 
 
-async def _run_until_killed(proxy: ProxyProcess, episodes: list[dict[str, Any]], calls: int,
-                            kill: Any) -> list[tuple[str, str]]:
+async def _run_until_killed(
+    proxy: ProxyProcess, episodes: list[dict[str, Any]], calls: int, kill: Any
+) -> list[tuple[str, str]]:
     """Run the agents until ``calls`` responses were acknowledged (at most 5 minutes on a busy box),
     then ``kill`` while every agent still has a call in flight."""
     acked = Acked(calls)
@@ -108,8 +113,7 @@ def test_sigterm_finishes_in_flight_calls_and_records_them(vllm_url: str, tmp_pa
     assert proxy.proc is not None
     pid = proxy.proc.pid
     started = time.monotonic()
-    acked = asyncio.run(_run_until_killed(proxy, episodes, calls=40,
-                                            kill=lambda: os.kill(pid, signal.SIGTERM)))
+    acked = asyncio.run(_run_until_killed(proxy, episodes, calls=40, kill=lambda: os.kill(pid, signal.SIGTERM)))
     # uvicorn re-raises the signal after a graceful shutdown, so the exit code is -15 either way;
     # the lifespan's last log line is what proves the drain ran to the end.
     assert proxy.proc.wait(timeout=90) in (0, -signal.SIGTERM)

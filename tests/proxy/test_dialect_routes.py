@@ -23,15 +23,39 @@ from tests.proxy.conftest import ADMIN, episode_auth, fake_upstream, make_settin
 def sse_chunks(body: dict[str, Any]) -> bytes:
     """A vLLM-shaped chat stream: role chunk with prompt ids, two content chunks, usage, [DONE]."""
     base = {"id": "chatcmpl-s", "object": "chat.completion.chunk", "created": 1, "model": body["model"]}
-    chunks = [{**base, "prompt_token_ids": [1, 2, 3],
-               "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
-              {**base, "choices": [{"index": 0, "delta": {"content": "Hel"}, "token_ids": [42],
-                                    "logprobs": {"content": [{"token": "Hel", "logprob": -0.5}]},
-                                    "finish_reason": None}]},
-              {**base, "choices": [{"index": 0, "delta": {"content": "lo"}, "token_ids": [43],
-                                    "logprobs": {"content": [{"token": "lo", "logprob": -0.25}]},
-                                    "finish_reason": "stop", "stop_reason": None}]},
-              {**base, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}]
+    chunks = [
+        {
+            **base,
+            "prompt_token_ids": [1, 2, 3],
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+        },
+        {
+            **base,
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"content": "Hel"},
+                    "token_ids": [42],
+                    "logprobs": {"content": [{"token": "Hel", "logprob": -0.5}]},
+                    "finish_reason": None,
+                }
+            ],
+        },
+        {
+            **base,
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"content": "lo"},
+                    "token_ids": [43],
+                    "logprobs": {"content": [{"token": "lo", "logprob": -0.25}]},
+                    "finish_reason": "stop",
+                    "stop_reason": None,
+                }
+            ],
+        },
+        {**base, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}},
+    ]
     return b"".join(b"data: " + orjson.dumps(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
 
 
@@ -47,8 +71,9 @@ def streaming(request: httpx.Request, body: dict[str, Any]) -> httpx.Response | 
     if request.url.path == "/v1/chat/completions" and body.get("stream"):
         return httpx.Response(200, stream=Events(sse_chunks(body)), headers={"content-type": "text/event-stream"})
     if request.url.path == "/tokenize":
-        return httpx.Response(200, json={"count": 7 + len(body.get("tools") or []), "max_model_len": 8192,
-                                         "tokens": []})
+        return httpx.Response(
+            200, json={"count": 7 + len(body.get("tools") or []), "max_model_len": 8192, "tokens": []}
+        )
     return None
 
 
@@ -93,14 +118,18 @@ async def test_previous_response_id_is_resolved_within_the_episode_only(proxy: h
     follow = {"model": "policy", "input": "and 5*6?", "previous_response_id": first["id"]}
     assert (await proxy.post("/v1/responses", json=follow, headers=me)).status_code == 200
     _, sent = proxy.seen[-1]  # type: ignore[attr-defined]
-    assert sent["messages"] == [{"role": "user", "content": "3*4?"}, {"role": "assistant", "content": "answer 0"},
-                                {"role": "user", "content": "and 5*6?"}]
+    assert sent["messages"] == [
+        {"role": "user", "content": "3*4?"},
+        {"role": "assistant", "content": "answer 0"},
+        {"role": "user", "content": "and 5*6?"},
+    ]
     stolen = await proxy.post("/v1/responses", json=follow, headers=other)
     assert stolen.status_code == 403 and stolen.json()["error"]["param"] == "previous_response_id"
     missing = await proxy.post("/v1/responses", json={**follow, "previous_response_id": "resp_nope"}, headers=me)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "previous_response_not_found"
-    unstored = (await proxy.post("/v1/responses", json={"model": "policy", "input": "x", "store": False},
-                                 headers=me)).json()
+    unstored = (
+        await proxy.post("/v1/responses", json={"model": "policy", "input": "x", "store": False}, headers=me)
+    ).json()
     refused = await proxy.post("/v1/responses", json={**follow, "previous_response_id": unstored["id"]}, headers=me)
     assert refused.status_code == 404 and "store: false" in refused.json()["error"]["message"]
     passthrough = await proxy.post("/passthrough/v1/responses", json=follow, headers=ADMIN)
@@ -109,8 +138,9 @@ async def test_previous_response_id_is_resolved_within_the_episode_only(proxy: h
 
 async def test_a_streamed_response_ends_with_completed_after_the_record(proxy: httpx.AsyncClient) -> None:
     group = await new_group(proxy, size=1)
-    async with proxy.stream("POST", "/v1/responses", json={"model": "policy", "input": "hi", "stream": True},
-                            headers=episode_auth(group)) as response:
+    async with proxy.stream(
+        "POST", "/v1/responses", json={"model": "policy", "input": "hi", "stream": True}, headers=episode_auth(group)
+    ) as response:
         raw = await response.aread()
     events = [orjson.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: ")]
     assert events[0]["type"] == "response.created" and events[-1]["type"] == "response.completed"
@@ -125,11 +155,18 @@ async def test_a_streamed_response_ends_with_completed_after_the_record(proxy: h
 
 async def test_responses_refusals_are_openai_errors_and_store_nothing(proxy: httpx.AsyncClient) -> None:
     group = await new_group(proxy, size=1)
-    response = await proxy.post("/v1/responses", json={"model": "policy", "input": "x", "background": True},
-                                headers=episode_auth(group))
+    response = await proxy.post(
+        "/v1/responses", json={"model": "policy", "input": "x", "background": True}, headers=episode_auth(group)
+    )
     assert response.status_code == 400
-    assert response.json() == {"error": {"message": response.json()["error"]["message"],
-                                         "type": "invalid_request_error", "param": "background", "code": None}}
+    assert response.json() == {
+        "error": {
+            "message": response.json()["error"]["message"],
+            "type": "invalid_request_error",
+            "param": "background",
+            "code": None,
+        }
+    }
     assert await calls_of(proxy, group["episode_keys"][0]["id"]) == []
     assert len(proxy.seen) == 0 or not any(p.endswith("/chat/completions") for p, _ in proxy.seen)  # type: ignore[attr-defined]
 
@@ -163,16 +200,30 @@ async def test_a_streamed_message_holds_message_stop_until_recorded(proxy: httpx
     assert call["api"] == "messages" and call["choices"][0]["token_ids"] == [42, 43]
 
 
-@pytest.mark.parametrize(("path", "body", "headers", "status", "kind"), [
-    ("/v1/messages", {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}, "episode", 400,
-     "invalid_request_error"),  # max_tokens is required
-    ("/v1/messages", {"model": "policy", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}, "bad",
-     401, "authentication_error"),
-    ("/v1/messages/count_tokens", {"model": "policy", "messages": []}, "episode", 400, "invalid_request_error"),
-    ("/v1/messages", None, "episode", 400, "invalid_request_error"),  # not JSON
-])
-async def test_messages_errors_come_in_anthropic_shape(proxy: httpx.AsyncClient, path: str, body: Any, headers: str,
-                                                       status: int, kind: str) -> None:
+@pytest.mark.parametrize(
+    ("path", "body", "headers", "status", "kind"),
+    [
+        (
+            "/v1/messages",
+            {"model": "policy", "messages": [{"role": "user", "content": "hi"}]},
+            "episode",
+            400,
+            "invalid_request_error",
+        ),  # max_tokens is required
+        (
+            "/v1/messages",
+            {"model": "policy", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]},
+            "bad",
+            401,
+            "authentication_error",
+        ),
+        ("/v1/messages/count_tokens", {"model": "policy", "messages": []}, "episode", 400, "invalid_request_error"),
+        ("/v1/messages", None, "episode", 400, "invalid_request_error"),  # not JSON
+    ],
+)
+async def test_messages_errors_come_in_anthropic_shape(
+    proxy: httpx.AsyncClient, path: str, body: Any, headers: str, status: int, kind: str
+) -> None:
     group = await new_group(proxy, size=1)
     auth = episode_auth(group) if headers == "episode" else {"x-api-key": "wrong"}
     if body is None:
@@ -196,8 +247,11 @@ async def test_an_oversized_message_is_refused_in_anthropic_shape(sqlite_url: st
 
 async def test_count_tokens_renders_on_the_engine_and_records_nothing(proxy: httpx.AsyncClient) -> None:
     group = await new_group(proxy, size=1)
-    body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}],
-            "tools": [{"name": "f", "input_schema": {"type": "object"}}]}
+    body = {
+        "model": "policy",
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+    }
     response = await proxy.post("/v1/messages/count_tokens", json=body, headers=episode_auth(group))
     assert response.status_code == 200 and response.json() == {"input_tokens": 8}
     path, sent = proxy.seen[-1]  # type: ignore[attr-defined]

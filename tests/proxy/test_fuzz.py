@@ -45,13 +45,18 @@ BODY_EXAMPLES = 100
 
 
 def fuzz(examples: int) -> settings:
-    return settings(max_examples=examples, derandomize=True, deadline=None, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
-                                           HealthCheck.data_too_large])
+    return settings(
+        max_examples=examples,
+        derandomize=True,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
+    )
 
 
 def vllm_like_upstream() -> httpx.MockTransport:
     """A named fake vLLM that refuses what vLLM refuses about ``n`` and answers everything else."""
+
     def respond(request: httpx.Request, body: dict[str, Any]) -> httpx.Response | None:
         if request.url.path == "/tokenize":
             return httpx.Response(200, json={"count": 7, "max_model_len": 8192, "tokens": []})
@@ -61,8 +66,10 @@ def vllm_like_upstream() -> httpx.MockTransport:
         if n is None:
             n = 1
         if type(n) is not int or not 1 <= n <= 8:
-            return httpx.Response(400, json={"error": {"message": "n must be an integer in [1, 8]",
-                                                       "type": "BadRequestError", "code": 400}})
+            return httpx.Response(
+                400,
+                json={"error": {"message": "n must be an integer in [1, 8]", "type": "BadRequestError", "code": 400}},
+            )
         if body.get("stream"):
             raw = sse(*(orjson.dumps(c) for c in good_chunks(str(body["model"]))))
             return httpx.Response(200, stream=SSEBody(raw), headers={"content-type": "text/event-stream"})
@@ -137,8 +144,14 @@ def test_every_operation_answers_below_500_in_its_error_shape(proxy: TestClient,
     @given(case=st.one_of(modes))
     def check(case: Any) -> None:
         sent = case.as_transport_kwargs(base_url="http://proxy", headers=ADMIN)
-        response = proxy.request(sent["method"], sent["url"], headers=sent["headers"], params=sent["params"],
-                                 content=sent.get("data"), json=sent.get("json"))
+        response = proxy.request(
+            sent["method"],
+            sent["url"],
+            headers=sent["headers"],
+            params=sent["params"],
+            content=sent.get("data"),
+            json=sent.get("json"),
+        )
         assert_clean(response, httpx.URL(sent["url"]).path)
 
     check()
@@ -146,14 +159,36 @@ def test_every_operation_answers_below_500_in_its_error_shape(proxy: TestClient,
 
 # -- the model routes' bodies ------------------------------------------------------------------
 
-ODD_NUMBERS = st.sampled_from([-1, 0, -(2**31), 2**31, 2**63, -(2**63) - 1, 2**64, 10**30, 1e308, -1e308, 0.5,
-                               -0.0, 5e-324])
-ODD_TEXT = st.sampled_from(["", "\u0000", "\u202e\u202d", "\ufeff", "\U0001d518\U0001d52b", "e\u0301", "\uffff",
-                            "\\", '"', "policy\n", "\U0010ffff", "<|im_end|>"]) | st.text(max_size=8)
-SCALARS = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | \
-    ODD_NUMBERS | ODD_TEXT
-JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(ODD_TEXT, inner, max_size=3),
-                    max_leaves=8)
+ODD_NUMBERS = st.sampled_from(
+    [-1, 0, -(2**31), 2**31, 2**63, -(2**63) - 1, 2**64, 10**30, 1e308, -1e308, 0.5, -0.0, 5e-324]
+)
+ODD_TEXT = st.sampled_from(
+    [
+        "",
+        "\u0000",
+        "\u202e\u202d",
+        "\ufeff",
+        "\U0001d518\U0001d52b",
+        "e\u0301",
+        "\uffff",
+        "\\",
+        '"',
+        "policy\n",
+        "\U0010ffff",
+        "<|im_end|>",
+    ]
+) | st.text(max_size=8)
+SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | ODD_NUMBERS
+    | ODD_TEXT
+)
+JSON = st.recursive(
+    SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(ODD_TEXT, inner, max_size=3), max_leaves=8
+)
 
 
 def nested(depth: int, leaf: Any) -> Any:
@@ -167,18 +202,81 @@ ODD = SCALARS | JSON | DEEP
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 APIS: dict[str, tuple[str, dict[str, Any], list[str]]] = {
-    "chat": ("/v1/chat/completions", {"model": "policy", "messages": MESSAGES},
-             ["model", "messages", "n", "temperature", "top_p", "top_k", "max_tokens", "max_completion_tokens", "seed",
-              "logprobs", "top_logprobs", "stop", "tools", "tool_choice", "stream_options", "return_token_ids",
-              "presence_penalty", "frequency_penalty", "repetition_penalty", "response_format", "logit_bias",
-              "min_tokens", "guided_json", "structured_outputs", "extra"]),
-    "responses": ("/v1/responses", {"model": "policy", "input": "hi"},
-                  ["model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools",
-                   "tool_choice", "text", "reasoning", "metadata", "store", "previous_response_id", "include",
-                   "top_logprobs", "parallel_tool_calls", "truncation", "extra"]),
-    "messages": ("/v1/messages", {"model": "policy", "max_tokens": 8, "messages": MESSAGES},
-                 ["model", "messages", "max_tokens", "system", "temperature", "top_p", "top_k", "stop_sequences",
-                  "tools", "tool_choice", "metadata", "thinking", "service_tier", "extra"]),
+    "chat": (
+        "/v1/chat/completions",
+        {"model": "policy", "messages": MESSAGES},
+        [
+            "model",
+            "messages",
+            "n",
+            "temperature",
+            "top_p",
+            "top_k",
+            "max_tokens",
+            "max_completion_tokens",
+            "seed",
+            "logprobs",
+            "top_logprobs",
+            "stop",
+            "tools",
+            "tool_choice",
+            "stream_options",
+            "return_token_ids",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "response_format",
+            "logit_bias",
+            "min_tokens",
+            "guided_json",
+            "structured_outputs",
+            "extra",
+        ],
+    ),
+    "responses": (
+        "/v1/responses",
+        {"model": "policy", "input": "hi"},
+        [
+            "model",
+            "input",
+            "instructions",
+            "max_output_tokens",
+            "temperature",
+            "top_p",
+            "tools",
+            "tool_choice",
+            "text",
+            "reasoning",
+            "metadata",
+            "store",
+            "previous_response_id",
+            "include",
+            "top_logprobs",
+            "parallel_tool_calls",
+            "truncation",
+            "extra",
+        ],
+    ),
+    "messages": (
+        "/v1/messages",
+        {"model": "policy", "max_tokens": 8, "messages": MESSAGES},
+        [
+            "model",
+            "messages",
+            "max_tokens",
+            "system",
+            "temperature",
+            "top_p",
+            "top_k",
+            "stop_sequences",
+            "tools",
+            "tool_choice",
+            "metadata",
+            "thinking",
+            "service_tier",
+            "extra",
+        ],
+    ),
 }
 
 
@@ -205,8 +303,9 @@ ENDINGS = {"chat": b"data: [DONE]", "responses": b"response.completed", "message
 
 
 @pytest.mark.parametrize("api", APIS)
-def test_model_bodies_answer_below_500_in_their_api_error_shape(proxy: TestClient, episode_key: dict[str, str],
-                                                              api: str) -> None:
+def test_model_bodies_answer_below_500_in_their_api_error_shape(
+    proxy: TestClient, episode_key: dict[str, str], api: str
+) -> None:
     path = APIS[api][0]
 
     @fuzz(BODY_EXAMPLES)
@@ -230,6 +329,7 @@ def _encoded(body: dict[str, Any]) -> bytes:
 
 
 # -- the upstream's answers -------------------------------------------------------------------
+
 
 class ScriptedUpstream:
     """A named fake vLLM whose next chat answer (plain and streamed) the test sets."""
@@ -264,7 +364,8 @@ def upstream_answers(draw: st.DrawFn) -> tuple[bytes, bytes]:
     answer = fake_vllm_completion({"model": "policy-base", "logprobs": True, "return_token_ids": True})
     chunks = good_chunks("policy-base")
     chunks[1]["choices"][0]["delta"]["tool_calls"] = [
-        {"index": 0, "id": "call-1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+        {"index": 0, "id": "call-1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    ]
     stream = sse(*(_encoded(mutated(draw, c) if draw(st.booleans()) else c) for c in chunks))
     return _encoded(mutated(draw, answer)), stream
 
@@ -313,28 +414,37 @@ def assert_stream_ends(api: str, content: bytes) -> None:
 
 # -- what the fuzzing found, kept as plain regression tests -------------------------------------
 
-@pytest.mark.parametrize(("method", "path", "body"), [
-    ("GET", "/trainer/steps?since_step=9223372036854775808", None),  # was a 500: OverflowError in SQLite
-    ("GET", "/groups?offset=9223372036854775808", None),
-    ("GET", "/episodes?offset=9223372036854775808", None),
-    ("POST", "/trainer/steps", {"step": 2**31, "metrics": {}}),  # past PostgreSQL's integer column
-    ("POST", "/trainer/claim", {"max_staleness": 2**63}),
-    ("POST", "/policy/publish", {"adapter_path": "/adapters/x", "version": 2**31}),
-])
-def test_integers_past_what_the_store_holds_are_refused(proxy: TestClient, method: str, path: str,
-                                                        body: dict[str, Any] | None) -> None:
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("GET", "/trainer/steps?since_step=9223372036854775808", None),  # was a 500: OverflowError in SQLite
+        ("GET", "/groups?offset=9223372036854775808", None),
+        ("GET", "/episodes?offset=9223372036854775808", None),
+        ("POST", "/trainer/steps", {"step": 2**31, "metrics": {}}),  # past PostgreSQL's integer column
+        ("POST", "/trainer/claim", {"max_staleness": 2**63}),
+        ("POST", "/policy/publish", {"adapter_path": "/adapters/x", "version": 2**31}),
+    ],
+)
+def test_integers_past_what_the_store_holds_are_refused(
+    proxy: TestClient, method: str, path: str, body: dict[str, Any] | None
+) -> None:
     response = proxy.request(method, path, json=body, headers=ADMIN)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["type"] == "invalid_request_error"
 
 
 @pytest.mark.parametrize("api", APIS)
-def test_a_body_nested_past_what_orjson_writes_is_refused(proxy: TestClient, episode_key: dict[str, str],
-                                                          api: str) -> None:
+def test_a_body_nested_past_what_orjson_writes_is_refused(
+    proxy: TestClient, episode_key: dict[str, str], api: str
+) -> None:
     """Was a 500: orjson.dumps stops at 254 levels, after the body had been taken."""
     path, body, _ = APIS[api]
-    response = proxy.post(path, content=_encoded({**body, "extra": nested(300, 1)}),
-                          headers={**episode_key, "content-type": "application/json"})
+    response = proxy.post(
+        path,
+        content=_encoded({**body, "extra": nested(300, 1)}),
+        headers={**episode_key, "content-type": "application/json"},
+    )
     assert response.status_code == 400, response.text
     assert_clean(response, path)
     assert "deeper than 128" in response.text

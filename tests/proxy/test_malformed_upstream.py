@@ -47,6 +47,7 @@ def _choice(**fields: Any) -> Answer:
     def answer(body: dict[str, Any]) -> bytes:
         good = fake_vllm_completion(body)
         return orjson.dumps({**good, "choices": [{**good["choices"][0], **fields}]})
+
     return answer
 
 
@@ -73,12 +74,27 @@ BROKEN_ANSWERS: dict[str, Answer] = {
 
 def good_chunks(model: str) -> list[dict[str, Any]]:
     base = {"id": "chatcmpl-s", "object": "chat.completion.chunk", "created": 1, "model": model}
-    return [{**base, "prompt_token_ids": [1, 2, 3],
-             "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
-            {**base, "choices": [{"index": 0, "delta": {"content": "Hi"}, "token_ids": [42],
-                                  "logprobs": {"content": [{"token": "Hi", "logprob": -0.5}]},
-                                  "finish_reason": "stop", "stop_reason": None}]},
-            {**base, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}]
+    return [
+        {
+            **base,
+            "prompt_token_ids": [1, 2, 3],
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+        },
+        {
+            **base,
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"content": "Hi"},
+                    "token_ids": [42],
+                    "logprobs": {"content": [{"token": "Hi", "logprob": -0.5}]},
+                    "finish_reason": "stop",
+                    "stop_reason": None,
+                }
+            ],
+        },
+        {**base, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}},
+    ]
 
 
 def sse(*payloads: bytes) -> bytes:
@@ -94,6 +110,7 @@ def _last_usage(usage: Any) -> Stream:
         chunks = good_chunks(body["model"])
         chunks[-1]["usage"] = usage
         return sse(*(orjson.dumps(c) for c in chunks))
+
     return stream
 
 
@@ -105,15 +122,29 @@ BROKEN_STREAMS: dict[str, Stream] = {
     "malformed JSON": lambda body: sse(orjson.dumps(good_chunks(body["model"])[0]), b'{"choices": [{"delta"'),
     "a JSON number": lambda body: sse(b"5"),
     "choices not a list": lambda body: sse(orjson.dumps({**good_chunks(body["model"])[0], "choices": "hi"})),
-    "delta not an object": lambda body: sse(orjson.dumps(
-        {**good_chunks(body["model"])[1], "choices": [{"index": 0, "delta": "Hi", "finish_reason": None}]})),
-    "choice index null": lambda body: sse(orjson.dumps(
-        {**good_chunks(body["model"])[1], "choices": [{"index": None, "delta": {"content": "Hi"}}]})),
-    "tool call index null": lambda body: sse(orjson.dumps({**good_chunks(body["model"])[1], "choices": [
-        {"index": 0, "delta": {"tool_calls": [{"index": None, "function": {"name": "f", "arguments": "{}"}}]}}]})),
+    "delta not an object": lambda body: sse(
+        orjson.dumps({**good_chunks(body["model"])[1], "choices": [{"index": 0, "delta": "Hi", "finish_reason": None}]})
+    ),
+    "choice index null": lambda body: sse(
+        orjson.dumps({**good_chunks(body["model"])[1], "choices": [{"index": None, "delta": {"content": "Hi"}}]})
+    ),
+    "tool call index null": lambda body: sse(
+        orjson.dumps(
+            {
+                **good_chunks(body["model"])[1],
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"tool_calls": [{"index": None, "function": {"name": "f", "arguments": "{}"}}]},
+                    }
+                ],
+            }
+        )
+    ),
     "nested past 128 levels": lambda body: sse(json.dumps({**good_chunks(body["model"])[1], "x": _deep(300)}).encode()),
-    "choice index not an integer": lambda body: sse(orjson.dumps(
-        {**good_chunks(body["model"])[1], "choices": [{"index": [0], "delta": {"content": "Hi"}}]})),
+    "choice index not an integer": lambda body: sse(
+        orjson.dumps({**good_chunks(body["model"])[1], "choices": [{"index": [0], "delta": {"content": "Hi"}}]})
+    ),
 }
 
 
@@ -127,6 +158,7 @@ class SSEBody(httpx.AsyncByteStream):
 
 def malformed_upstream(answer: Answer | None = None, stream: Stream | None = None) -> httpx.MockTransport:
     """A named fake vLLM that answers chat completions with ``answer`` (plain) or ``stream`` (streamed)."""
+
     def respond(request: httpx.Request, body: dict[str, Any]) -> httpx.Response | None:
         if request.url.path != "/v1/chat/completions":
             return None
@@ -184,15 +216,22 @@ def _last_event(api: str, raw: bytes) -> dict[str, Any]:
     last: dict[str, Any] = orjson.loads(data[0])
     if api == "responses":  # a Responses error event carries the error's fields at its top level
         assert last["type"] == "error"
-        return {"error": {"message": last["message"], "type": "upstream_error", "param": last["param"],
-                          "code": last["code"]}}
+        return {
+            "error": {
+                "message": last["message"],
+                "type": "upstream_error",
+                "param": last["param"],
+                "code": last["code"],
+            }
+        }
     return last
 
 
 @pytest.mark.parametrize("api", BODIES)
 @pytest.mark.parametrize("case", BROKEN_STREAMS)
-async def test_a_malformed_stream_ends_in_an_error_event_recorded_as_failed(sqlite_url: str, api: str,
-                                                                           case: str) -> None:
+async def test_a_malformed_stream_ends_in_an_error_event_recorded_as_failed(
+    sqlite_url: str, api: str, case: str
+) -> None:
     async with running_app(make_settings(sqlite_url), malformed_upstream(stream=BROKEN_STREAMS[case])) as client:
         group = await new_group(client, size=1)
         path, body = BODIES[api]
@@ -226,8 +265,9 @@ async def test_count_tokens_with_a_malformed_tokenize_answer_is_a_502(sqlite_url
     async with running_app(make_settings(sqlite_url), fake_upstream(respond=tokenize)) as client:
         group = await new_group(client, size=1)
         for _ in range(4):
-            response = await client.post("/v1/messages/count_tokens", json={"model": "policy", "messages": MESSAGES},
-                                         headers=episode_auth(group))
+            response = await client.post(
+                "/v1/messages/count_tokens", json={"model": "policy", "messages": MESSAGES}, headers=episode_auth(group)
+            )
             assert response.status_code == 502, response.text
             assert response.json()["error"]["type"] == "api_error"
 

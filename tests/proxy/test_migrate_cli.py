@@ -20,7 +20,8 @@ def _stored_revision(path: Path) -> str:
 
 
 def test_migrate_stops_at_the_revision_asked_for_then_goes_on_to_head(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from alembic.script import ScriptDirectory
 
     path = tmp_path / "flywheel.db"

@@ -27,8 +27,9 @@ HOSTS = ("upstream-0", "upstream-1")
 Respond = Callable[[httpx.Request, dict[str, Any]], httpx.Response | None]
 
 
-def fake_replicas(engines: dict[str, dict[str, str]], seen: list[tuple[str, dict[str, Any]]],
-                  respond: Respond | None = None) -> httpx.MockTransport:
+def fake_replicas(
+    engines: dict[str, dict[str, str]], seen: list[tuple[str, dict[str, Any]]], respond: Respond | None = None
+) -> httpx.MockTransport:
     """The named fake upstream, one fake vLLM per host: ``engines[host]`` is that engine's adapters."""
     fakes = {host: fake_upstream(seen=seen, respond=respond, adapters=loaded) for host, loaded in engines.items()}
 
@@ -52,8 +53,9 @@ class Cluster:
     def __init__(self, sqlite_url: str, respond: Respond | None = None, **policy: Any) -> None:
         self.engines: dict[str, dict[str, str]] = {host: {} for host in HOSTS}
         self.seen: list[tuple[str, dict[str, Any]]] = []
-        self.settings = make_settings(sqlite_url, upstreams=[{"name": h, "url": f"http://{h}"} for h in HOSTS],
-                                      policy=policy)
+        self.settings = make_settings(
+            sqlite_url, upstreams=[{"name": h, "url": f"http://{h}"} for h in HOSTS], policy=policy
+        )
         self.repo = Repository(sqlite_url, min_rewarded=2)
         self.respond = respond
         self._upstreams: list[Upstreams] = []
@@ -73,8 +75,9 @@ class Cluster:
 
     def loads(self) -> list[tuple[str, str]]:
         """(host, adapter name) of every load request the engines received."""
-        return [(path.split("/")[0], body["lora_name"]) for path, body in self.seen
-                if path.endswith("/load_lora_adapter")]
+        return [
+            (path.split("/")[0], body["lora_name"]) for path, body in self.seen if path.endswith("/load_lora_adapter")
+        ]
 
     async def close(self) -> None:
         for upstreams in self._upstreams:
@@ -105,6 +108,7 @@ async def publish(table: PolicyTable, path: str, version: int | None = None) -> 
 
 
 # -- resolving a requested model ------------------------------------------------------------------
+
 
 async def test_names_resolve_to_the_base_model_before_anything_is_published(cluster: Cluster) -> None:
     table = cluster.table()
@@ -182,6 +186,7 @@ async def test_the_refresh_loop_outlives_a_store_failure(sqlite_url: str) -> Non
 
 # -- publishing -----------------------------------------------------------------------------------
 
+
 async def test_publish_loads_the_adapter_on_every_replica_then_switches(cluster: Cluster) -> None:
     table, upstreams = cluster.proxy()
     record = await table.publish(adapter_path="/a/1", version=None, metadata={"step": 1})
@@ -209,8 +214,11 @@ async def test_an_explicit_version_may_skip_numbers_but_never_go_back(cluster: C
     for stale in (5, 3):
         with pytest.raises(Conflict) as refused:
             await publish(table, f"/a/{stale}", version=stale)
-        assert (refused.value.status_code, refused.value.code, refused.value.param) == (409, "version_conflict",
-                                                                                        "version")
+        assert (refused.value.status_code, refused.value.code, refused.value.param) == (
+            409,
+            "version_conflict",
+            "version",
+        )
     assert cluster.loads() == []  # refused before any replica was touched
     assert (await publish(table, "/a/6")).version == 6
 
@@ -266,14 +274,18 @@ async def test_only_healthy_replicas_are_loaded_while_one_is(cluster: Cluster) -
     assert sorted(cluster.loads()) == [(host, "policy-v2") for host in HOSTS]
 
 
-@pytest.mark.parametrize(("status", "message", "error", "http", "hint"), [
-    (400, "adapter config not found", InvalidRequest, 400, False),
-    (404, "Not Found", InvalidRequest, 400, True),  # the route is missing: runtime LoRA updating is off
-    (404, "The lora adapter cannot be found", InvalidRequest, 400, False),
-    (500, "CUDA out of memory", UpstreamError, 502, False),
-])
+@pytest.mark.parametrize(
+    ("status", "message", "error", "http", "hint"),
+    [
+        (400, "adapter config not found", InvalidRequest, 400, False),
+        (404, "Not Found", InvalidRequest, 400, True),  # the route is missing: runtime LoRA updating is off
+        (404, "The lora adapter cannot be found", InvalidRequest, 400, False),
+        (500, "CUDA out of memory", UpstreamError, 502, False),
+    ],
+)
 async def test_a_publish_no_replica_takes_leaves_the_old_version_serving(
-        sqlite_url: str, status: int, message: str, error: type[Exception], http: int, hint: bool) -> None:
+    sqlite_url: str, status: int, message: str, error: type[Exception], http: int, hint: bool
+) -> None:
     cluster = Cluster(sqlite_url)
     try:
         table, upstreams = cluster.proxy()

@@ -56,11 +56,26 @@ async def episode_id(repo: GatedRepository) -> str:
 
 def call(episode_id: str, marker: int = 0) -> NewCall:
     return NewCall(
-        episode_id=episode_id, kind="chat", stream=False, request={"model": "policy", "messages": []},
-        response={"choices": []}, status_code=200, error=None, prompt_token_ids=[1, 2, marker],
+        episode_id=episode_id,
+        kind="chat",
+        stream=False,
+        request={"model": "policy", "messages": []},
+        response={"choices": []},
+        status_code=200,
+        error=None,
+        prompt_token_ids=[1, 2, marker],
         choices=[{"index": 0, "token_ids": [4, 5], "logprobs": [-0.1, -0.2], "finish_reason": "stop"}],
-        exact_ids=True, model_requested="policy", model_served="policy-base", policy_version=0, replica="vllm-0",
-        started_at=time.time(), latency_ms=1.0, ttft_ms=None, prompt_tokens=3, completion_tokens=2)
+        exact_ids=True,
+        model_requested="policy",
+        model_served="policy-base",
+        policy_version=0,
+        replica="vllm-0",
+        started_at=time.time(),
+        latency_ms=1.0,
+        ttft_ms=None,
+        prompt_tokens=3,
+        completion_tokens=2,
+    )
 
 
 async def held_first_batch(repo: GatedRepository, recorder: Recorder, episode_id: str) -> asyncio.Task[None]:
@@ -79,8 +94,7 @@ async def queued(recorder: Recorder, calls: list[NewCall]) -> list[asyncio.Task[
     return tasks
 
 
-async def test_a_call_is_acknowledged_only_once_its_batch_has_committed(repo: GatedRepository,
-                                                                        episode_id: str) -> None:
+async def test_a_call_is_acknowledged_only_once_its_batch_has_committed(repo: GatedRepository, episode_id: str) -> None:
     recorder = Recorder(repo)
     recorder.start()
     try:
@@ -113,8 +127,9 @@ async def test_every_acknowledged_call_is_readable_at_once_from_another_connecti
     assert counts == [1] * len(episodes)
 
 
-async def test_calls_arriving_during_a_commit_share_the_next_transaction(repo: GatedRepository,
-                                                                          episode_id: str) -> None:
+async def test_calls_arriving_during_a_commit_share_the_next_transaction(
+    repo: GatedRepository, episode_id: str
+) -> None:
     reported: list[tuple[int, float]] = []
     recorder = Recorder(repo, on_batch=lambda size, seconds: reported.append((size, seconds)))
     recorder.start()
@@ -148,7 +163,8 @@ async def test_batch_max_caps_the_calls_in_one_transaction(repo: GatedRepository
 
 
 async def test_a_failed_commit_fails_every_waiter_of_its_batch_and_the_next_batch_commits(
-        repo: GatedRepository, episode_id: str) -> None:
+    repo: GatedRepository, episode_id: str
+) -> None:
     recorder = Recorder(repo)
     recorder.start()
     try:
@@ -189,8 +205,7 @@ async def test_a_refused_call_fails_alone_and_its_batch_commits(repo: GatedRepos
     assert await repo.count_calls(episode_id) == 3 and await repo.count_calls(missing) == 0
 
 
-async def test_a_caller_that_stops_waiting_still_has_its_call_committed(repo: GatedRepository,
-                                                                        episode_id: str) -> None:
+async def test_a_caller_that_stops_waiting_still_has_its_call_committed(repo: GatedRepository, episode_id: str) -> None:
     """A client that disconnects cancels only its wait; the record it handed in is still written."""
     recorder = Recorder(repo)
     recorder.start()
@@ -233,8 +248,9 @@ async def test_a_call_after_close_is_refused_not_lost(repo: GatedRepository, epi
 
 
 @pytest.mark.parametrize("yields", range(5))
-async def test_a_call_racing_close_is_committed_or_refused_never_left_waiting(repo: GatedRepository,
-                                                                               episode_id: str, yields: int) -> None:
+async def test_a_call_racing_close_is_committed_or_refused_never_left_waiting(
+    repo: GatedRepository, episode_id: str, yields: int
+) -> None:
     """A call handed in at any point while close() runs gets an answer: committed, or refused with
     RecordingFailed. ``yields`` moves the call across close()'s steps (the batch loop ending, then
     close() resuming)."""
@@ -253,10 +269,10 @@ async def test_a_call_racing_close_is_committed_or_refused_never_left_waiting(re
     assert await repo.count_calls(episode_id) == (1 if committed else 0)
 
 
-async def test_a_failing_on_batch_callback_is_counted_and_commits_go_on(repo: GatedRepository,
-                                                                         episode_id: str) -> None:
+async def test_a_failing_on_batch_callback_is_counted_and_commits_go_on(repo: GatedRepository, episode_id: str) -> None:
     """The metrics callback raising (a negative count once did) must not end the batch loop: every
     later call would wait for ever."""
+
     def broken(size: int, seconds: float) -> None:
         raise ValueError("Counters can only be incremented by non-negative amounts.")
 

@@ -15,20 +15,29 @@ NONE = SamplingDefaults(values={}, source="vLLM neutral values")
 QWEN = SamplingDefaults(values={"temperature": 0.7, "top_p": 0.8, "top_k": 20.0}, source="test")
 
 
-def resolved(body: dict[str, Any], defaults: SamplingDefaults = NONE,
-             **policy: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def resolved(
+    body: dict[str, Any], defaults: SamplingDefaults = NONE, **policy: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
     upstream = dict(body)
-    record = resolve(upstream, defaults, penalties=policy.get("penalties", "flag"),
-                     constrained=policy.get("constrained", "train"))
+    record = resolve(
+        upstream, defaults, penalties=policy.get("penalties", "flag"), constrained=policy.get("constrained", "train")
+    )
     return upstream, record
 
 
 def test_omitted_fields_are_sent_explicitly_with_vllm_neutral_values() -> None:
     upstream, record = resolved({"messages": []})
     assert {k: upstream[k] for k in ("temperature", "top_p", "top_k", "min_p")} == {
-        "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "min_p": 0.0,
+    }
     assert {k: upstream[k] for k in ("repetition_penalty", "presence_penalty", "frequency_penalty")} == {
-        "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+    }
     assert record["mode"] == "sampled" and "from_model" not in record
     assert record["pinned"] == ["repetition_penalty", "presence_penalty", "frequency_penalty"]
 
@@ -40,8 +49,9 @@ def test_model_defaults_fill_omitted_fields_and_the_request_wins() -> None:
 
 
 def test_generation_config_is_read_from_a_model_directory(tmp_path: Path) -> None:
-    (tmp_path / "generation_config.json").write_text(json.dumps(
-        {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "do_sample": True}))
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "do_sample": True})
+    )
     defaults = SamplingDefaults.load(str(tmp_path), {"min_p": 0.05})
     assert defaults.values == {"temperature": 0.7, "top_p": 0.8, "top_k": 20.0, "min_p": 0.05}
     upstream, record = resolved({}, defaults)
@@ -68,8 +78,17 @@ def test_a_top_k_out_of_range_is_refused(top_k: float) -> None:
     assert (refused.value.status_code, refused.value.param) == (400, "top_k")
 
 
-@pytest.mark.parametrize("body", [{"repetition_penalty": 1.1}, {"presence_penalty": 0.5}, {"logit_bias": {"5": 3}},
-                                  {"bad_words": ["x"]}, {"min_tokens": 4}, {"allowed_token_ids": [1, 2]}])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"repetition_penalty": 1.1},
+        {"presence_penalty": 0.5},
+        {"logit_bias": {"5": 3}},
+        {"bad_words": ["x"]},
+        {"min_tokens": 4},
+        {"allowed_token_ids": [1, 2]},
+    ],
+)
 def test_penalties_are_flagged_or_refused(body: dict[str, Any]) -> None:
     upstream, record = resolved(body)
     assert record["mode"] == "penalized" and set(record["penalties"]) == set(body)
@@ -86,14 +105,22 @@ def test_neutral_penalties_sent_by_a_client_are_not_flagged() -> None:
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
 
 
-@pytest.mark.parametrize(("body", "constraint"), [
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice=required"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "add"}}}, "tool_choice=function:add"),
-    ({"response_format": {"type": "json_object"}}, "response_format=json_object"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
-     "response_format=json_schema"),
-    ({"structured_outputs": {"regex": "[0-9]+"}}, "structured_outputs"),
-])
+@pytest.mark.parametrize(
+    ("body", "constraint"),
+    [
+        ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice=required"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "add"}}},
+            "tool_choice=function:add",
+        ),
+        ({"response_format": {"type": "json_object"}}, "response_format=json_object"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+            "response_format=json_schema",
+        ),
+        ({"structured_outputs": {"regex": "[0-9]+"}}, "structured_outputs"),
+    ],
+)
 def test_grammar_constraints_are_recorded_with_the_deployment_policy(body: dict[str, Any], constraint: str) -> None:
     record = resolved(body, constrained="exclude")[1]
     assert (record["mode"], record["constraint"], record["constrained"]) == ("constrained", constraint, "exclude")

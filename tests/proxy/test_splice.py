@@ -16,23 +16,52 @@ ARGS = '{"a": 12, "op": "multiply", "b": 34}'
 
 
 def tool_turn(call_id: str = "call_1", arguments: str = ARGS) -> dict[str, Any]:
-    return {"role": "assistant", "content": None, "tool_calls": [
-        {"id": call_id, "type": "function", "function": {"name": "calculator", "arguments": arguments}}]}
+    return {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": call_id, "type": "function", "function": {"name": "calculator", "arguments": arguments}}],
+    }
 
 
-def choice(index: int = 0, *, call_id: str | None = "call_1", text: str = "", ids: list[int] | None = None
-           ) -> dict[str, Any]:
+def choice(
+    index: int = 0, *, call_id: str | None = "call_1", text: str = "", ids: list[int] | None = None
+) -> dict[str, Any]:
     calls = [{"id": call_id, "type": "function", "function": {"name": "calculator", "arguments": ARGS}}]
-    return {"index": index, "token_ids": ids if ids is not None else [7, 8, 9], "logprobs": [-0.1, -0.2, -0.3],
-            "finish_reason": "tool_calls", "text": text, "tool_calls": calls if call_id else None}
+    return {
+        "index": index,
+        "token_ids": ids if ids is not None else [7, 8, 9],
+        "logprobs": [-0.1, -0.2, -0.3],
+        "finish_reason": "tool_calls",
+        "text": text,
+        "tool_calls": calls if call_id else None,
+    }
 
 
 def call(messages: list[dict[str, Any]], choices: list[dict[str, Any]], **over: Any) -> CallRecord:
     fields: dict[str, Any] = dict(
-        episode_id="ep", kind="chat", stream=False, request={"model": "policy", "messages": messages},
-        response=None, status_code=200, error=None, prompt_token_ids=[1, 2, 3], choices=choices, exact_ids=True,
-        model_requested="policy", model_served="policy-base", policy_version=0, replica="r", started_at=0.0,
-        latency_ms=1.0, ttft_ms=None, prompt_tokens=3, completion_tokens=3, notes=None, id=1, ordinal=0)
+        episode_id="ep",
+        kind="chat",
+        stream=False,
+        request={"model": "policy", "messages": messages},
+        response=None,
+        status_code=200,
+        error=None,
+        prompt_token_ids=[1, 2, 3],
+        choices=choices,
+        exact_ids=True,
+        model_requested="policy",
+        model_served="policy-base",
+        policy_version=0,
+        replica="r",
+        started_at=0.0,
+        latency_ms=1.0,
+        ttft_ms=None,
+        prompt_tokens=3,
+        completion_tokens=3,
+        notes=None,
+        id=1,
+        ordinal=0,
+    )
     fields.update(over)
     return CallRecord(**fields)
 
@@ -57,13 +86,16 @@ def test_n_greater_than_one_continues_the_choice_the_agent_kept() -> None:
     assert found is not None and found.choice["token_ids"] == [6]
 
 
-@pytest.mark.parametrize("messages", [
-    [SYSTEM, USER, tool_turn(arguments='{"a": 12, "op": "add", "b": 34}'), RESULT],  # the agent edited the call
-    [SYSTEM, USER, tool_turn("call_other"), RESULT],                                  # another call's id
-    [SYSTEM, {"role": "user", "content": "What is 1 + 1?"}, tool_turn(), RESULT],      # history rewritten
-    [SYSTEM, USER, tool_turn()],                                                      # nothing after the turn
-    [SYSTEM, USER, {"role": "user", "content": "again"}, RESULT],                     # the answer was discarded
-])
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [SYSTEM, USER, tool_turn(arguments='{"a": 12, "op": "add", "b": 34}'), RESULT],  # the agent edited the call
+        [SYSTEM, USER, tool_turn("call_other"), RESULT],  # another call's id
+        [SYSTEM, {"role": "user", "content": "What is 1 + 1?"}, tool_turn(), RESULT],  # history rewritten
+        [SYSTEM, USER, tool_turn()],  # nothing after the turn
+        [SYSTEM, USER, {"role": "user", "content": "again"}, RESULT],  # the answer was discarded
+    ],
+)
 def test_what_is_not_a_continuation(messages: list[dict[str, Any]]) -> None:
     assert continued(messages, call([SYSTEM, USER], [choice()])) is None
 

@@ -30,20 +30,36 @@ async def repo(store_url: str) -> AsyncIterator[Repository]:
         await repository.close()
 
 
-def call(episode_id: str, *, started_at: float | None = None, version: int | None = 0,
-         prompt: list[int] | None = None) -> NewCall:
+def call(
+    episode_id: str, *, started_at: float | None = None, version: int | None = 0, prompt: list[int] | None = None
+) -> NewCall:
     return NewCall(
-        episode_id=episode_id, kind="chat", stream=False, request={"model": "policy", "messages": []},
-        response={"choices": []}, status_code=200, error=None, prompt_token_ids=prompt or [1, 2, 3],
+        episode_id=episode_id,
+        kind="chat",
+        stream=False,
+        request={"model": "policy", "messages": []},
+        response={"choices": []},
+        status_code=200,
+        error=None,
+        prompt_token_ids=prompt or [1, 2, 3],
         choices=[{"index": 0, "token_ids": [4, 5], "logprobs": [-0.1, -0.2], "finish_reason": "stop"}],
-        exact_ids=True, model_requested="policy", model_served="policy-base", policy_version=version,
-        replica="vllm-0", started_at=started_at if started_at is not None else time.time(), latency_ms=1.0,
-        ttft_ms=None, prompt_tokens=3, completion_tokens=2)
+        exact_ids=True,
+        model_requested="policy",
+        model_served="policy-base",
+        policy_version=version,
+        replica="vllm-0",
+        started_at=started_at if started_at is not None else time.time(),
+        latency_ms=1.0,
+        ttft_ms=None,
+        prompt_tokens=3,
+        completion_tokens=2,
+    )
 
 
 async def test_group_creation_is_whole(repo: Repository) -> None:
-    group = await repo.create_group(task_id="t", size=3, metadata={"k": 1},
-                                    episode_metadata=[{"i": 0}, {"i": 1}, {"i": 2}])
+    group = await repo.create_group(
+        task_id="t", size=3, metadata={"k": 1}, episode_metadata=[{"i": 0}, {"i": 1}, {"i": 2}]
+    )
     stored = await repo.get_group(group.id)
     assert stored.size == 3 and stored.status == "open" and stored.metadata == {"k": 1}
     assert [e.metadata["i"] for e in stored.episodes or []] == [0, 1, 2]
@@ -54,8 +70,13 @@ async def test_calls_get_ordinals_in_start_order_and_round_trip_exactly(repo: Re
     episode = await repo.create_episode(task_id="t", metadata={})
     other = await repo.create_episode(task_id="t", metadata={})
     now = time.time()
-    await repo.insert_calls([call(episode.id, started_at=now + 1, prompt=[9]), call(episode.id, started_at=now),
-                             call(other.id, started_at=now)])
+    await repo.insert_calls(
+        [
+            call(episode.id, started_at=now + 1, prompt=[9]),
+            call(episode.id, started_at=now),
+            call(other.id, started_at=now),
+        ]
+    )
     await repo.insert_calls([call(episode.id, started_at=now + 2, prompt=[7, 8])])
     stored = await repo.get_episode(episode.id)
     assert [c.ordinal for c in stored.calls or []] == [0, 1, 2]
@@ -80,21 +101,61 @@ def varied_calls(episode_id: str, other_id: str, t0: float) -> list[list[NewCall
     """Two batches whose values exercise every column's encoding: JSON None and empty containers,
     non-ASCII text, extreme floats, integer keys, an integer past 64 bits, ints given for floats,
     both booleans; out-of-order and tied start times for the ordinals."""
+
     def variant(eid: str, started_at: float, **changes: Any) -> NewCall:
         return dataclasses.replace(call(eid, started_at=started_at), **changes)
 
     first = [
-        variant(episode_id, t0 + 2, request={"model": "policy", "messages": [{"role": "user", "content": "héllo ✓"}],
-                                             "temperature": 0.7, "n": 1, "stop": [], "extra": {}},
-                response=None, error={"message": "upstream failed", "code": None}, prompt_token_ids=None,
-                choices=[], exact_ids=False, policy_version=None, replica=None, ttft_ms=None,
-                prompt_tokens=None, completion_tokens=None, notes=None),
-        variant(episode_id, t0, stream=True, latency_ms=3, ttft_ms=1,  # ints where the columns are floats
-                choices=[{"index": 0, "token_ids": [0, 49151], "logprobs": [-1e-05, -9999.0, -0.0, 1e16],
-                          "finish_reason": "length", "text": "", "tool_calls": None}],
-                notes={"dropped": ["seed"], 7: "int key", "big": 2**70}),
-        variant(other_id, t0 + 1, model_served=None, notes={}, api="messages", response_id="msg_01",
-                client_request={"system": [{"type": "text", "text": "ü"}], "max_tokens": 8}),
+        variant(
+            episode_id,
+            t0 + 2,
+            request={
+                "model": "policy",
+                "messages": [{"role": "user", "content": "héllo ✓"}],
+                "temperature": 0.7,
+                "n": 1,
+                "stop": [],
+                "extra": {},
+            },
+            response=None,
+            error={"message": "upstream failed", "code": None},
+            prompt_token_ids=None,
+            choices=[],
+            exact_ids=False,
+            policy_version=None,
+            replica=None,
+            ttft_ms=None,
+            prompt_tokens=None,
+            completion_tokens=None,
+            notes=None,
+        ),
+        variant(
+            episode_id,
+            t0,
+            stream=True,
+            latency_ms=3,
+            ttft_ms=1,  # ints where the columns are floats
+            choices=[
+                {
+                    "index": 0,
+                    "token_ids": [0, 49151],
+                    "logprobs": [-1e-05, -9999.0, -0.0, 1e16],
+                    "finish_reason": "length",
+                    "text": "",
+                    "tool_calls": None,
+                }
+            ],
+            notes={"dropped": ["seed"], 7: "int key", "big": 2**70},
+        ),
+        variant(
+            other_id,
+            t0 + 1,
+            model_served=None,
+            notes={},
+            api="messages",
+            response_id="msg_01",
+            client_request={"system": [{"type": "text", "text": "ü"}], "max_tokens": 8},
+        ),
         variant(episode_id, t0 + 2, response={"choices": [], "usage": {"prompt_tokens": 3}}),  # tie: batch order
     ]
     return [first, [variant(episode_id, t0 - 5, policy_version=7, response={})]]  # continues the ordinals
@@ -118,8 +179,10 @@ async def _store_and_read(url: str, *, sqlite_fast_path: bool) -> tuple[list[Cal
             await repository.insert_calls(batch)
         assert await repository.episode_state(episode.id) == ("open", None)
         assert await repository.episode_state("00000000-0000-0000-0000-000000000000") is None
-        return ((await repository.get_episode(episode.id)).calls or [],
-                (await repository.get_episode(other.id)).calls or [])
+        return (
+            (await repository.get_episode(episode.id)).calls or [],
+            (await repository.get_episode(other.id)).calls or [],
+        )
     finally:
         await repository.close()
 
@@ -214,8 +277,12 @@ async def test_concurrent_rewards_of_one_group_complete_it(repo: Repository) -> 
     """Two rewards racing must not both miss the other's write (group row lock / BEGIN IMMEDIATE)."""
     for _ in range(3):
         group = await repo.create_group(task_id="t", size=6, metadata={})
-        await asyncio.gather(*(repo.set_reward(e.id, reward=float(i), call_rewards=None, metadata=None)
-                               for i, e in enumerate(group.episodes or [])))
+        await asyncio.gather(
+            *(
+                repo.set_reward(e.id, reward=float(i), call_rewards=None, metadata=None)
+                for i, e in enumerate(group.episodes or [])
+            )
+        )
         assert (await repo.get_group(group.id)).status == "complete"
 
 
@@ -267,8 +334,9 @@ async def test_claim_is_exclusive_and_expired_leases_are_offered_again(repo: Rep
     with pytest.raises(Conflict):
         await repo.ack_groups(lease_id=retry.lease_id, group_ids=[second_id], step=2, status="trained")
     assert (await repo.get_group(second_id)).trained_step == 1
-    assert (await repo.claim_groups(owner="d", max_groups=5, lease_s=60, max_staleness=None,
-                                    current_version=0)).groups == []
+    assert (
+        await repo.claim_groups(owner="d", max_groups=5, lease_s=60, max_staleness=None, current_version=0)
+    ).groups == []
 
 
 async def test_stale_groups_are_marked_and_skipped(repo: Repository) -> None:
@@ -323,10 +391,12 @@ async def test_staleness_scan_looks_at_every_group(repo: Repository) -> None:
 async def test_a_retried_claim_returns_the_same_groups_and_release_hands_them_back(repo: Repository) -> None:
     first, second = await _complete_group(repo), await _complete_group(repo)
     lease = "11111111-2222-3333-4444-555555555555"
-    claim = await repo.claim_groups(owner="t", max_groups=1, lease_s=60, max_staleness=None, current_version=0,
-                                    lease_id=lease)
-    retry = await repo.claim_groups(owner="t", max_groups=1, lease_s=60, max_staleness=None, current_version=0,
-                                    lease_id=lease)
+    claim = await repo.claim_groups(
+        owner="t", max_groups=1, lease_s=60, max_staleness=None, current_version=0, lease_id=lease
+    )
+    retry = await repo.claim_groups(
+        owner="t", max_groups=1, lease_s=60, max_staleness=None, current_version=0, lease_id=lease
+    )
     assert [g.id for g in claim.groups] == [g.id for g in retry.groups] == [first]
     assert retry.lease_id == lease and len(retry.groups[0].episodes or []) == 2
     assert await repo.release_groups(lease_id=lease) == 1
@@ -336,6 +406,7 @@ async def test_a_retried_claim_returns_the_same_groups_and_release_hands_them_ba
 
 
 # -- late calls, leases and lock order ----------------------------------------------------------
+
 
 def _pg_dsn(url: str) -> str:
     return url.replace("postgresql+asyncpg://", "postgresql://")
@@ -349,8 +420,9 @@ async def _wait_for_lock_wait(dsn: str, bound_s: float = 10.0) -> None:
     try:
         deadline = time.monotonic() + bound_s
         while time.monotonic() < deadline:
-            waiting = await conn.fetchval("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                                          "AND wait_event_type = 'Lock'")
+            waiting = await conn.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            )
             if waiting:
                 return
             await asyncio.sleep(0.02)
@@ -391,18 +463,21 @@ class OtherWriter:
             assert path is not None
             self._sqlite = sqlite3.connect(path, isolation_level=None)
             self._sqlite.execute("BEGIN IMMEDIATE")
-            self._sqlite.execute("UPDATE episodes SET status = 'rewarded', reward = 1.0, finished_at = ? WHERE id = ?",
-                                 (now, episode_id))
-            self._sqlite.execute("UPDATE groups SET status = 'complete', completed_at = ? WHERE id = ?",
-                                 (now, group_id))
+            self._sqlite.execute(
+                "UPDATE episodes SET status = 'rewarded', reward = 1.0, finished_at = ? WHERE id = ?", (now, episode_id)
+            )
+            self._sqlite.execute(
+                "UPDATE groups SET status = 'complete', completed_at = ? WHERE id = ?", (now, group_id)
+            )
             return
         import asyncpg
 
         self._pg = await asyncpg.connect(_pg_dsn(self.url))
         await self._pg.execute("BEGIN")
         await self._pg.execute("SELECT id FROM groups WHERE id = $1 FOR UPDATE", group_id)
-        await self._pg.execute("UPDATE episodes SET status = 'rewarded', reward = 1.0, finished_at = $1 WHERE id = $2",
-                               now, episode_id)
+        await self._pg.execute(
+            "UPDATE episodes SET status = 'rewarded', reward = 1.0, finished_at = $1 WHERE id = $2", now, episode_id
+        )
         await self._pg.execute("UPDATE groups SET status = 'complete', completed_at = $1 WHERE id = $2", now, group_id)
 
     async def commit(self) -> None:
@@ -424,8 +499,9 @@ async def test_a_call_of_a_finished_episode_is_refused_and_the_rest_of_its_batch
     recorder = Recorder(repo, on_batch=lambda n, _s: batches.append(n))
     recorder.start()
     try:
-        late, kept = await asyncio.gather(recorder.record(call(finished.id)), recorder.record(call(live.id)),
-                                          return_exceptions=True)
+        late, kept = await asyncio.gather(
+            recorder.record(call(finished.id)), recorder.record(call(live.id)), return_exceptions=True
+        )
     finally:
         await recorder.close()
     assert batches == [2]  # one transaction held both

@@ -137,12 +137,14 @@ class Server:
 
 
 @asynccontextmanager
-async def serving(serve: Serve, *, keepalive_expiry_s: float = 4.0
-                  ) -> AsyncIterator[tuple[Server, httpx.AsyncClient]]:
+async def serving(serve: Serve, *, keepalive_expiry_s: float = 4.0) -> AsyncIterator[tuple[Server, httpx.AsyncClient]]:
     server = Server(serve)
     await server.start()
-    client = httpx.AsyncClient(transport=Http1Transport(keepalive_expiry_s=keepalive_expiry_s),
-                               base_url=server.url, timeout=httpx.Timeout(5.0, connect=2.0))
+    client = httpx.AsyncClient(
+        transport=Http1Transport(keepalive_expiry_s=keepalive_expiry_s),
+        base_url=server.url,
+        timeout=httpx.Timeout(5.0, connect=2.0),
+    )
     try:
         yield server, client
     finally:
@@ -253,8 +255,13 @@ async def test_bytes_that_are_not_http_are_a_remote_protocol_error() -> None:
 
 
 async def test_chunked_bodies_split_anywhere_across_writes() -> None:
-    pieces = [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhel", b"lo\r\n6\r", b"\n world",
-              b"\r\n0\r", b"\n\r\n"]
+    pieces = [
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhel",
+        b"lo\r\n6\r",
+        b"\n world",
+        b"\r\n0\r",
+        b"\n\r\n",
+    ]
 
     async def chunked(conn: Conn) -> None:
         while await conn.request() is not None:
@@ -327,8 +334,9 @@ async def test_informational_responses_are_skipped() -> None:
 async def test_bytes_after_a_response_make_the_connection_unusable() -> None:
     async def trailing_junk(conn: Conn) -> None:
         while await conn.request() is not None:
-            await conn.send(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
-                            b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\njunk")
+            await conn.send(
+                b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokHTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\njunk"
+            )
 
     async with serving(trailing_junk) as (server, client):
         assert [(await client.get("/")).content for _ in range(2)] == [b"ok", b"ok"]
@@ -359,6 +367,7 @@ async def test_a_connection_closed_while_idle_is_replaced() -> None:
 
 async def test_a_connection_closed_as_the_next_request_arrives_is_retried_on_a_new_one() -> None:
     """The server's idle timer fires as our request lands: it reads it and hangs up, unanswered."""
+
     async def closes_after_one(conn: Conn) -> None:
         await conn.request()
         await conn.respond(b"ok")
@@ -474,14 +483,21 @@ async def test_request_bodies_of_megabytes_arrive_whole() -> None:
     async def digest(conn: Conn) -> None:
         while (request := await conn.request()) is not None:
             te = request.headers.get(b"transfer-encoding", b"-")
-            await conn.respond(b"%d %s %s %s" % (len(request.body), request.headers.get(b"content-length", b"-"), te,
-                                                 hashlib.sha256(request.body).hexdigest().encode()))
+            await conn.respond(
+                b"%d %s %s %s"
+                % (
+                    len(request.body),
+                    request.headers.get(b"content-length", b"-"),
+                    te,
+                    hashlib.sha256(request.body).hexdigest().encode(),
+                )
+            )
 
     payload = bytes(range(256)) * (5 * 4096)  # 5 MiB
 
     async def pieces() -> AsyncIterator[bytes]:
         for i in range(0, len(payload), 1 << 20):
-            yield payload[i:i + (1 << 20)]
+            yield payload[i : i + (1 << 20)]
 
     expected = b"%d %d - %s" % (len(payload), len(payload), hashlib.sha256(payload).hexdigest().encode())
     async with serving(digest) as (server, client):

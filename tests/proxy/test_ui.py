@@ -25,37 +25,99 @@ from tests.support.services import ADMIN_KEY
 TOOL_ARGS = '{"expression": "17 * 23"}'
 
 
-def _call(episode_id: str, messages: list[dict[str, Any]], *, text: str, tool_calls: list[dict[str, Any]] | None,
-          token_ids: list[int], logprobs: list[float], version: int) -> NewCall:
+def _call(
+    episode_id: str,
+    messages: list[dict[str, Any]],
+    *,
+    text: str,
+    tool_calls: list[dict[str, Any]] | None,
+    token_ids: list[int],
+    logprobs: list[float],
+    version: int,
+) -> NewCall:
     tokens = [{"token": f"<{t}>", "logprob": lp} for t, lp in zip(token_ids, logprobs, strict=True)]
     message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
     return NewCall(
-        episode_id=episode_id, kind="chat", stream=False, request={"model": "policy", "messages": messages},
-        response={"id": "chatcmpl-1", "choices": [{"index": 0, "message": message, "logprobs": {"content": tokens},
-                                                   "finish_reason": "tool_calls" if tool_calls else "stop"}]},
-        status_code=200, error=None, prompt_token_ids=list(range(1, 12)),
-        choices=[{"index": 0, "token_ids": token_ids, "logprobs": logprobs, "finish_reason": "stop", "text": text,
-                  "tool_calls": tool_calls}],
-        exact_ids=True, model_requested="policy", model_served=f"policy-v{version}", policy_version=version,
-        replica="vllm-0", started_at=time.time(), latency_ms=123.0, ttft_ms=None, prompt_tokens=11,
-        completion_tokens=len(token_ids))
+        episode_id=episode_id,
+        kind="chat",
+        stream=False,
+        request={"model": "policy", "messages": messages},
+        response={
+            "id": "chatcmpl-1",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": message,
+                    "logprobs": {"content": tokens},
+                    "finish_reason": "tool_calls" if tool_calls else "stop",
+                }
+            ],
+        },
+        status_code=200,
+        error=None,
+        prompt_token_ids=list(range(1, 12)),
+        choices=[
+            {
+                "index": 0,
+                "token_ids": token_ids,
+                "logprobs": logprobs,
+                "finish_reason": "stop",
+                "text": text,
+                "tool_calls": tool_calls,
+            }
+        ],
+        exact_ids=True,
+        model_requested="policy",
+        model_served=f"policy-v{version}",
+        policy_version=version,
+        replica="vllm-0",
+        started_at=time.time(),
+        latency_ms=123.0,
+        ttft_ms=None,
+        prompt_tokens=11,
+        completion_tokens=len(token_ids),
+    )
 
 
 async def _tool_episode(repo: Repository, episode_id: str, answer: str) -> None:
     """Two calls: the agent calls the calculator, gets its result, then answers."""
-    tool_call = {"id": "call_calc_1", "type": "function",
-                 "function": {"name": "calculator", "arguments": TOOL_ARGS}}
-    first = [{"role": "system", "content": "You are a careful calculator agent."},
-             {"role": "user", "content": "What is 17 * 23?"}]
-    second = [*first, {"role": "assistant", "content": None, "tool_calls": [tool_call]},
-              {"role": "tool", "tool_call_id": "call_calc_1", "content": "RESULT-391"}]
-    outcome = await repo.insert_calls([
-        _call(episode_id, first, text="", tool_calls=[tool_call], token_ids=[501, 502, 503],
-              logprobs=[-0.01, -2.5, -0.2], version=1)])
+    tool_call = {"id": "call_calc_1", "type": "function", "function": {"name": "calculator", "arguments": TOOL_ARGS}}
+    first = [
+        {"role": "system", "content": "You are a careful calculator agent."},
+        {"role": "user", "content": "What is 17 * 23?"},
+    ]
+    second = [
+        *first,
+        {"role": "assistant", "content": None, "tool_calls": [tool_call]},
+        {"role": "tool", "tool_call_id": "call_calc_1", "content": "RESULT-391"},
+    ]
+    outcome = await repo.insert_calls(
+        [
+            _call(
+                episode_id,
+                first,
+                text="",
+                tool_calls=[tool_call],
+                token_ids=[501, 502, 503],
+                logprobs=[-0.01, -2.5, -0.2],
+                version=1,
+            )
+        ]
+    )
     assert outcome == [None]
-    outcome = await repo.insert_calls([
-        _call(episode_id, second, text=f"The answer is {answer}.", tool_calls=None, token_ids=[601, 602],
-              logprobs=[-0.1, -4.0], version=1)])
+    outcome = await repo.insert_calls(
+        [
+            _call(
+                episode_id,
+                second,
+                text=f"The answer is {answer}.",
+                tool_calls=None,
+                token_ids=[601, 602],
+                logprobs=[-0.1, -4.0],
+                version=1,
+            )
+        ]
+    )
     assert outcome == [None]
 
 
@@ -78,8 +140,11 @@ async def ui(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Repositor
 
 
 async def _login(client: httpx.AsyncClient, key: str = ADMIN_KEY, next_path: str = "/ui/") -> httpx.Response:
-    return await client.post("/ui/login", content=f"key={key}&next={next_path}",
-                             headers={"content-type": "application/x-www-form-urlencoded"})
+    return await client.post(
+        "/ui/login",
+        content=f"key={key}&next={next_path}",
+        headers={"content-type": "application/x-www-form-urlencoded"},
+    )
 
 
 def _no_key(response: httpx.Response) -> None:
@@ -141,8 +206,15 @@ async def test_every_page_answers_with_a_session_and_never_shows_the_key(ui: Any
     client, _, ids = ui
     group_id = (await client.get(f"/episodes/{ids[0]}", headers=ADMIN)).json()["group_id"]
     await _login(client)
-    for path in ("/ui/", "/ui/groups", "/ui/episodes", f"/ui/episodes/{ids[0]}", f"/ui/groups/{group_id}",
-                 "/ui/login", f"/ui/episodes?group={group_id}&status=rewarded&task=17x"):
+    for path in (
+        "/ui/",
+        "/ui/groups",
+        "/ui/episodes",
+        f"/ui/episodes/{ids[0]}",
+        f"/ui/groups/{group_id}",
+        "/ui/login",
+        f"/ui/episodes?group={group_id}&status=rewarded&task=17x",
+    ):
         response = await client.get(path)
         assert response.status_code == 200, path
         assert "text/html" in response.headers["content-type"]
@@ -250,8 +322,15 @@ async def test_filters_narrow_the_tables(ui: Any) -> None:
     assert "No episodes." in none
     groups = (await client.get("/ui/groups", params={"task": "17x2"})).text
     assert groups.count('<a href="/ui/groups/') == 1
-    assert orjson.dumps(ids[0]).decode().strip('"') in (await client.get("/ui/episodes", params={"group": (
-        await client.get(f"/episodes/{ids[0]}", headers=ADMIN)).json()["group_id"]})).text
+    assert (
+        orjson.dumps(ids[0]).decode().strip('"')
+        in (
+            await client.get(
+                "/ui/episodes",
+                params={"group": (await client.get(f"/episodes/{ids[0]}", headers=ADMIN)).json()["group_id"]},
+            )
+        ).text
+    )
 
 
 async def test_login_leads_only_to_dashboard_paths(ui: Any) -> None:

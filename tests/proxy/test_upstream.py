@@ -19,13 +19,17 @@ async def _calls(client: httpx.AsyncClient, episode_id: str) -> list[dict[str, A
     return (await client.get(f"/episodes/{episode_id}", headers=ADMIN)).json()["calls"]
 
 
-@pytest.mark.parametrize("failure,status,type_", [
-    (httpx.ConnectError("refused"), 502, "upstream_error"),
-    (httpx.ReadTimeout("slow"), 504, "timeout_error"),
-    (httpx.RemoteProtocolError("garbled"), 502, "upstream_error"),
-])
-async def test_transport_failures_become_errors_and_are_recorded(sqlite_url: str, failure: Exception, status: int,
-                                                                 type_: str) -> None:
+@pytest.mark.parametrize(
+    "failure,status,type_",
+    [
+        (httpx.ConnectError("refused"), 502, "upstream_error"),
+        (httpx.ReadTimeout("slow"), 504, "timeout_error"),
+        (httpx.RemoteProtocolError("garbled"), 502, "upstream_error"),
+    ],
+)
+async def test_transport_failures_become_errors_and_are_recorded(
+    sqlite_url: str, failure: Exception, status: int, type_: str
+) -> None:
     def fail(request: httpx.Request, _body: dict[str, Any]) -> httpx.Response | None:
         if request.url.path == "/v1/chat/completions":
             raise failure
@@ -34,31 +38,45 @@ async def test_transport_failures_become_errors_and_are_recorded(sqlite_url: str
     async with running_app(make_settings(sqlite_url), transport=fake_upstream(respond=fail)) as client:
         group = await new_group(client)
         episode_id = group["episode_keys"][0]["id"]
-        assert_error(await client.post(f"/episodes/{episode_id}/v1/chat/completions", json=CHAT,
-                                       headers=episode_auth(group)), status, type_)
+        assert_error(
+            await client.post(f"/episodes/{episode_id}/v1/chat/completions", json=CHAT, headers=episode_auth(group)),
+            status,
+            type_,
+        )
         [call] = await _calls(client, episode_id)
         assert call["status_code"] == status and call["error"]["type"] == type_ and call["choices"] == []
 
 
-@pytest.mark.parametrize("upstream_status,status,type_,code", [
-    (400, 400, "invalid_request_error", "upstream_rejected"), (422, 422, "invalid_request_error", "upstream_rejected"),
-    (404, 404, "not_found_error", "model_not_found"), (500, 502, "upstream_error", "upstream_error"),
-    # The replica refused the proxy's own key: a bad gateway, not the client's request or key.
-    (401, 502, "upstream_error", "upstream_auth_failed"),
-])
-async def test_upstream_error_answers_keep_their_message(sqlite_url: str, upstream_status: int, status: int,
-                                                         type_: str, code: str) -> None:
+@pytest.mark.parametrize(
+    "upstream_status,status,type_,code",
+    [
+        (400, 400, "invalid_request_error", "upstream_rejected"),
+        (422, 422, "invalid_request_error", "upstream_rejected"),
+        (404, 404, "not_found_error", "model_not_found"),
+        (500, 502, "upstream_error", "upstream_error"),
+        # The replica refused the proxy's own key: a bad gateway, not the client's request or key.
+        (401, 502, "upstream_error", "upstream_auth_failed"),
+    ],
+)
+async def test_upstream_error_answers_keep_their_message(
+    sqlite_url: str, upstream_status: int, status: int, type_: str, code: str
+) -> None:
     def answer(request: httpx.Request, _body: dict[str, Any]) -> httpx.Response | None:
         if request.url.path == "/v1/chat/completions":
-            return httpx.Response(upstream_status, json={"error": {"message": "max_tokens is too large",
-                                                                   "type": "BadRequestError", "code": upstream_status}})
+            return httpx.Response(
+                upstream_status,
+                json={
+                    "error": {"message": "max_tokens is too large", "type": "BadRequestError", "code": upstream_status}
+                },
+            )
         return None
 
     async with running_app(make_settings(sqlite_url), transport=fake_upstream(respond=answer)) as client:
         group = await new_group(client)
         for stream in (False, True):
-            response = await client.post("/v1/chat/completions", json={**CHAT, "stream": stream},
-                                         headers=episode_auth(group))
+            response = await client.post(
+                "/v1/chat/completions", json={**CHAT, "stream": stream}, headers=episode_auth(group)
+            )
             assert "max_tokens is too large" in assert_error(response, status, type_, code)["message"]
         assert [c["status_code"] for c in await _calls(client, group["episode_keys"][0]["id"])] == [status, status]
 
@@ -66,8 +84,11 @@ async def test_upstream_error_answers_keep_their_message(sqlite_url: str, upstre
 async def test_mid_stream_failure_sends_an_sse_error_event(sqlite_url: str) -> None:
     class Broken(httpx.AsyncByteStream):
         async def __aiter__(self) -> AsyncIterator[bytes]:
-            chunk = {"id": "c1", "choices": [{"index": 0, "delta": {"content": "Hel"}, "token_ids": [5]}],
-                     "prompt_token_ids": [1, 2]}
+            chunk = {
+                "id": "c1",
+                "choices": [{"index": 0, "delta": {"content": "Hel"}, "token_ids": [5]}],
+                "prompt_token_ids": [1, 2],
+            }
             yield b"data: " + orjson.dumps(chunk) + b"\n\n"
             raise httpx.ReadError("connection reset")
 
@@ -78,8 +99,7 @@ async def test_mid_stream_failure_sends_an_sse_error_event(sqlite_url: str) -> N
 
     async with running_app(make_settings(sqlite_url), transport=fake_upstream(respond=answer)) as client:
         group = await new_group(client)
-        response = await client.post("/v1/chat/completions", json={**CHAT, "stream": True},
-                                     headers=episode_auth(group))
+        response = await client.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers=episode_auth(group))
         events = [e for e in response.text.split("\n\n") if e]
         assert response.status_code == 200 and len(events) == 2
         assert orjson.loads(events[0][6:])["choices"][0]["delta"]["content"] == "Hel"
@@ -89,15 +109,19 @@ async def test_mid_stream_failure_sends_an_sse_error_event(sqlite_url: str) -> N
         assert call["status_code"] == 502 and call["error"]["type"] == "upstream_error"
 
 
-@pytest.mark.parametrize("policy,body,status,dropped", [
-    ("drop", {"seed": 3, "temperature": 0.8}, 200, True),
-    ("drop", {"seed": 3}, 200, True),  # vLLM's default temperature is 1.0: sampled
-    ("drop", {"seed": 3, "temperature": 0}, 200, False),  # greedy with a seed is harmless
-    ("refuse", {"seed": 3, "temperature": 0.8}, 400, False),
-    ("pass", {"seed": 3, "temperature": 0.8}, 200, False),
-])
-async def test_seed_policy_protects_the_engine(sqlite_url: str, policy: str, body: dict[str, Any], status: int,
-                                               dropped: bool) -> None:
+@pytest.mark.parametrize(
+    "policy,body,status,dropped",
+    [
+        ("drop", {"seed": 3, "temperature": 0.8}, 200, True),
+        ("drop", {"seed": 3}, 200, True),  # vLLM's default temperature is 1.0: sampled
+        ("drop", {"seed": 3, "temperature": 0}, 200, False),  # greedy with a seed is harmless
+        ("refuse", {"seed": 3, "temperature": 0.8}, 400, False),
+        ("pass", {"seed": 3, "temperature": 0.8}, 200, False),
+    ],
+)
+async def test_seed_policy_protects_the_engine(
+    sqlite_url: str, policy: str, body: dict[str, Any], status: int, dropped: bool
+) -> None:
     seen: list[tuple[str, dict[str, Any]]] = []
     settings = make_settings(sqlite_url, upstreams=[{"name": "cpu", "url": "http://cpu", "seed_policy": policy}])
     async with running_app(settings, transport=fake_upstream(seen=seen)) as client:
@@ -116,8 +140,15 @@ async def test_client_fields_are_passed_and_additions_removed(sqlite_url: str) -
     seen: list[tuple[str, dict[str, Any]]] = []
     async with running_app(make_settings(sqlite_url), transport=fake_upstream(seen=seen)) as client:
         group = await new_group(client)
-        body = {**CHAT, "n": 2, "stop": ["x"], "response_format": {"type": "json_object"}, "tool_choice": "none",
-                "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "top_k": 5}
+        body = {
+            **CHAT,
+            "n": 2,
+            "stop": ["x"],
+            "response_format": {"type": "json_object"},
+            "tool_choice": "none",
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            "top_k": 5,
+        }
         response = await client.post("/v1/chat/completions", json=body, headers=episode_auth(group))
         sent = [b for path, b in seen if path.endswith("/chat/completions")][0]
         assert {k: sent[k] for k in body if k != "model"} == {k: v for k, v in body.items() if k != "model"}
@@ -125,8 +156,11 @@ async def test_client_fields_are_passed_and_additions_removed(sqlite_url: str) -
         data = response.json()
         assert data["prompt_token_ids"] is None
         assert all(c["token_ids"] is None and c["logprobs"] is None for c in data["choices"])
-        asked = await client.post("/v1/chat/completions", json={**CHAT, "return_token_ids": True, "logprobs": True},
-                                  headers=episode_auth(group))
+        asked = await client.post(
+            "/v1/chat/completions",
+            json={**CHAT, "return_token_ids": True, "logprobs": True},
+            headers=episode_auth(group),
+        )
         assert asked.json()["prompt_token_ids"] == [1, 2, 3]
         assert asked.json()["choices"][0]["logprobs"]["content"][0]["logprob"] == -0.5
 
@@ -141,8 +175,9 @@ async def test_episodes_stick_to_a_replica_and_move_only_when_it_fails(sqlite_ur
         return None
 
     upstreams = [{"name": f"r{i}", "url": f"http://r{i}"} for i in range(3)]
-    async with running_app(make_settings(sqlite_url, upstreams=upstreams),
-                           transport=fake_upstream(seen=seen, respond=answer)) as client:
+    async with running_app(
+        make_settings(sqlite_url, upstreams=upstreams), transport=fake_upstream(seen=seen, respond=answer)
+    ) as client:
         group = await new_group(client, size=12)
         hosts: dict[str, set[str]] = {}
         for i, key in enumerate(group["episode_keys"]):
@@ -176,11 +211,16 @@ async def test_policy_aliases_route_to_the_published_adapter(sqlite_url: str) ->
         assert unloaded == ["policy-v1"]  # keep_versions=2: v2 and v3 stay loaded
         seen.clear()
         for model in ("policy", "gpt-4o", "policy-base", "policy-v2"):
-            response = await client.post("/v1/chat/completions", json={**CHAT, "model": model},
-                                         headers=episode_auth(group))
+            response = await client.post(
+                "/v1/chat/completions", json={**CHAT, "model": model}, headers=episode_auth(group)
+            )
             assert response.status_code == 200
         assert [b["model"] for p, b in seen if p.endswith("completions")] == [
-            "policy-v3", "policy-v3", "policy-base", "policy-v2"]
+            "policy-v3",
+            "policy-v3",
+            "policy-base",
+            "policy-v2",
+        ]
         calls = await _calls(client, group["episode_keys"][0]["id"])
         assert [c["policy_version"] for c in calls] == [3, 3, 0, 2]
         assert [c["model_requested"] for c in calls] == ["policy", "gpt-4o", "policy-base", "policy-v2"]
@@ -190,8 +230,10 @@ async def test_replicas_agree_on_the_policy_through_the_store(sqlite_url: str) -
     """Two proxy replicas on one store: a publish through one routes calls on the other."""
     seen: list[tuple[str, dict[str, Any]]] = []
     settings = make_settings(sqlite_url, policy={"refresh_s": 0.05})
-    async with running_app(settings, transport=fake_upstream(seen=seen)) as first, \
-            running_app(settings, transport=fake_upstream(seen=seen)) as second:
+    async with (
+        running_app(settings, transport=fake_upstream(seen=seen)) as first,
+        running_app(settings, transport=fake_upstream(seen=seen)) as second,
+    ):
         group = await new_group(first)
         assert (await first.post("/policy/publish", json={"adapter_path": "/a/1"}, headers=ADMIN)).status_code == 201
         import asyncio
@@ -204,8 +246,10 @@ async def test_replicas_agree_on_the_policy_through_the_store(sqlite_url: str) -
 async def test_old_versions_are_unloaded_whichever_replica_published_them(sqlite_url: str) -> None:
     engine: dict[str, str] = {}  # one fake engine behind two proxy replicas
     settings = make_settings(sqlite_url, policy={"keep_versions": 3, "refresh_s": 0.05})
-    async with running_app(settings, transport=fake_upstream(adapters=engine)) as first, \
-            running_app(settings, transport=fake_upstream(adapters=engine)) as second:
+    async with (
+        running_app(settings, transport=fake_upstream(adapters=engine)) as first,
+        running_app(settings, transport=fake_upstream(adapters=engine)) as second,
+    ):
         assert (await first.post("/policy/publish", json={"adapter_path": "/a/1"}, headers=ADMIN)).status_code == 201
         for version in range(2, 6):
             published = await second.post("/policy/publish", json={"adapter_path": f"/a/{version}"}, headers=ADMIN)
@@ -215,8 +259,9 @@ async def test_old_versions_are_unloaded_whichever_replica_published_them(sqlite
 
 async def test_a_restarted_replica_gets_the_kept_adapters_back(sqlite_url: str) -> None:
     engine: dict[str, str] = {}
-    async with running_app(make_settings(sqlite_url, policy={"keep_versions": 2}),
-                           transport=fake_upstream(adapters=engine)) as client:
+    async with running_app(
+        make_settings(sqlite_url, policy={"keep_versions": 2}), transport=fake_upstream(adapters=engine)
+    ) as client:
         for version in (1, 2, 3):
             await client.post("/policy/publish", json={"adapter_path": f"/a/{version}"}, headers=ADMIN)
         engine.clear()  # the engine restarted: it lost its adapters
@@ -230,6 +275,7 @@ async def test_a_restarted_replica_gets_the_kept_adapters_back(sqlite_url: str) 
 async def test_a_stale_adapter_under_a_published_name_is_replaced(sqlite_url: str) -> None:
     engine = {"policy-v1": "/old/run/adapter"}  # left over from another run on a shared engine
     async with running_app(make_settings(sqlite_url), transport=fake_upstream(adapters=engine)) as client:
-        assert (await client.post("/policy/publish", json={"adapter_path": "/new/adapter"},
-                                  headers=ADMIN)).status_code == 201
+        assert (
+            await client.post("/policy/publish", json={"adapter_path": "/new/adapter"}, headers=ADMIN)
+        ).status_code == 201
         assert engine == {"policy-v1": "/new/adapter"}

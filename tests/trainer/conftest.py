@@ -38,18 +38,30 @@ class TrainerProxy:
 
     def record_group(self, rewards: list[float], *, question: str = "What is 3+4?", max_tokens: int = 4) -> str:
         """A group of len(rewards) episodes, one real sampled chat call each, then rewarded."""
-        created = httpx.post(f"{self.url}/groups", headers=ADMIN, timeout=60,
-                             json={"task_id": f"t-{uuid.uuid4().hex[:6]}", "size": len(rewards)})
+        created = httpx.post(
+            f"{self.url}/groups",
+            headers=ADMIN,
+            timeout=60,
+            json={"task_id": f"t-{uuid.uuid4().hex[:6]}", "size": len(rewards)},
+        )
         assert created.status_code == 201, created.text
         group = created.json()
         for key, reward in zip(group["episode_keys"], rewards, strict=True):
-            reply = httpx.post(f"{key['base_url']}/chat/completions", timeout=300,
-                               headers={"authorization": f"Bearer {key['api_key']}"},
-                               json={"model": "policy", "messages": [{"role": "user", "content": question}],
-                                     "max_tokens": max_tokens, "temperature": 1.0})
+            reply = httpx.post(
+                f"{key['base_url']}/chat/completions",
+                timeout=300,
+                headers={"authorization": f"Bearer {key['api_key']}"},
+                json={
+                    "model": "policy",
+                    "messages": [{"role": "user", "content": question}],
+                    "max_tokens": max_tokens,
+                    "temperature": 1.0,
+                },
+            )
             assert reply.status_code == 200, reply.text
-            rewarded = httpx.post(f"{self.url}/episodes/{key['id']}/reward", headers=ADMIN, json={"reward": reward},
-                                  timeout=60)
+            rewarded = httpx.post(
+                f"{self.url}/episodes/{key['id']}/reward", headers=ADMIN, json={"reward": reward}, timeout=60
+            )
             assert rewarded.status_code == 200, rewarded.text
         return str(group["id"])
 
@@ -64,8 +76,12 @@ def _unload(vllm_url: str, prefix: str) -> None:
 @pytest.fixture
 def trainer_proxy(vllm_url: str, tmp_path: Path) -> Iterator[TrainerProxy]:
     prefix = f"trainertest{uuid.uuid4().hex[:6]}-v"
-    process = ProxyProcess(upstream_url=vllm_url, store_url=f"sqlite+aiosqlite:///{tmp_path / 'flywheel.db'}",
-                           workdir=tmp_path / "proxy", extra_env={"FLYWHEEL_POLICY__ADAPTER_PREFIX": prefix})
+    process = ProxyProcess(
+        upstream_url=vllm_url,
+        store_url=f"sqlite+aiosqlite:///{tmp_path / 'flywheel.db'}",
+        workdir=tmp_path / "proxy",
+        extra_env={"FLYWHEEL_POLICY__ADAPTER_PREFIX": prefix},
+    )
     process.start()
     try:
         yield TrainerProxy(url=process.url, prefix=prefix, process=process)

@@ -15,23 +15,42 @@ from trainer.learner import Learner
 from trainer.lora import LoraPolicy
 from trainer.packing import pack
 
-QUESTIONS = [("What is 2+3?", "5", 1.0), ("What is 7+1?", "The answer is 8.", -0.5),
-             ("Name a colour.", "Blue, like the sky on a clear day.", 0.7), ("What is 9+9?", "18", -1.2),
-             ("Say hi.", "Hi! How can I help you today?", 0.4), ("What is 4+4?", "It is eight, I think.", -0.4)]
+QUESTIONS = [
+    ("What is 2+3?", "5", 1.0),
+    ("What is 7+1?", "The answer is 8.", -0.5),
+    ("Name a colour.", "Blue, like the sky on a clear day.", 0.7),
+    ("What is 9+9?", "18", -1.2),
+    ("Say hi.", "Hi! How can I help you today?", 0.4),
+    ("What is 4+4?", "It is eight, I think.", -0.4),
+]
 
 
 def main(model_dir: str, out: Path) -> None:
     world = init_world(600)
-    config = TrainerConfig(model=model_dir, dtype="float32", learning_rate=1e-3, loss_type=sys.argv[3],
-                           max_seq_len=128, micro_batch_tokens=128, threads=1)
+    config = TrainerConfig(
+        model=model_dir,
+        dtype="float32",
+        learning_rate=1e-3,
+        loss_type=sys.argv[3],
+        max_seq_len=128,
+        micro_batch_tokens=128,
+        threads=1,
+    )
     policy = LoraPolicy(config)
     learner = Learner(policy, config, world)
     samples = [chat_sample(policy, *q) for q in QUESTIONS]
     stats = [learner.step(samples[i:] + samples[:i]) for i in range(3)]
-    torch.save({"adapter": policy.adapter_state(), "loss": [s.loss for s in stats],
-                "grad_norm": [s.grad_norm for s in stats], "entropy": [s.entropy for s in stats],
-                "share": len(world.share(pack(samples, config.micro_batch_tokens))),
-                "micro_batches": stats[0].micro_batches}, out / f"rank{world.rank}-of-{world.size}.pt")
+    torch.save(
+        {
+            "adapter": policy.adapter_state(),
+            "loss": [s.loss for s in stats],
+            "grad_norm": [s.grad_norm for s in stats],
+            "entropy": [s.entropy for s in stats],
+            "share": len(world.share(pack(samples, config.micro_batch_tokens))),
+            "micro_batches": stats[0].micro_batches,
+        },
+        out / f"rank{world.rank}-of-{world.size}.pt",
+    )
     world.close()
 
 

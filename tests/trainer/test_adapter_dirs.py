@@ -26,8 +26,10 @@ def policy(vllm_model_dir: str) -> Iterator[LoraPolicy]:
 def nudge(policy: LoraPolicy, seed: int) -> dict[str, torch.Tensor]:
     """Give the adapter new weights (as a training step would) and return them."""
     generator = torch.Generator().manual_seed(seed)
-    state = {k: v + 0.01 * torch.randn(v.shape, generator=generator, dtype=v.dtype) for k, v in
-             policy.adapter_state().items()}
+    state = {
+        k: v + 0.01 * torch.randn(v.shape, generator=generator, dtype=v.dtype)
+        for k, v in policy.adapter_state().items()
+    }
     policy.load_adapter_state(state)
     return state
 
@@ -55,8 +57,11 @@ def test_a_directory_left_by_another_run_is_never_published(policy: LoraPolicy, 
     before = (stale / "adapter_model.safetensors").read_bytes()
 
     nudge(policy, 4)  # this run's own version 1
-    with pytest.raises(PublishError, match=r"adapters/v1 already exists but does not hold this trainer's adapter "
-                                           r"for version 1 \(different values in \d+ of \d+ tensors\)"):
+    with pytest.raises(
+        PublishError,
+        match=r"adapters/v1 already exists but does not hold this trainer's adapter "
+        r"for version 1 \(different values in \d+ of \d+ tensors\)",
+    ):
         Publisher(client=None, output_dir=tmp_path, keep=3).save(policy, 1)
     assert (stale / "adapter_model.safetensors").read_bytes() == before  # left alone for the user to look at
 

@@ -29,9 +29,12 @@ from trainer.checkpoint import (
 
 def adapter(seed: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    return {"base_model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(4, 16, generator=generator),
-            "base_model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(16, 4, generator=generator)
-            .to(torch.bfloat16)}
+    return {
+        "base_model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(4, 16, generator=generator),
+        "base_model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(16, 4, generator=generator).to(
+            torch.bfloat16
+        ),
+    }
 
 
 def optimizer_state(weights: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -57,8 +60,10 @@ def save(checkpoints: Checkpoints, step: int) -> Path:
 def test_save_then_load_returns_exactly_what_was_saved(tmp_path: Path) -> None:
     weights = adapter(1)
     optim = optimizer_state(weights)
-    leases = [LeaseRecord("lease-a", ["g1", "g2"], expires_at=12.5, trained=["g1"], skipped={"g2": "equal rewards"}),
-              LeaseRecord("lease-b", ["g3"])]
+    leases = [
+        LeaseRecord("lease-a", ["g1", "g2"], expires_at=12.5, trained=["g1"], skipped={"g2": "equal rewards"}),
+        LeaseRecord("lease-b", ["g3"]),
+    ]
     saved = state(7, leases=leases, metrics={"loss": 0.25, "reward/mean": [0.5, 1.0]})
     directory = Checkpoints(tmp_path, keep=2).save(adapter=weights, optimizer=optim, state=saved)
 
@@ -98,6 +103,7 @@ def test_steps_order_by_number_past_nine(tmp_path: Path) -> None:
 
 
 # -- a kill -9 at each point of save() --------------------------------------------------------------
+
 
 def test_a_kill_while_writing_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
     checkpoints = Checkpoints(tmp_path, keep=2)
@@ -152,6 +158,7 @@ def test_write_json_atomic_replaces_whole_or_not_at_all(tmp_path: Path) -> None:
 
 
 # -- the journal of leases claimed since the last checkpoint -----------------------------------------
+
 
 def test_pending_leases_round_trip_and_clear(tmp_path: Path) -> None:
     checkpoints = Checkpoints(tmp_path, keep=2)

@@ -14,24 +14,29 @@ from trainer.config import ConfigError, TrainerConfig, load_config
 
 def test_local_config_loads_with_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FLYWHEEL_MODEL_DIR", "/models/smol")
-    cfg = load_config(ROOT / "configs/trainer-local.yaml", ["max_steps=3", "--learning_rate=2e-5", "mode=sync",
-                                                            "max_staleness=null", "lora_target_modules=q_proj,v_proj"])
+    cfg = load_config(
+        ROOT / "configs/trainer-local.yaml",
+        ["max_steps=3", "--learning_rate=2e-5", "mode=sync", "max_staleness=null", "lora_target_modules=q_proj,v_proj"],
+    )
     assert cfg.model == "/models/smol" and cfg.max_steps == 3 and cfg.learning_rate == 2e-5
     assert cfg.staleness_bound == 0 and cfg.lora_target_modules == ("q_proj", "v_proj")
     assert cfg.epsilon_upper == 0.28 and cfg.lora_r <= 16
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    (["loss_type=ppo"], "unknown loss_type 'ppo'; choose one of grpo, bnpo, dr_grpo, dapo"),
-    (["scale_rewards=stdev"], "unknown scale_rewards 'stdev'; choose one of group, batch, none"),
-    (["learning_rat=1e-4"], "unknown trainer setting 'learning_rat' (did you mean 'learning_rate'?)"),
-    (["lora_r=32"], "lora_r=32 exceeds max_lora_rank=16"),
-    (["mode=sync", "max_staleness=2"], "mode=sync trains only on groups from the current version"),
-    (["max_seq_len=4096"], "micro_batch_tokens=2048 must be >= max_seq_len=4096"),
-    (["lora_target_modules=lm_head"], "must not include lm_head"),
-    (["groups_per_step=many"], "groups_per_step: expected an integer, got 'many'"),
-    (["max_steps"], "expected key=value"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["loss_type=ppo"], "unknown loss_type 'ppo'; choose one of grpo, bnpo, dr_grpo, dapo"),
+        (["scale_rewards=stdev"], "unknown scale_rewards 'stdev'; choose one of group, batch, none"),
+        (["learning_rat=1e-4"], "unknown trainer setting 'learning_rat' (did you mean 'learning_rate'?)"),
+        (["lora_r=32"], "lora_r=32 exceeds max_lora_rank=16"),
+        (["mode=sync", "max_staleness=2"], "mode=sync trains only on groups from the current version"),
+        (["max_seq_len=4096"], "micro_batch_tokens=2048 must be >= max_seq_len=4096"),
+        (["lora_target_modules=lm_head"], "must not include lm_head"),
+        (["groups_per_step=many"], "groups_per_step: expected an integer, got 'many'"),
+        (["max_steps"], "expected key=value"),
+    ],
+)
 def test_bad_settings_are_refused_with_a_fix(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
@@ -52,8 +57,9 @@ def test_admin_key_from_env_then_file(tmp_path: Path, monkeypatch: pytest.Monkey
 
 
 def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "trainer", "run", *args], cwd=ROOT, env=env, text=True,
-                          capture_output=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "trainer", "run", *args], cwd=ROOT, env=env, text=True, capture_output=True, timeout=120
+    )
 
 
 def test_cli_refuses_to_start_with_clear_errors(tmp_path: Path, vllm_model_dir: str) -> None:

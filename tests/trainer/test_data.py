@@ -24,19 +24,47 @@ def sampling(temperature: float = 1.0, *, mode: str | None = None, **fields: Any
     return record
 
 
-def call(ordinal: int, prompt: list[int] | None, completion: list[int] | None, *, logprobs: list[float] | None = None,
-         temperature: float | None = 1.0, status: int = 200, exact: bool = True, version: int | None = 0,
-         recorded: dict[str, Any] | None = None, **extra: Any) -> Call:
+def call(
+    ordinal: int,
+    prompt: list[int] | None,
+    completion: list[int] | None,
+    *,
+    logprobs: list[float] | None = None,
+    temperature: float | None = 1.0,
+    status: int = 200,
+    exact: bool = True,
+    version: int | None = 0,
+    recorded: dict[str, Any] | None = None,
+    **extra: Any,
+) -> Call:
     """A stored call; its effective sampling is what the proxy resolves (temperature None -> vLLM's 1.0)."""
-    choices = [] if completion is None else [{
-        "index": 0, "token_ids": completion, "text": extra.pop("text", ""),
-        "logprobs": logprobs if logprobs is not None else [-0.1 * (i + 1) for i in range(len(completion))]}]
+    choices = (
+        []
+        if completion is None
+        else [
+            {
+                "index": 0,
+                "token_ids": completion,
+                "text": extra.pop("text", ""),
+                "logprobs": logprobs if logprobs is not None else [-0.1 * (i + 1) for i in range(len(completion))],
+            }
+        ]
+    )
     request: dict[str, Any] = {"model": "policy", "messages": extra.pop("messages", [{"role": "user", "content": "x"}])}
     if temperature is not None:
         request["temperature"] = temperature
     notes = {"sampling": recorded or sampling(1.0 if temperature is None else temperature)}
-    return Call(ordinal=ordinal, request=request, status_code=status, prompt_token_ids=prompt, choices=choices,
-                exact_ids=exact, policy_version=version, notes=notes, **extra)
+    return Call(
+        ordinal=ordinal,
+        request=request,
+        status_code=status,
+        prompt_token_ids=prompt,
+        choices=choices,
+        exact_ids=exact,
+        policy_version=version,
+        notes=notes,
+        **extra,
+    )
 
 
 SYSTEM = [1, 2, 3]
@@ -48,13 +76,13 @@ def multi_turn_episode() -> Episode:
     turn1 = SYSTEM + [10, 11, EOS]
     calls = [
         call(0, SYSTEM, [10, 11, EOS], logprobs=[-0.1, -0.2, -0.3], temperature=0.7, version=3),
-        call(1, turn1 + TOOL_OUTPUT, [12, EOS]),                                       # first try ...
-        call(2, turn1 + TOOL_OUTPUT, [13, EOS], logprobs=[-0.4, -0.5], version=4),   # ... retried: kept
+        call(1, turn1 + TOOL_OUTPUT, [12, EOS]),  # first try ...
+        call(2, turn1 + TOOL_OUTPUT, [13, EOS], logprobs=[-0.4, -0.5], version=4),  # ... retried: kept
         call(3, SYSTEM + [99, 98], [14, EOS], logprobs=[-0.6, -0.7], temperature=None),  # context rewritten: break
-        call(4, SYSTEM + [99, 98, 14, EOS], None, status=500),                        # failed upstream
-        call(5, None, [16], exact=False, text="lost ids"),                            # no exact ids
-        call(6, SYSTEM + [99, 98, 14, EOS, 60], [15, EOS], temperature=0.0),           # greedy: context only
-        call(7, [7, 7], [8], version=None),                                           # another model: foreign
+        call(4, SYSTEM + [99, 98, 14, EOS], None, status=500),  # failed upstream
+        call(5, None, [16], exact=False, text="lost ids"),  # no exact ids
+        call(6, SYSTEM + [99, 98, 14, EOS, 60], [15, EOS], temperature=0.0),  # greedy: context only
+        call(7, [7, 7], [8], version=None),  # another model: foreign
     ]
     return Episode(id="ep-1", group_id="g-1", status="rewarded", reward=1.0, calls=calls)
 
@@ -67,7 +95,17 @@ def test_merges_turns_masks_tool_output_and_counts_every_rule() -> None:
     assert first.loss_mask == [0, 0, 0, 1, 1, 1, 0, 0, 1, 1]
     assert first.temperatures == [1.0, 1.0, 1.0, 0.7, 0.7, 0.7, 1.0, 1.0, 1.0, 1.0]
     assert [x if not math.isnan(x) else None for x in first.behaviour_logprobs] == [
-        None, None, None, -0.1, -0.2, -0.3, None, None, -0.4, -0.5]
+        None,
+        None,
+        None,
+        -0.1,
+        -0.2,
+        -0.3,
+        None,
+        None,
+        -0.4,
+        -0.5,
+    ]
     assert first.min_version == 3
 
     assert second.input_ids == SYSTEM + [99, 98, 14, EOS, 60, 15, EOS]
@@ -75,9 +113,18 @@ def test_merges_turns_masks_tool_output_and_counts_every_rule() -> None:
     assert second.temperatures[5:7] == [1.0, 1.0]  # no temperature in the request: vLLM's default 1.0
 
     counted = {k: v for k, v in stats.as_dict().items() if v}
-    assert counted == {"calls": 8, "calls_failed": 1, "calls_foreign": 1, "calls_deduped": 1,
-                       "calls_dropped_inexact": 1, "calls_greedy": 1, "merged": 2, "breaks": 1, "samples": 2,
-                       "episodes_split": 1}
+    assert counted == {
+        "calls": 8,
+        "calls_failed": 1,
+        "calls_foreign": 1,
+        "calls_deduped": 1,
+        "calls_dropped_inexact": 1,
+        "calls_greedy": 1,
+        "merged": 2,
+        "breaks": 1,
+        "samples": 2,
+        "episodes_split": 1,
+    }
 
 
 def test_truncation_keeps_masks_aligned_and_drops_samples_left_without_loss_tokens() -> None:
@@ -92,8 +139,9 @@ def test_truncation_keeps_masks_aligned_and_drops_samples_left_without_loss_toke
 
 
 def test_missing_engine_logprobs_are_unknown_not_zero() -> None:
-    episode = Episode(id="e", status="rewarded", reward=0.0,
-                      calls=[call(0, SYSTEM, [10, EOS], logprobs=[-0.1])])  # one log-prob for two tokens
+    episode = Episode(
+        id="e", status="rewarded", reward=0.0, calls=[call(0, SYSTEM, [10, EOS], logprobs=[-0.1])]
+    )  # one log-prob for two tokens
     stats = DataStats()
     (sample,) = episode_samples(episode, group_id="g", max_seq_len=64, stats=stats)
     assert sample.loss_mask == [0, 0, 0, 1, 1]
@@ -102,15 +150,21 @@ def test_missing_engine_logprobs_are_unknown_not_zero() -> None:
 
 
 def group(gid: str, rewards: list[float | None], *, abandoned: int = 0) -> Group:
-    episodes = [Episode(id=f"{gid}-{i}", status="rewarded", reward=r,
-                        calls=[call(0, SYSTEM + [i], [20 + i, EOS])]) for i, r in enumerate(rewards)]
+    episodes = [
+        Episode(id=f"{gid}-{i}", status="rewarded", reward=r, calls=[call(0, SYSTEM + [i], [20 + i, EOS])])
+        for i, r in enumerate(rewards)
+    ]
     episodes += [Episode(id=f"{gid}-a{i}", status="abandoned", calls=[]) for i in range(abandoned)]
     return Group(id=gid, task_id="t", status="complete", episodes=episodes)
 
 
 def test_batch_skips_equal_and_thin_groups_and_sets_group_advantages() -> None:
-    groups = [group("g-signal", [1.0, 0.0, 0.0, 1.0]), group("g-equal", [0.5, 0.5, 0.5]),
-              group("g-thin", [1.0], abandoned=2), group("g-signal2", [3.0, 1.0])]
+    groups = [
+        group("g-signal", [1.0, 0.0, 0.0, 1.0]),
+        group("g-equal", [0.5, 0.5, 0.5]),
+        group("g-thin", [1.0], abandoned=2),
+        group("g-signal2", [3.0, 1.0]),
+    ]
     batch = build_batch(groups, max_seq_len=64, min_rewarded=2, scale_rewards="group")
     assert batch.trained == ["g-signal", "g-signal2"]
     assert set(batch.skipped) == {"g-equal", "g-thin"}
@@ -124,9 +178,15 @@ def test_batch_skips_equal_and_thin_groups_and_sets_group_advantages() -> None:
 
 
 def test_group_without_trainable_calls_is_skipped_and_counted() -> None:
-    empty = Group(id="g", task_id="t", status="complete", episodes=[
-        Episode(id="e0", status="rewarded", reward=1.0, calls=[call(0, None, [5], exact=False)]),
-        Episode(id="e1", status="rewarded", reward=0.0, calls=[call(0, SYSTEM, [5], status=502)])])
+    empty = Group(
+        id="g",
+        task_id="t",
+        status="complete",
+        episodes=[
+            Episode(id="e0", status="rewarded", reward=1.0, calls=[call(0, None, [5], exact=False)]),
+            Episode(id="e1", status="rewarded", reward=0.0, calls=[call(0, SYSTEM, [5], status=502)]),
+        ],
+    )
     batch = build_batch([empty], max_seq_len=64, min_rewarded=2, scale_rewards="none")
     assert batch.samples == [] and batch.skipped_empty == 1 and batch.stats.calls_dropped_inexact == 1
     assert batch.stats.calls_failed == 1
@@ -154,15 +214,17 @@ def test_retokenizer_rebuilds_prompt_and_completion_with_the_chat_template(vllm_
     inexact = call(0, None, None, exact=False, messages=messages)
     inexact.choices = [{"index": 0, "text": "4", "token_ids": None, "logprobs": []}]
     prompt, completion = ChatRetokenizer(tokenizer)(inexact) or ([], [])
-    expected_prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                         tokenize=True)["input_ids"])
+    expected_prompt = list(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    )
     assert prompt == expected_prompt
     assert completion[-1] == tokenizer.eos_token_id and tokenizer.decode(completion[:-1]) == "4"
 
     episode = Episode(id="e", status="rewarded", reward=1.0, calls=[inexact])
     stats = DataStats()
-    (sample,) = episode_samples(episode, group_id="g", max_seq_len=256, retokenize=ChatRetokenizer(tokenizer),
-                                stats=stats)
+    (sample,) = episode_samples(
+        episode, group_id="g", max_seq_len=256, retokenize=ChatRetokenizer(tokenizer), stats=stats
+    )
     assert sample.input_ids == prompt + completion and stats.calls_retokenized == 1
     assert stats.calls_logprobs_missing == 1  # retokenized tokens have no engine log-probs
 
@@ -173,21 +235,37 @@ def test_retokenizer_rebuilds_prompt_and_completion_with_the_chat_template(vllm_
 def test_recorded_sampling_decides_what_is_trained_and_with_which_filters() -> None:
     calls = [
         call(0, SYSTEM, [10, EOS], recorded=sampling(0.7, top_k=20, top_p=0.8, min_p=0.05)),
-        call(1, SYSTEM + [10, EOS, 5], [11, EOS], recorded=sampling(1.0, mode="penalized",
-                                                                     penalties={"repetition_penalty": 1.1})),
-        call(2, SYSTEM + [10, EOS, 5, 11, EOS, 6], [12, 13, EOS], logprobs=[-0.3, 0.0, -0.2],
-             recorded=sampling(1.0, mode="constrained", constraint="tool_choice=required", constrained="train")),
-        call(3, SYSTEM + [10, EOS, 5, 11, EOS, 6, 12, 13, EOS, 7], [14, EOS],
-             recorded=sampling(1.0, mode="constrained", constraint="response_format=json_object",
-                               constrained="exclude")),
+        call(
+            1,
+            SYSTEM + [10, EOS, 5],
+            [11, EOS],
+            recorded=sampling(1.0, mode="penalized", penalties={"repetition_penalty": 1.1}),
+        ),
+        call(
+            2,
+            SYSTEM + [10, EOS, 5, 11, EOS, 6],
+            [12, 13, EOS],
+            logprobs=[-0.3, 0.0, -0.2],
+            recorded=sampling(1.0, mode="constrained", constraint="tool_choice=required", constrained="train"),
+        ),
+        call(
+            3,
+            SYSTEM + [10, EOS, 5, 11, EOS, 6, 12, 13, EOS, 7],
+            [14, EOS],
+            recorded=sampling(1.0, mode="constrained", constraint="response_format=json_object", constrained="exclude"),
+        ),
     ]
     unrecorded = call(4, SYSTEM + [10, EOS, 5, 11, EOS, 6, 12, 13, EOS, 7, 14, EOS, 8], [15, EOS])
     unrecorded.notes = None  # stored before the proxy recorded effective sampling
     stats = DataStats()
-    (sample,) = episode_samples(Episode(id="e", status="rewarded", reward=1.0, calls=[*calls, unrecorded]),
-                                group_id="g", max_seq_len=64, stats=stats)
+    (sample,) = episode_samples(
+        Episode(id="e", status="rewarded", reward=1.0, calls=[*calls, unrecorded]),
+        group_id="g",
+        max_seq_len=64,
+        stats=stats,
+    )
     n = len(SYSTEM)
-    assert sample.loss_mask[n:n + 2] == [1, 1] and sample.top_k is not None and sample.top_p is not None
+    assert sample.loss_mask[n : n + 2] == [1, 1] and sample.top_k is not None and sample.top_p is not None
     assert (sample.top_k[n], sample.top_p[n], sample.temperatures[n]) == (20, 0.8, 0.7)
     assert sample.min_p is not None and sample.min_p[n] == 0.05
     assert sample.modes is not None and sample.modes[n] == 1  # truncated
@@ -196,20 +274,29 @@ def test_recorded_sampling_decides_what_is_trained_and_with_which_filters() -> N
     constrained = slice(n + 6, n + 9)
     assert sample.loss_mask[constrained] == [1, 0, 1]  # the grammar forced the middle token (engine log-prob 0)
     assert sample.modes[n + 6] == 2
-    assert sample.loss_mask[n + 10:n + 12] == [0, 0]  # excluded by the deployment's policy
+    assert sample.loss_mask[n + 10 : n + 12] == [0, 0]  # excluded by the deployment's policy
     assert sample.loss_mask[-2:] == [0, 0]  # no recorded sampling: context only
-    assert (stats.calls_truncated_sampling, stats.calls_penalized, stats.calls_constrained,
-            stats.calls_constrained_excluded, stats.calls_sampling_unrecorded, stats.tokens_forced) == (1,) * 6
+    assert (
+        stats.calls_truncated_sampling,
+        stats.calls_penalized,
+        stats.calls_constrained,
+        stats.calls_constrained_excluded,
+        stats.calls_sampling_unrecorded,
+        stats.tokens_forced,
+    ) == (1,) * 6
 
 
 def test_n_gt_1_merges_the_choice_the_next_call_continues() -> None:
     first = call(0, SYSTEM, [10, EOS])
-    first.choices = [{"index": 0, "token_ids": [10, EOS], "logprobs": [-0.1, -0.2]},
-                     {"index": 1, "token_ids": [11, EOS], "logprobs": [-0.3, -0.4]}]
+    first.choices = [
+        {"index": 0, "token_ids": [10, EOS], "logprobs": [-0.1, -0.2]},
+        {"index": 1, "token_ids": [11, EOS], "logprobs": [-0.3, -0.4]},
+    ]
     follow = call(1, SYSTEM + [11, EOS, 5], [12, EOS])
     stats = DataStats()
-    (sample,) = episode_samples(Episode(id="e", status="rewarded", reward=1.0, calls=[first, follow]),
-                                group_id="g", max_seq_len=64, stats=stats)
+    (sample,) = episode_samples(
+        Episode(id="e", status="rewarded", reward=1.0, calls=[first, follow]), group_id="g", max_seq_len=64, stats=stats
+    )
     assert sample.input_ids == SYSTEM + [11, EOS, 5, 12, EOS]
     assert sample.behaviour_logprobs[3:5] == [-0.3, -0.4]
     assert (stats.merged, stats.breaks, stats.choices_unused) == (1, 0, 1)
@@ -218,10 +305,15 @@ def test_n_gt_1_merges_the_choice_the_next_call_continues() -> None:
 def test_single_call_with_rewarded_choices_trains_each_choice_as_a_group_member() -> None:
     only = call(0, SYSTEM, [10, EOS])
     only.choices = [{"index": c, "token_ids": [10 + c, EOS], "logprobs": [-0.1, -0.1]} for c in range(3)]
-    episode = Episode(id="e", status="rewarded", reward=0.5, calls=[only],
-                      call_rewards={"0:0": 1.0, "0:1": 0.0, "0:2": 0.5})
-    batch = build_batch([Group(id="g", task_id="t", status="complete", episodes=[episode])], max_seq_len=64,
-                        min_rewarded=2, scale_rewards="none")
+    episode = Episode(
+        id="e", status="rewarded", reward=0.5, calls=[only], call_rewards={"0:0": 1.0, "0:1": 0.0, "0:2": 0.5}
+    )
+    batch = build_batch(
+        [Group(id="g", task_id="t", status="complete", episodes=[episode])],
+        max_seq_len=64,
+        min_rewarded=2,
+        scale_rewards="none",
+    )
     assert batch.trained == ["g"] and batch.members == 3 and batch.stats.choice_members == 3
     by_member = {s.member: (s.input_ids[-2], s.advantage) for s in batch.samples}
     assert by_member == {"e#0": (10, 0.5), "e#1": (11, -0.5), "e#2": (12, 0.0)}
@@ -229,14 +321,20 @@ def test_single_call_with_rewarded_choices_trains_each_choice_as_a_group_member(
 
 
 def two_turn(eid: str, reward: float, call_rewards: dict[str, float] | None = None) -> Episode:
-    return Episode(id=eid, status="rewarded", reward=reward, call_rewards=call_rewards, calls=[
-        call(0, SYSTEM, [10, EOS]), call(1, SYSTEM + [10, EOS, 5], [11, EOS])])
+    return Episode(
+        id=eid,
+        status="rewarded",
+        reward=reward,
+        call_rewards=call_rewards,
+        calls=[call(0, SYSTEM, [10, EOS]), call(1, SYSTEM + [10, EOS, 5], [11, EOS])],
+    )
 
 
 def test_discounted_turn_credit_gives_each_turn_its_return() -> None:
     rules = Rules(min_rewarded=2, scale_rewards="none", turn_credit="discounted", turn_discount=0.5)
-    groups = [Group(id="g", task_id="t", status="complete", episodes=[
-        two_turn("a", 1.0, {"0": 0.5}), two_turn("b", 0.0)])]
+    groups = [
+        Group(id="g", task_id="t", status="complete", episodes=[two_turn("a", 1.0, {"0": 0.5}), two_turn("b", 0.0)])
+    ]
     batch = build_batch(groups, rules=rules)
     # returns: a = [0.5 + 0.5 * 1.0, 1.0] = [1.0, 1.0]; b = [0.0, 0.0]; pooled mean 0.5
     by_member = {s.member: s for s in batch.samples}
@@ -251,8 +349,12 @@ def test_discounted_turn_credit_gives_each_turn_its_return() -> None:
 
 
 def test_split_episode_is_normalised_as_one_member() -> None:
-    broken = Episode(id="split", status="rewarded", reward=1.0, calls=[
-        call(0, SYSTEM, [10, EOS]), call(1, SYSTEM + [99], [11, 12, EOS])])  # re-rendered history: a break
+    broken = Episode(
+        id="split",
+        status="rewarded",
+        reward=1.0,
+        calls=[call(0, SYSTEM, [10, EOS]), call(1, SYSTEM + [99], [11, 12, EOS])],
+    )  # re-rendered history: a break
     whole = Episode(id="whole", status="rewarded", reward=0.0, calls=[call(0, SYSTEM, [13, EOS])])
     group_ = Group(id="g", task_id="t", status="complete", episodes=[broken, whole])
     batch = build_batch([group_], rules=Rules(min_rewarded=2, scale_rewards="none"))
@@ -264,11 +366,14 @@ def test_split_episode_is_normalised_as_one_member() -> None:
 
 @pytest.mark.parametrize(("rule", "trained"), [("penalize", True), ("skip", False)])
 def test_abandoned_episodes_are_penalized_or_skipped_by_choice(rule: Abandoned, trained: bool) -> None:
-    crashed = Episode(id="crashed", status="abandoned", abandon_reason="agent crashed: context overflow",
-                      calls=[call(0, SYSTEM, [14, EOS])])
+    crashed = Episode(
+        id="crashed",
+        status="abandoned",
+        abandon_reason="agent crashed: context overflow",
+        calls=[call(0, SYSTEM, [14, EOS])],
+    )
     reaped = Episode(id="reaped", status="abandoned", abandon_reason="no reward within 900s", calls=[])
-    ok = [Episode(id=f"ok{i}", status="rewarded", reward=1.0, calls=[call(0, SYSTEM, [10 + i, EOS])])
-          for i in range(2)]
+    ok = [Episode(id=f"ok{i}", status="rewarded", reward=1.0, calls=[call(0, SYSTEM, [10 + i, EOS])]) for i in range(2)]
     group_ = Group(id="g", task_id="t", status="complete", episodes=[*ok, crashed, reaped])
     batch = build_batch([group_], rules=Rules(min_rewarded=2, scale_rewards="none", abandoned=rule))
     if trained:
@@ -277,10 +382,12 @@ def test_abandoned_episodes_are_penalized_or_skipped_by_choice(rule: Abandoned, 
         assert (batch.stats.episodes_abandoned_penalized, batch.stats.episodes_abandoned_skipped) == (1, 1)
     else:
         assert batch.skipped_equal == 1 and batch.stats.episodes_abandoned_skipped == 2
-    workflow_choice = Group(id="g", task_id="t", status="complete", metadata={"abandoned": rule},
-                            episodes=[*ok, crashed, reaped])
+    workflow_choice = Group(
+        id="g", task_id="t", status="complete", metadata={"abandoned": rule}, episodes=[*ok, crashed, reaped]
+    )
     assert build_batch([workflow_choice], rules=Rules(min_rewarded=2, scale_rewards="none")).trained == (
-        ["g"] if trained else [])
+        ["g"] if trained else []
+    )
 
 
 def test_batch_scaling_takes_the_std_over_every_reward_like_trl() -> None:

@@ -21,12 +21,19 @@ from tests.support.services import ADMIN_KEY, ROOT, engine_python
 from tests.trainer.conftest import TrainerProxy
 
 
-def torchrun(nproc: int, *args: str, env: dict[str, str] | None = None, timeout: float = 600
-             ) -> subprocess.CompletedProcess[str]:
+def torchrun(
+    nproc: int, *args: str, env: dict[str, str] | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
     python = engine_python() if os.path.exists(engine_python()) else sys.executable
     full_env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(env or {}))
-    return subprocess.run([python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                           *args], cwd=ROOT, env=full_env, text=True, capture_output=True, timeout=timeout)
+    return subprocess.run(
+        [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args],
+        cwd=ROOT,
+        env=full_env,
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "bnpo"])
@@ -52,12 +59,26 @@ def test_two_ranks_take_the_step_one_process_takes(vllm_model_dir: str, tmp_path
 
 
 @pytest.mark.vllm
-def test_torchrun_cli_trains_claims_once_and_resumes(trainer_proxy: TrainerProxy, tmp_path: Path,
-                                                     vllm_model_dir: str) -> None:
+def test_torchrun_cli_trains_claims_once_and_resumes(
+    trainer_proxy: TrainerProxy, tmp_path: Path, vllm_model_dir: str
+) -> None:
     out = tmp_path / "run"
-    args = ["-m", "trainer", "run", "--config", str(ROOT / "configs/trainer-local.yaml"),
-            f"proxy_url={trainer_proxy.url}", f"output_dir={out}", "groups_per_step=1", "batch_wait_s=0",
-            "poll_interval_s=0.2", "tensorboard=false", "progress=false", "max_staleness=5", "threads=1"]
+    args = [
+        "-m",
+        "trainer",
+        "run",
+        "--config",
+        str(ROOT / "configs/trainer-local.yaml"),
+        f"proxy_url={trainer_proxy.url}",
+        f"output_dir={out}",
+        "groups_per_step=1",
+        "batch_wait_s=0",
+        "poll_interval_s=0.2",
+        "tensorboard=false",
+        "progress=false",
+        "max_staleness=5",
+        "threads=1",
+    ]
     env = {"FLYWHEEL_ADMIN_KEY": ADMIN_KEY, "FLYWHEEL_MODEL_DIR": vllm_model_dir}
     groups = [trainer_proxy.record_group([1.0, 0.0], question="What is 5+6?")]
 

@@ -29,12 +29,16 @@ def policy(vllm_model_dir: str) -> Iterator[LoraPolicy]:
     yield LoraPolicy(TrainerConfig(model=vllm_model_dir, dtype="float32", micro_batch_tokens=512, max_seq_len=512))
 
 
-def served(policy: LoraPolicy, sample: Sample, *, mode: str, version: int, offset: float,
-           reference: bool = False) -> Sample:
+def served(
+    policy: LoraPolicy, sample: Sample, *, mode: str, version: int, offset: float, reference: bool = False
+) -> Sample:
     """``sample`` as if ``version`` sampled it in ``mode``, the engine off by ``offset`` nats on every token."""
     n = len(sample)
-    marked = dataclasses.replace(sample, modes=[MODES.index(mode) if m else -1 for m in sample.loss_mask],
-                                 versions=[version if m else -1 for m in sample.loss_mask])
+    marked = dataclasses.replace(
+        sample,
+        modes=[MODES.index(mode) if m else -1 for m in sample.loss_mask],
+        versions=[version if m else -1 for m in sample.loss_mask],
+    )
     with torch.no_grad():
         mb = collate([marked])
         own = policy.logprobs(mb, reference=reference).logps.tolist()
@@ -51,8 +55,16 @@ def learner_for(policy: LoraPolicy, **fields: object) -> Learner:
 
 
 def test_fresh_tokens_are_compared_per_mode_and_unknown_is_none(policy: LoraPolicy) -> None:
-    samples = [served(policy, chat_sample(policy, f"Question {i}?", f"Answer {i}.", 0.0), mode=mode, version=0,
-                      offset=OFFSETS[mode]) for i, mode in enumerate(OFFSETS)]
+    samples = [
+        served(
+            policy,
+            chat_sample(policy, f"Question {i}?", f"Answer {i}.", 0.0),
+            mode=mode,
+            version=0,
+            offset=OFFSETS[mode],
+        )
+        for i, mode in enumerate(OFFSETS)
+    ]
     learner = learner_for(policy)
     learner.weights_version = 0  # a zero adapter: the weights are the base model, version 0
     engine = learner.step(samples).engine
@@ -77,8 +89,9 @@ def test_stale_tokens_are_rescored_under_the_version_that_served_them(policy: Lo
             if "lora_B" in name:
                 param.normal_(0, 0.02)
     learner.remember(3)
-    old = [served(policy, chat_sample(policy, "Old question?", "Old answer.", 0.0), mode="sampled", version=3,
-                  offset=0.02)]
+    old = [
+        served(policy, chat_sample(policy, "Old question?", "Old answer.", 0.0), mode="sampled", version=3, offset=0.02)
+    ]
     with torch.no_grad():
         for name, param in policy.model.named_parameters():
             if "lora_B" in name:

@@ -45,10 +45,26 @@ class Hooked(World):
         self.hook(list(params))
 
 
-def make_trainer(proxy: TrainerProxy, out: Path, model: str, policy: LoraPolicy, client: ProxyClient,
-                 hook: Callable[[list[torch.nn.Parameter]], None]) -> Trainer:
-    config = TrainerConfig(model=model, proxy_url=proxy.url, output_dir=str(out), groups_per_step=1, batch_wait_s=0,
-                           poll_interval_s=0.2, learning_rate=1e-2, lease_s=60, progress=False, tensorboard=False)
+def make_trainer(
+    proxy: TrainerProxy,
+    out: Path,
+    model: str,
+    policy: LoraPolicy,
+    client: ProxyClient,
+    hook: Callable[[list[torch.nn.Parameter]], None],
+) -> Trainer:
+    config = TrainerConfig(
+        model=model,
+        proxy_url=proxy.url,
+        output_dir=str(out),
+        groups_per_step=1,
+        batch_wait_s=0,
+        poll_interval_s=0.2,
+        learning_rate=1e-2,
+        lease_s=60,
+        progress=False,
+        tensorboard=False,
+    )
     reporter = Reporter(config.out, tensorboard=False, progress=False, max_steps=None, start_step=0)
     trainer = Trainer(config, client, policy, reporter, world=Hooked(hook=hook))
     trainer.resume()
@@ -70,7 +86,8 @@ def assert_unchanged(trainer: Trainer, before: dict[str, torch.Tensor], proxy: T
 
 
 def test_a_non_finite_gradient_changes_nothing_and_its_groups_are_acked_skipped(
-        trainer_proxy: TrainerProxy, tmp_path: Path, policy: LoraPolicy, vllm_model_dir: str) -> None:
+    trainer_proxy: TrainerProxy, tmp_path: Path, policy: LoraPolicy, vllm_model_dir: str
+) -> None:
     poisoned = trainer_proxy.record_group([1.0, 0.0], question="What is 1+1?")
     hooked = {"steps": 0}
 
@@ -99,7 +116,8 @@ def test_a_non_finite_gradient_changes_nothing_and_its_groups_are_acked_skipped(
 
 
 def test_a_step_whose_lease_was_taken_is_rolled_back_never_checkpointed_or_acked(
-        trainer_proxy: TrainerProxy, tmp_path: Path, policy: LoraPolicy, vllm_model_dir: str) -> None:
+    trainer_proxy: TrainerProxy, tmp_path: Path, policy: LoraPolicy, vllm_model_dir: str
+) -> None:
     """While the step trains, its lease is released and the group claimed by another trainer (as
     after an expiry): the update is undone, the group stays the other trainer's, and once handed
     back it is trained exactly once."""
@@ -112,8 +130,11 @@ def test_a_step_whose_lease_was_taken_is_rolled_back_never_checkpointed_or_acked
         [lease] = trainer.checkpoints.pending()
         released = httpx.post(f"{trainer_proxy.url}/trainer/release", headers=ADMIN, json={"lease_id": lease.lease_id})
         assert released.json() == {"released": 1}
-        claim = httpx.post(f"{trainer_proxy.url}/trainer/claim", headers=ADMIN,
-                           json={"trainer_id": "other", "max_groups": 1, "lease_s": 600})
+        claim = httpx.post(
+            f"{trainer_proxy.url}/trainer/claim",
+            headers=ADMIN,
+            json={"trainer_id": "other", "max_groups": 1, "lease_s": 600},
+        )
         stolen.update(claim.json())
 
     with ProxyClient(trainer_proxy.url, ADMIN_KEY) as client:
@@ -125,8 +146,9 @@ def test_a_step_whose_lease_was_taken_is_rolled_back_never_checkpointed_or_acked
         assert trainer_proxy.get(f"/groups/{group_id}")["train_status"] == "pending"
         assert not (trainer.config.out / "steps.jsonl").exists()
 
-        released = httpx.post(f"{trainer_proxy.url}/trainer/release", headers=ADMIN,
-                              json={"lease_id": stolen["lease_id"]})
+        released = httpx.post(
+            f"{trainer_proxy.url}/trainer/release", headers=ADMIN, json={"lease_id": stolen["lease_id"]}
+        )
         assert released.json() == {"released": 1}
         assert trainer.run_once() and trainer.step == 1
     assert trainer_proxy.get(f"/groups/{group_id}")["trained_step"] == 1
@@ -160,6 +182,7 @@ def test_a_claim_whose_answer_was_lost_is_retried_under_the_same_lease(trainer_p
         claim = client.claim(trainer_id="t", max_groups=1, lease_s=600, max_staleness=None)
     assert len(transport.claims) == 2 and transport.claims[0] == transport.claims[1]  # one lease id, sent twice
     assert [g.id for g in claim.groups] == [first]
-    rest = httpx.post(f"{trainer_proxy.url}/trainer/claim", headers=ADMIN,
-                      json={"trainer_id": "u", "max_groups": 5, "lease_s": 600}).json()
+    rest = httpx.post(
+        f"{trainer_proxy.url}/trainer/claim", headers=ADMIN, json={"trainer_id": "u", "max_groups": 5, "lease_s": 600}
+    ).json()
     assert [g["id"] for g in rest["groups"]] == [second]  # the lost answer's lease holds nothing else

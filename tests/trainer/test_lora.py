@@ -22,8 +22,11 @@ NAN = float("nan")
 
 @pytest.fixture(scope="module")
 def policy(vllm_model_dir: str) -> Iterator[LoraPolicy]:
-    yield LoraPolicy(TrainerConfig(model=vllm_model_dir, learning_rate=1e-3, micro_batch_tokens=512, max_seq_len=512,
-                               logprob_chunk_rows=7))
+    yield LoraPolicy(
+        TrainerConfig(
+            model=vllm_model_dir, learning_rate=1e-3, micro_batch_tokens=512, max_seq_len=512, logprob_chunk_rows=7
+        )
+    )
 
 
 def sequence_logprobs(policy: LoraPolicy, samples: list[Sample], *, reference: bool = False) -> list[float]:
@@ -34,8 +37,10 @@ def sequence_logprobs(policy: LoraPolicy, samples: list[Sample], *, reference: b
 
 
 def test_packed_logprobs_match_a_plain_forward_per_sample(policy: LoraPolicy) -> None:
-    samples = [chat_sample(policy, "What is 2+3?", "5", 1.0),
-               chat_sample(policy, "Name a colour.", "Blue, like the sky.", -1.0, temperature=0.7)]
+    samples = [
+        chat_sample(policy, "What is 2+3?", "5", 1.0),
+        chat_sample(policy, "Name a colour.", "Blue, like the sky.", -1.0, temperature=0.7),
+    ]
     mb = collate(samples)
     with torch.no_grad():
         packed = mb.table(policy.logprobs(mb)[0])
@@ -45,8 +50,8 @@ def test_packed_logprobs_match_a_plain_forward_per_sample(policy: LoraPolicy) ->
             logits = logits / torch.tensor(sample.temperatures[1:])[:, None]
             plain = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None]).squeeze(1)
             wanted = plain[torch.tensor(sample.loss_mask[1:], dtype=torch.bool)]
-            assert packed[b, :len(wanted)].tolist() == pytest.approx(wanted.tolist(), abs=2e-2)
-            assert (packed[b, :len(wanted)] - wanted).abs().mean() < 5e-3
+            assert packed[b, : len(wanted)].tolist() == pytest.approx(wanted.tolist(), abs=2e-2)
+            assert (packed[b, : len(wanted)] - wanted).abs().mean() < 5e-3
 
 
 def test_a_real_step_raises_positive_completions_relative_to_negative(policy: LoraPolicy) -> None:
@@ -74,8 +79,11 @@ def test_checkpoint_round_trip_restores_the_adapter_and_optimizer(policy: LoraPo
     pair = [chat_sample(policy, "Say hi.", "Hi!", advantage=1.0), chat_sample(policy, "Say hi.", "No.", advantage=-1.0)]
     learner.step(pair)
     checkpoints = Checkpoints(tmp_path, keep=1)
-    checkpoints.save(adapter=policy.adapter_state(), optimizer=learner.optimizer.state_dict(),
-                     state=CheckpointState(step=7, version_base=2, leases=[]))
+    checkpoints.save(
+        adapter=policy.adapter_state(),
+        optimizer=learner.optimizer.state_dict(),
+        state=CheckpointState(step=7, version_base=2, leases=[]),
+    )
     saved = sequence_logprobs(policy, pair)
 
     assert learner.step(pair).kl > 0  # move on past the checkpoint (the adapter has moved: KL > 0) ...
@@ -94,8 +102,9 @@ def test_checkpoint_round_trip_restores_the_adapter_and_optimizer(policy: LoraPo
 # -- loud failures instead of silent fallbacks -----------------------------------------------------------
 
 
-def test_packed_samples_fail_loudly_when_their_boundaries_stop_arriving(policy: LoraPolicy,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_packed_samples_fail_loudly_when_their_boundaries_stop_arriving(
+    policy: LoraPolicy, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """If ``cu_seq_lens_q`` no longer reached the attention function, packed samples would attend
     across each other: that must be an error, not a quietly wrong log-prob."""
     pair = [chat_sample(policy, "What is 2+3?", "5", 1.0), chat_sample(policy, "Name a colour.", "Blue.", -1.0)]
@@ -140,9 +149,16 @@ def tiny(config_cls: str, **fields: object) -> torch.nn.Module:
     """A randomly initialised two-layer model of that architecture, built in memory (no download)."""
     import transformers
 
-    config = getattr(transformers, config_cls)(vocab_size=64, hidden_size=16, intermediate_size=32,
-                                               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                               head_dim=8, **fields)
+    config = getattr(transformers, config_cls)(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        **fields,
+    )
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
@@ -152,14 +168,18 @@ def test_llama_like_heads_pass_the_logit_check() -> None:
         check_logit_head(model, model.model)
 
 
-@pytest.mark.parametrize(("config_cls", "fields", "named"), [
-    ("Gemma2Config", {}, "final_logit_softcapping=30.0"),
-    ("Gemma2Config", {"final_logit_softcapping": None}, "attn_logit_softcapping=50.0"),
-    ("CohereConfig", {}, "logit_scale=0.0625"),
-    ("GraniteConfig", {"logits_scaling": 8.0}, "logits_scaling=8.0"),
-])
-def test_heads_that_transform_logits_are_refused_by_name(config_cls: str, fields: dict[str, object],
-                                                         named: str) -> None:
+@pytest.mark.parametrize(
+    ("config_cls", "fields", "named"),
+    [
+        ("Gemma2Config", {}, "final_logit_softcapping=30.0"),
+        ("Gemma2Config", {"final_logit_softcapping": None}, "attn_logit_softcapping=50.0"),
+        ("CohereConfig", {}, "logit_scale=0.0625"),
+        ("GraniteConfig", {"logits_scaling": 8.0}, "logits_scaling=8.0"),
+    ],
+)
+def test_heads_that_transform_logits_are_refused_by_name(
+    config_cls: str, fields: dict[str, object], named: str
+) -> None:
     model = tiny(config_cls, **fields)
     kind = model.config.model_type
     with pytest.raises(ConfigError, match=rf"model type '{kind}' sets {named}: .*not supported"):

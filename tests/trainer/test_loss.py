@@ -34,26 +34,32 @@ def loss(**kwargs: object) -> float:
     return float(grpo_loss(LOGPS, OLD, ADV, MASK, **args).loss)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("loss_type", "totals", "expected"), [
-    ("grpo", FULL, -0.5562618),      # (-6.3696748/3 + 2.0214028/2) / 2
-    ("bnpo", FULL, -0.8696544),      # -4.3482720 / 5
-    ("dr_grpo", FULL, -0.5435340),   # -4.3482720 / (2 * 4)
-    ("dapo", FULL, -0.8696544),      # -4.3482720 / 5
-    ("grpo", PART, -0.2781309),      # (-2.1232249 + 1.0107014) / 4 sequences
-    ("bnpo", PART, -0.4348272),      # -4.3482720 / 5 tokens here / 2 micro-batches
-    ("dr_grpo", PART, -0.2717670),   # -4.3482720 / (4 * 4)
-    ("dapo", PART, -0.3623560),      # -4.3482720 / 12 tokens in the step
-])
+@pytest.mark.parametrize(
+    ("loss_type", "totals", "expected"),
+    [
+        ("grpo", FULL, -0.5562618),  # (-6.3696748/3 + 2.0214028/2) / 2
+        ("bnpo", FULL, -0.8696544),  # -4.3482720 / 5
+        ("dr_grpo", FULL, -0.5435340),  # -4.3482720 / (2 * 4)
+        ("dapo", FULL, -0.8696544),  # -4.3482720 / 5
+        ("grpo", PART, -0.2781309),  # (-2.1232249 + 1.0107014) / 4 sequences
+        ("bnpo", PART, -0.4348272),  # -4.3482720 / 5 tokens here / 2 micro-batches
+        ("dr_grpo", PART, -0.2717670),  # -4.3482720 / (4 * 4)
+        ("dapo", PART, -0.3623560),  # -4.3482720 / 12 tokens in the step
+    ],
+)
 def test_token_level_losses(loss_type: str, totals: Totals, expected: float) -> None:
     assert loss(loss_type=loss_type, totals=totals) == pytest.approx(expected, abs=1e-6)
 
 
-@pytest.mark.parametrize(("loss_type", "expected"), [
-    # GSPO: one ratio per sequence, exp(mean log-ratio): seq0 exp(0.1) = 1.1051709, seq1 exp(-0.15) = 0.8607080;
-    # neither clips. Per token: seq0 -2 * 1.1051709 (x3), seq1 +0.8607080 (x2).
-    ("grpo", -0.6748169),   # (-2.2103418 + 0.8607080) / 2
-    ("dapo", -0.9819219),   # (3 * -2.2103418 + 2 * 0.8607080) / 5
-])
+@pytest.mark.parametrize(
+    ("loss_type", "expected"),
+    [
+        # GSPO: one ratio per sequence, exp(mean log-ratio): seq0 exp(0.1) = 1.1051709, seq1 exp(-0.15) = 0.8607080;
+        # neither clips. Per token: seq0 -2 * 1.1051709 (x3), seq1 +0.8607080 (x2).
+        ("grpo", -0.6748169),  # (-2.2103418 + 0.8607080) / 2
+        ("dapo", -0.9819219),  # (3 * -2.2103418 + 2 * 0.8607080) / 5
+    ],
+)
 def test_sequence_level_losses(loss_type: str, expected: float) -> None:
     assert loss(loss_type=loss_type, level="sequence") == pytest.approx(expected, abs=1e-6)
 
@@ -62,17 +68,31 @@ def test_sequence_level_losses(loss_type: str, expected: float) -> None:
 BEHAVIOUR = torch.tensor([[-1.5, NAN, -0.4], [-0.5, -2.5, NAN]])
 
 
-@pytest.mark.parametrize(("mode", "expected"), [
-    # token weights [1.1051709, 1 (unknown), 1], [1, exp(1.5) = 4.48 -> 3]
-    ("token_truncate", -0.6035019),     # (-2.56*1.1051709 - 2 - 1.8096748 + 1.2214028 + 0.8*3) / 5
-    ("token_mask", -1.0835019),         # the capped token's weight is 0 instead of 3
-    # sequence weights exp(0.1) and exp(1.5) -> 3 (truncate) or 0 (mask)
-    ("sequence_truncate", -0.1950742),  # (-6.3696748*1.1051709 + 2.0214028*3) / 5
-    ("sequence_mask", -1.4079159),      # (-6.3696748*1.1051709 + 0) / 5
-])
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        # token weights [1.1051709, 1 (unknown), 1], [1, exp(1.5) = 4.48 -> 3]
+        ("token_truncate", -0.6035019),  # (-2.56*1.1051709 - 2 - 1.8096748 + 1.2214028 + 0.8*3) / 5
+        ("token_mask", -1.0835019),  # the capped token's weight is 0 instead of 3
+        # sequence weights exp(0.1) and exp(1.5) -> 3 (truncate) or 0 (mask)
+        ("sequence_truncate", -0.1950742),  # (-6.3696748*1.1051709 + 2.0214028*3) / 5
+        ("sequence_mask", -1.4079159),  # (-6.3696748*1.1051709 + 0) / 5
+    ],
+)
 def test_truncated_importance_sampling(mode: str, expected: float) -> None:
-    out = grpo_loss(LOGPS, OLD, ADV, MASK, totals=FULL, loss_type="dapo", epsilon=0.2, epsilon_high=0.28,
-                    behaviour_logps=BEHAVIOUR, is_cap=3.0, is_mode=mode)
+    out = grpo_loss(
+        LOGPS,
+        OLD,
+        ADV,
+        MASK,
+        totals=FULL,
+        loss_type="dapo",
+        epsilon=0.2,
+        epsilon_high=0.28,
+        behaviour_logps=BEHAVIOUR,
+        is_cap=3.0,
+        is_mode=mode,
+    )
     assert float(out.loss) == pytest.approx(expected, abs=1e-6)
     assert int(out.is_capped) == (1 if mode.startswith("token") else 2)  # capped tokens among the 5
 
@@ -83,8 +103,9 @@ def test_kl_term_and_clip_counts() -> None:
     # exp(d) - d - 1 with d = ref - logp: exp(-0.2) + 0.2 - 1 = 0.0187308; exp(0.5) - 1.5 = 0.1487213
     assert kl[0].tolist() == pytest.approx([0.0187308, 0.0, 0.0187308], abs=1e-6)
     assert kl[1, :2].tolist() == pytest.approx([0.0, 0.1487213], abs=1e-6)
-    out = grpo_loss(LOGPS, OLD, ADV, MASK, totals=FULL, loss_type="dapo", epsilon=0.2, epsilon_high=0.28,
-                    beta=0.1, ref_logps=ref)
+    out = grpo_loss(
+        LOGPS, OLD, ADV, MASK, totals=FULL, loss_type="dapo", epsilon=0.2, epsilon_high=0.28, beta=0.1, ref_logps=ref
+    )
     assert float(out.loss) == pytest.approx(-0.8659308, abs=1e-6)  # (-4.3482720 + 0.1 * 0.1861828) / 5
     assert float(out.policy_loss) == pytest.approx(-0.8696544, abs=1e-6)
     assert (int(out.clipped_high), int(out.clipped_low)) == (1, 1)

@@ -19,17 +19,27 @@ from trainer.packing import collate, pack, plan
 NAN = float("nan")
 
 
-def sample(name: str, length: int, *, loss: list[int] | None = None, advantage: float = 1.0,
-           **per_token: list[float] | list[int] | int) -> Sample:
+def sample(
+    name: str,
+    length: int,
+    *,
+    loss: list[int] | None = None,
+    advantage: float = 1.0,
+    **per_token: list[float] | list[int] | int,
+) -> Sample:
     """``length`` tokens with ids 100·k + j; ``loss`` the positions the policy sampled (default: the
     second half); per-token fields (temperatures, top_k, ...) may be given as whole lists."""
     k = int(name[1:]) if name[1:].isdigit() else 0
     sampled = set(range(length // 2, length) if loss is None else loss)
     fields: dict[str, object] = {
-        "group_id": "g", "episode_id": name, "input_ids": [100 * k + j for j in range(length)],
+        "group_id": "g",
+        "episode_id": name,
+        "input_ids": [100 * k + j for j in range(length)],
         "loss_mask": [int(j in sampled) for j in range(length)],
         "behaviour_logprobs": [-(j + 1) / 10 if j in sampled else NAN for j in range(length)],
-        "temperatures": [1.0] * length, "advantage": advantage}
+        "temperatures": [1.0] * length,
+        "advantage": advantage,
+    }
     fields.update(per_token)
     return Sample(**fields)  # type: ignore[arg-type]
 
@@ -39,6 +49,7 @@ def names(bins: list[list[Sample]]) -> list[list[str]]:
 
 
 # -- plan: which samples share a micro-batch ----------------------------------------------------------
+
 
 def test_plan_is_first_fit_decreasing() -> None:
     samples = [sample(f"s{i}", n) for i, n in enumerate([3, 5, 2, 4, 3, 1, 2])]
@@ -75,11 +86,12 @@ def test_every_sample_lands_once_whole_and_within_the_budget(seed: int) -> None:
         bounds = batch.cu_seqlens.tolist()
         assert bounds[-1] == batch.num_tokens and (batch.num_tokens <= budget or len(batch.samples) == 1)
         for i, s in enumerate(batch.samples):
-            assert batch.input_ids[0, bounds[i]:bounds[i + 1]].tolist() == s.input_ids
-            assert batch.position_ids[0, bounds[i]:bounds[i + 1]].tolist() == list(range(len(s)))
+            assert batch.input_ids[0, bounds[i] : bounds[i + 1]].tolist() == s.input_ids
+            assert batch.position_ids[0, bounds[i] : bounds[i + 1]].tolist() == list(range(len(s)))
 
 
 # -- collate: where the loss tokens go ----------------------------------------------------------------
+
 
 def test_each_loss_token_is_predicted_by_the_position_before_it() -> None:
     a, b = sample("s1", 6, loss=[2, 3, 5]), sample("s2", 4, loss=[1, 3])
@@ -113,9 +125,17 @@ def test_per_token_fields_default_to_untruncated_sampling() -> None:
 
 
 def test_per_token_fields_are_taken_at_the_loss_positions() -> None:
-    s = sample("s1", 5, loss=[3, 4], temperatures=[1.0, 1.0, 1.0, 0.7, 0.5], top_k=[0, 0, 0, 50, 0],
-               top_p=[1.0, 1.0, 1.0, 0.9, 0.8], min_p=[0.0, 0.0, 0.0, 0.0, 0.05], versions=[-1, -1, -1, 3, 4],
-               modes=[-1, -1, -1, 1, 2])
+    s = sample(
+        "s1",
+        5,
+        loss=[3, 4],
+        temperatures=[1.0, 1.0, 1.0, 0.7, 0.5],
+        top_k=[0, 0, 0, 50, 0],
+        top_p=[1.0, 1.0, 1.0, 0.9, 0.8],
+        min_p=[0.0, 0.0, 0.0, 0.0, 0.05],
+        versions=[-1, -1, -1, 3, 4],
+        modes=[-1, -1, -1, 1, 2],
+    )
     mb = collate([s])
     assert mb.temperatures.tolist() == pytest.approx([0.7, 0.5])
     assert mb.top_k.tolist() == [50, 0] and mb.top_p.tolist() == pytest.approx([0.9, 0.8])

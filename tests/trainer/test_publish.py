@@ -18,8 +18,13 @@ from trainer.loop import Trainer
 from trainer.lora import LoraPolicy
 from trainer.report import Reporter
 
-FIXED = {"model": "policy", "messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 6,
-         "temperature": 0.0, "logprobs": True}
+FIXED = {
+    "model": "policy",
+    "messages": [{"role": "user", "content": "Tell me about the sea."}],
+    "max_tokens": 6,
+    "temperature": 0.0,
+    "logprobs": True,
+}
 
 pytestmark = pytest.mark.vllm
 
@@ -31,8 +36,9 @@ def policy(vllm_model_dir: str) -> Iterator[LoraPolicy]:
 
 def train(config: TrainerConfig, policy: LoraPolicy) -> int:
     """``python -m trainer run`` in-process (resume, then steps until max_steps)."""
-    reporter = Reporter(config.out, tensorboard=config.tensorboard, progress=False, max_steps=config.max_steps,
-                        start_step=0)
+    reporter = Reporter(
+        config.out, tensorboard=config.tensorboard, progress=False, max_steps=config.max_steps, start_step=0
+    )
     with ProxyClient(config.proxy_url, ADMIN_KEY) as client:
         trainer = Trainer(config, client, policy, reporter)
         trainer.resume()
@@ -48,32 +54,47 @@ def served(url: str) -> tuple[str | None, list[float]]:
     return reply.headers.get("x-policy-version"), [item["logprob"] for item in content]
 
 
-def test_publish_loads_the_adapter_on_vllm_and_switches_the_policy(trainer_proxy: TrainerProxy, tmp_path: Path,
-                                                                   policy: LoraPolicy, vllm_model_dir: str) -> None:
+def test_publish_loads_the_adapter_on_vllm_and_switches_the_policy(
+    trainer_proxy: TrainerProxy, tmp_path: Path, policy: LoraPolicy, vllm_model_dir: str
+) -> None:
     version, base_logprobs = served(trainer_proxy.url)
     assert version == "0"
     group_id = trainer_proxy.record_group([1.0, 0.0])
 
-    config = TrainerConfig(model=vllm_model_dir, proxy_url=trainer_proxy.url, output_dir=str(tmp_path / "run"),
-                           groups_per_step=1, batch_wait_s=0, max_steps=1, learning_rate=2e-2, progress=False)
+    config = TrainerConfig(
+        model=vllm_model_dir,
+        proxy_url=trainer_proxy.url,
+        output_dir=str(tmp_path / "run"),
+        groups_per_step=1,
+        batch_wait_s=0,
+        max_steps=1,
+        learning_rate=2e-2,
+        progress=False,
+    )
     assert train(config, policy) == 1
 
     policy = trainer_proxy.get("/policy")
     adapter_dir = config.out / "adapters" / "v1"
     assert (policy["version"], policy["name"], policy["adapter_path"]) == (
-        1, f"{trainer_proxy.prefix}1", str(adapter_dir))
+        1,
+        f"{trainer_proxy.prefix}1",
+        str(adapter_dir),
+    )
     assert (adapter_dir / "adapter_model.safetensors").is_file() and (adapter_dir / "adapter_config.json").is_file()
 
     version, trained_logprobs = served(trainer_proxy.url)
     assert version == "1"
     assert max(abs(a - b) for a, b in zip(base_logprobs, trained_logprobs, strict=False)) > 1e-3, (
-        base_logprobs, trained_logprobs)
+        base_logprobs,
+        trained_logprobs,
+    )
 
     # a recorded call now carries the new version, in its header and in its record
     episode: dict[str, Any] = httpx.post(f"{trainer_proxy.url}/episodes", headers=ADMIN, json={}, timeout=60).json()
     auth = {"authorization": f"Bearer {episode['api_key']}"}
-    reply = httpx.post(f"{episode['base_url']}/chat/completions", headers=auth,
-                       json={**FIXED, "logprobs": False}, timeout=300)
+    reply = httpx.post(
+        f"{episode['base_url']}/chat/completions", headers=auth, json={**FIXED, "logprobs": False}, timeout=300
+    )
     assert reply.status_code == 200 and reply.headers["x-policy-version"] == "1"
     (call,) = trainer_proxy.get(f"/episodes/{episode['id']}")["calls"]
     assert call["policy_version"] == 1 and call["model_served"] == f"{trainer_proxy.prefix}1"
@@ -84,27 +105,52 @@ def test_publish_loads_the_adapter_on_vllm_and_switches_the_policy(trainer_proxy
     metrics = step["metrics"]
     assert step["step"] == 1 and metrics["proxy/published_version"] == 1 and metrics["data/groups_trained"] == 1
     assert metrics["reward/mean"] == 0.5 and metrics["data/samples"] == 2 and metrics["perf/publish_s"] > 0
-    assert all(key in metrics for key in ("loss/total", "policy/entropy", "policy/clip_fraction", "policy/grad_norm",
-                                          "policy/is_weight_mean", "staleness/mean", "perf/tokens_per_s"))
+    assert all(
+        key in metrics
+        for key in (
+            "loss/total",
+            "policy/entropy",
+            "policy/clip_fraction",
+            "policy/grad_norm",
+            "policy/is_weight_mean",
+            "staleness/mean",
+            "perf/tokens_per_s",
+        )
+    )
     assert list((config.out / "tensorboard").glob("events.out.tfevents.*"))
 
 
 def test_sync_mode_drops_stale_groups_and_acks_equal_rewards_as_skipped(
-        trainer_proxy: TrainerProxy, tmp_path: Path, policy: LoraPolicy, vllm_model_dir: str) -> None:
+    trainer_proxy: TrainerProxy, tmp_path: Path, policy: LoraPolicy, vllm_model_dir: str
+) -> None:
     first = trainer_proxy.record_group([1.0, 0.0], question="What is 5+5?")
     behind = trainer_proxy.record_group([0.0, 1.0], question="What is 6+6?")
-    config = TrainerConfig(model=vllm_model_dir, proxy_url=trainer_proxy.url, output_dir=str(tmp_path / "run"),
-                           mode="sync", groups_per_step=1, batch_wait_s=0, max_steps=1, tensorboard=False)
+    config = TrainerConfig(
+        model=vllm_model_dir,
+        proxy_url=trainer_proxy.url,
+        output_dir=str(tmp_path / "run"),
+        mode="sync",
+        groups_per_step=1,
+        batch_wait_s=0,
+        max_steps=1,
+        tensorboard=False,
+    )
     assert train(config, policy) == 1  # trains the oldest group, publishes v1: `behind` is now a version old
 
     fresh = trainer_proxy.record_group([1.0, 0.0], question="What is 7+7?")
     equal = trainer_proxy.record_group([0.5, 0.5], question="What is 8+8?")
     assert train(dataclasses.replace(config, max_steps=2, groups_per_step=2), policy) == 2
 
-    states = {name: trainer_proxy.get(f"/groups/{gid}") for name, gid in
-              (("first", first), ("behind", behind), ("fresh", fresh), ("equal", equal))}
+    states = {
+        name: trainer_proxy.get(f"/groups/{gid}")
+        for name, gid in (("first", first), ("behind", behind), ("fresh", fresh), ("equal", equal))
+    }
     assert {name: (g["train_status"], g["trained_step"]) for name, g in states.items()} == {
-        "first": ("trained", 1), "behind": ("stale", None), "fresh": ("trained", 2), "equal": ("skipped", 2)}
+        "first": ("trained", 1),
+        "behind": ("stale", None),
+        "fresh": ("trained", 2),
+        "equal": ("skipped", 2),
+    }
     assert "equal" in (states["equal"]["train_note"] or "")
     step2 = trainer_proxy.get("/trainer/steps", since_step=1)["data"][0]["metrics"]
     assert (step2["proxy/stale_groups"], step2["data/groups_trained"], step2["data/groups_skipped_equal"]) == (1, 1, 1)

@@ -26,26 +26,44 @@ from tests.trainer.conftest import ADMIN, TrainerProxy
 pytestmark = pytest.mark.vllm
 
 
-def run_trainer(proxy: TrainerProxy, out: Path, model: str, fault: str | None,
-                *overrides: str) -> subprocess.CompletedProcess[str]:
+def run_trainer(
+    proxy: TrainerProxy, out: Path, model: str, fault: str | None, *overrides: str
+) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, FLYWHEEL_ADMIN_KEY=ADMIN_KEY, PYTHONPATH=str(ROOT), FLYWHEEL_MODEL_DIR=model)
     env.pop("FLYWHEEL_TRAINER_FAULT", None)
     if fault:
         env["FLYWHEEL_TRAINER_FAULT"] = fault
-    args = [f"proxy_url={proxy.url}", f"output_dir={out}", "groups_per_step=1", "max_steps=3", "batch_wait_s=0",
-            "poll_interval_s=0.2", "tensorboard=false", "progress=false", "lease_s=600",
-            "max_staleness=5", *overrides]  # groups recorded at v0 stay trainable while v1, v2 are published
+    args = [
+        f"proxy_url={proxy.url}",
+        f"output_dir={out}",
+        "groups_per_step=1",
+        "max_steps=3",
+        "batch_wait_s=0",
+        "poll_interval_s=0.2",
+        "tensorboard=false",
+        "progress=false",
+        "lease_s=600",
+        "max_staleness=5",
+        *overrides,
+    ]  # groups recorded at v0 stay trainable while v1, v2 are published
     python = engine_python() if os.path.exists(engine_python()) else sys.executable
-    return subprocess.run([python, "-m", "trainer", "run", "--config", str(ROOT / "configs/trainer-local.yaml"),
-                           *args], cwd=ROOT, env=env, text=True, capture_output=True, timeout=300)
+    return subprocess.run(
+        [python, "-m", "trainer", "run", "--config", str(ROOT / "configs/trainer-local.yaml"), *args],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=300,
+    )
 
 
 def trained_steps(proxy: TrainerProxy, groups: list[str]) -> dict[str, int | None]:
     return {g: proxy.get(f"/groups/{g}")["trained_step"] for g in groups}
 
 
-def test_kill_9_then_resume_continues_steps_and_trains_each_group_once(trainer_proxy: TrainerProxy, tmp_path: Path,
-                                                                       vllm_model_dir: str) -> None:
+def test_kill_9_then_resume_continues_steps_and_trains_each_group_once(
+    trainer_proxy: TrainerProxy, tmp_path: Path, vllm_model_dir: str
+) -> None:
     groups = [trainer_proxy.record_group([1.0, 0.0], question=f"What is {i}+{i}?") for i in range(3)]
     out = tmp_path / "run"
 
@@ -80,24 +98,34 @@ def test_kill_9_then_resume_continues_steps_and_trains_each_group_once(trainer_p
     assert journal[2]["leases"] == [pending[0]["lease_id"]]
 
 
-def test_a_lease_that_lapsed_while_down_is_renewed_before_the_restart_acks(trainer_proxy: TrainerProxy, tmp_path: Path,
-                                                                         vllm_model_dir: str) -> None:
+def test_a_lease_that_lapsed_while_down_is_renewed_before_the_restart_acks(
+    trainer_proxy: TrainerProxy, tmp_path: Path, vllm_model_dir: str
+) -> None:
     """Checkpointed, killed before the ack, and the 1 s lease expires before the restart: nobody
     claimed the groups meanwhile, so the restart renews the lease and acks its checkpoint's step;
     the group that another trainer did claim meanwhile is reported, not acked under its lease."""
     taken, kept = (trainer_proxy.record_group([1.0, 0.0], question=f"What is {i}+2?") for i in range(2))
     out = tmp_path / "run"
-    first = run_trainer(trainer_proxy, out, vllm_model_dir, "after_checkpoint:1", "groups_per_step=2", "lease_s=1",
-                        "max_steps=1")
+    first = run_trainer(
+        trainer_proxy, out, vllm_model_dir, "after_checkpoint:1", "groups_per_step=2", "lease_s=1", "max_steps=1"
+    )
     assert first.returncode == -9, first.stderr[-3000:]
     [lease] = json.loads((out / "checkpoints" / "step-00000001" / "state.json").read_text())["leases"]
     assert sorted(lease["trained"]) == sorted([kept, taken])
     time.sleep(1.5)  # the lease (renewed up to the kill, 1 s at a time) has expired
-    refused = httpx.post(f"{trainer_proxy.url}/trainer/ack", headers=ADMIN, timeout=60,
-                         json={"lease_id": lease["lease_id"], "group_ids": [kept], "step": 1})
+    refused = httpx.post(
+        f"{trainer_proxy.url}/trainer/ack",
+        headers=ADMIN,
+        timeout=60,
+        json={"lease_id": lease["lease_id"], "group_ids": [kept], "step": 1},
+    )
     assert refused.status_code == 409 and refused.json()["error"]["code"] == "lease_expired"
-    other = httpx.post(f"{trainer_proxy.url}/trainer/claim", headers=ADMIN, timeout=60,
-                       json={"trainer_id": "other", "max_groups": 1, "lease_s": 600}).json()
+    other = httpx.post(
+        f"{trainer_proxy.url}/trainer/claim",
+        headers=ADMIN,
+        timeout=60,
+        json={"trainer_id": "other", "max_groups": 1, "lease_s": 600},
+    ).json()
     assert [g["id"] for g in other["groups"]] == [taken]  # the oldest of the lapsed lease's groups
 
     second = run_trainer(trainer_proxy, out, vllm_model_dir, None, "groups_per_step=2", "lease_s=1", "max_steps=1")

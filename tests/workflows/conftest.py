@@ -40,10 +40,22 @@ def admin_get(proxy: ProxyProcess, path: str, **params: Any) -> Any:
     return response.json()
 
 
-def run_cli(*args: str, python: str | None = None, timeout: float = 300, env: dict[str, str] | None = None,
-            cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    *args: str, python: str | None = None, timeout: float = 300, env: dict[str, str] | None = None, cwd: Path = ROOT
+) -> subprocess.CompletedProcess[str]:
     """``python -m workflows ...`` as a user runs it (admin key from the environment)."""
-    full_env = {**os.environ, "FLYWHEEL_ADMIN_KEY": ADMIN_KEY, "PYTHONPATH": str(ROOT),
-                "LITELLM_LOCAL_MODEL_COST_MAP": "True", **(env or {})}
-    return subprocess.run([python or agents_python(), "-m", "workflows", *args], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    full_env = {
+        **os.environ,
+        "FLYWHEEL_ADMIN_KEY": ADMIN_KEY,
+        "PYTHONPATH": str(ROOT),
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+        **(env or {}),
+    }
+    return subprocess.run(
+        [python or agents_python(), "-m", "workflows", *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

@@ -37,8 +37,25 @@ def assert_recorded(episode: dict[str, Any], tools: set[str]) -> None:
 
 
 def test_tau2_airline(proxy: ProxyProcess) -> None:
-    done = run_cli("run", "tau2", "--proxy", proxy.url, "--groups", "1", "--group-size", "2", "--concurrency", "2",
-                   "-o", "domain=airline", "-o", "max_steps=4", "-o", "max_tokens=48", timeout=600)
+    done = run_cli(
+        "run",
+        "tau2",
+        "--proxy",
+        proxy.url,
+        "--groups",
+        "1",
+        "--group-size",
+        "2",
+        "--concurrency",
+        "2",
+        "-o",
+        "domain=airline",
+        "-o",
+        "max_steps=4",
+        "-o",
+        "max_tokens=48",
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert (summary["episodes"], summary["rewarded"]) == (2, 2), summary
@@ -47,15 +64,36 @@ def test_tau2_airline(proxy: ProxyProcess) -> None:
     for episode in episodes_of(proxy, group):
         assert_recorded(episode, {"get_user_details", "book_reservation"})
         meta = episode["reward_metadata"]
-        assert episode["reward"] in (0.0, 1.0) and meta["termination_reason"] in {"max_steps", "user_stop",
-                                                                                 "agent_stop", "too_many_errors"}
+        assert episode["reward"] in (0.0, 1.0) and meta["termination_reason"] in {
+            "max_steps",
+            "user_stop",
+            "agent_stop",
+            "too_many_errors",
+        }
         if meta["termination_reason"] == "max_steps":
             assert episode["reward"] == 0.0  # tau2 grades a run cut short as a failure
 
 
 def test_openhands_on_a_local_tac_task(proxy: ProxyProcess) -> None:
-    done = run_cli("run", "tac", "--proxy", proxy.url, "--groups", "1", "--group-size", "2", "--concurrency", "2",
-                   "-o", "tasks=hello-file", "-o", "max_iterations=2", "-o", "max_output_tokens=96", timeout=600)
+    done = run_cli(
+        "run",
+        "tac",
+        "--proxy",
+        proxy.url,
+        "--groups",
+        "1",
+        "--group-size",
+        "2",
+        "--concurrency",
+        "2",
+        "-o",
+        "tasks=hello-file",
+        "-o",
+        "max_iterations=2",
+        "-o",
+        "max_output_tokens=96",
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert (summary["episodes"], summary["rewarded"]) == (2, 2), summary

@@ -27,8 +27,26 @@ def test_a_real_episode_calls_tools_and_merges_into_one_sample(proxy: ProxyProce
 
     # Temperature 1.0: sampled ids the template would not re-render (odd spellings, spacing) are
     # spliced into the follow-up prompts by the proxy, so the calls still merge.
-    done = run_cli("run", "calc", "--proxy", proxy.url, "--groups", "1", "--group-size", "2", "--concurrency", "2",
-                   "--seed", "5", "-o", "mix=two_step", "-o", "temperature=1.0", "-o", "top_p=1.0")
+    done = run_cli(
+        "run",
+        "calc",
+        "--proxy",
+        proxy.url,
+        "--groups",
+        "1",
+        "--group-size",
+        "2",
+        "--concurrency",
+        "2",
+        "--seed",
+        "5",
+        "-o",
+        "mix=two_step",
+        "-o",
+        "temperature=1.0",
+        "-o",
+        "top_p=1.0",
+    )
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert (summary["episodes"], summary["rewarded"], summary["abandoned"]) == (2, 2, 0)
@@ -57,21 +75,21 @@ def test_a_real_episode_calls_tools_and_merges_into_one_sample(proxy: ProxyProce
         stats = DataStats()
         (sample,) = episode_samples(Episode.model_validate(raw), group_id=group["id"], max_seq_len=8192, stats=stats)
         assert (stats.merged, stats.breaks, stats.calls_constrained) == (2, 0, 3)
-        assert sample.input_ids[:len(calls[-1]["prompt_token_ids"])] == calls[-1]["prompt_token_ids"]
+        assert sample.input_ids[: len(calls[-1]["prompt_token_ids"])] == calls[-1]["prompt_token_ids"]
         # Trained tokens are the model's own decisions: inside a completion, exactly the tokens the
         # engine did not force (log-prob 0: the grammar, or top_p, left no alternative).
         for call in calls:
             start = len(call["prompt_token_ids"])
             logprobs = call["choices"][0]["logprobs"]
             assert len(logprobs) == len(call["choices"][0]["token_ids"])
-            assert sample.loss_mask[start:start + len(logprobs)] == [int(lp != 0.0) for lp in logprobs]
+            assert sample.loss_mask[start : start + len(logprobs)] == [int(lp != 0.0) for lp in logprobs]
         assert sum(sample.loss_mask) == sum(lp != 0.0 for c in calls for lp in c["choices"][0]["logprobs"])
         # Between two calls lies the tool result (and template glue): in the sample, masked out.
         for before, after in zip(calls, calls[1:], strict=False):
             start = len(before["prompt_token_ids"]) + len(before["choices"][0]["token_ids"])
             gap = range(start, len(after["prompt_token_ids"]))
             result = after["request"]["messages"][-1]["content"]
-            text = tokenizer.decode(sample.input_ids[gap.start:gap.stop])
+            text = tokenizer.decode(sample.input_ids[gap.start : gap.stop])
             assert f"<tool_response>\n{result}\n</tool_response>" in text
             assert not any(sample.loss_mask[j] for j in gap)
 

@@ -22,11 +22,13 @@ def submit(answer: int) -> str:
     return json.dumps({"answer": answer})
 
 
-TWO_STEP = CalcTask(id="t", kind="expr2", question="What is (12 + 30) * 4?",
-                    steps=(Step(12, "+", 30), Step(42, "*", 4)))
+TWO_STEP = CalcTask(
+    id="t", kind="expr2", question="What is (12 + 30) * 4?", steps=(Step(12, "+", 30), Step(42, "*", 4))
+)
 
 
 # -- tasks -----------------------------------------------------------------------------------------
+
 
 def test_generation_is_deterministic_and_sized() -> None:
     train, test = generate("train"), generate("test")
@@ -55,20 +57,32 @@ def test_reference_solutions_chain_and_reach_the_answer() -> None:
         assert len(task.steps) == (2 if task.kind in {"expr2", "word2"} else 1)
         for first, second in zip(task.steps, task.steps[1:], strict=False):
             assert second.a == first.value  # the second step works on the first one's result
-        numbers = [int(w) for w in task.question.replace("?", " ").replace(".", " ").replace(",", " ")
-                   .replace("(", " ").replace(")", " ").split() if w.isdigit()]
+        numbers = [
+            int(w)
+            for w in task.question.replace("?", " ")
+            .replace(".", " ")
+            .replace(",", " ")
+            .replace("(", " ")
+            .replace(")", " ")
+            .split()
+            if w.isdigit()
+        ]
         operands = [task.steps[0].a, task.steps[0].b] + [s.b for s in task.steps[1:]]
         assert numbers == operands, task  # every operand is in the question, in order
         assert task.answer == task.steps[-1].value >= 0
 
 
 def test_word_problems_say_their_operation() -> None:
-    ops = {t.question.split(" and ")[1].split()[0] if t.steps[0].op != "*" else "boxes": t.steps[0].op
-           for t in generate("train", mix="one_step", size=300) if t.kind == "word1"}
+    ops = {
+        t.question.split(" and ")[1].split()[0] if t.steps[0].op != "*" else "boxes": t.steps[0].op
+        for t in generate("train", mix="one_step", size=300)
+        if t.kind == "word1"
+    }
     assert ops == {"gets": "+", "gives": "-", "boxes": "*"}
 
 
 # -- tools -----------------------------------------------------------------------------------------
+
 
 def test_tool_schemas_are_strict_and_short() -> None:
     assert [t["function"]["name"] for t in TOOLS] == [CALCULATOR, SUBMIT]
@@ -81,19 +95,22 @@ def test_tool_schemas_are_strict_and_short() -> None:
     assert named(SUBMIT) == {"type": "function", "function": {"name": "submit_answer"}}
 
 
-@pytest.mark.parametrize(("tool", "arguments", "error"), [
-    (CALCULATOR, '{"a": 1, "op": "add"}', "arguments must be exactly ['a', 'b', 'op']"),
-    (CALCULATOR, '{"a": 1, "op": "add", "b": 2, "c": 3}', "arguments must be exactly"),
-    (CALCULATOR, '{"a": 1.5, "op": "add", "b": 2}', "a must be an integer"),
-    (CALCULATOR, '{"a": true, "op": "add", "b": 2}', "a must be an integer"),
-    (CALCULATOR, '{"a": 1, "op": "+", "b": 2}', "op must be one of ['add', 'subtract', 'multiply']"),
-    (CALCULATOR, '{"a": 1, "op": 2, "b": 2}', "op must be a string"),
-    (CALCULATOR, '{"a": 10000000000000, "op": "add", "b": 2}', "a is too large"),
-    (CALCULATOR, "[1, 2]", "not a JSON object"),
-    (CALCULATOR, '{"a": 1,', "not JSON"),
-    (SUBMIT, '{"answer": "12"}', "answer must be an integer"),
-    ("weather", "{}", "unknown tool 'weather'"),
-])
+@pytest.mark.parametrize(
+    ("tool", "arguments", "error"),
+    [
+        (CALCULATOR, '{"a": 1, "op": "add"}', "arguments must be exactly ['a', 'b', 'op']"),
+        (CALCULATOR, '{"a": 1, "op": "add", "b": 2, "c": 3}', "arguments must be exactly"),
+        (CALCULATOR, '{"a": 1.5, "op": "add", "b": 2}', "a must be an integer"),
+        (CALCULATOR, '{"a": true, "op": "add", "b": 2}', "a must be an integer"),
+        (CALCULATOR, '{"a": 1, "op": "+", "b": 2}', "op must be one of ['add', 'subtract', 'multiply']"),
+        (CALCULATOR, '{"a": 1, "op": 2, "b": 2}', "op must be a string"),
+        (CALCULATOR, '{"a": 10000000000000, "op": "add", "b": 2}', "a is too large"),
+        (CALCULATOR, "[1, 2]", "not a JSON object"),
+        (CALCULATOR, '{"a": 1,', "not JSON"),
+        (SUBMIT, '{"answer": "12"}', "answer must be an integer"),
+        ("weather", "{}", "unknown tool 'weather'"),
+    ],
+)
 def test_arguments_are_checked_against_the_schema(tool: str, arguments: str, error: str) -> None:
     args, why = check_arguments(tool, arguments)
     assert args is None and why is not None and error in why
@@ -121,6 +138,7 @@ def test_an_invalid_call_answers_with_the_error_and_changes_nothing() -> None:
 
 
 # -- reward ----------------------------------------------------------------------------------------
+
 
 def test_reward_is_task_success_only_and_validity_is_reported_apart() -> None:
     solved = CalcEnv(TWO_STEP)

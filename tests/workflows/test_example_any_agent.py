@@ -14,9 +14,13 @@ from tests.workflows.conftest import admin_get
 
 @pytest.mark.vllm
 def test_an_unmodified_openai_agent_becomes_a_data_source(proxy: ProxyProcess) -> None:
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / "any_agent.py"), "--proxy", proxy.url],
-                          env={**os.environ, "FLYWHEEL_ADMIN_KEY": ADMIN_KEY, "PYTHONPATH": str(ROOT)},
-                          capture_output=True, text=True, timeout=300)  # PYTHONPATH: it imports proxy.client
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "any_agent.py"), "--proxy", proxy.url],
+        env={**os.environ, "FLYWHEEL_ADMIN_KEY": ADMIN_KEY, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # PYTHONPATH: it imports proxy.client
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1].endswith(" is complete")
     (group,) = [g for g in admin_get(proxy, "/groups", limit=100)["data"] if g["task_id"] == "capital-of-france"]

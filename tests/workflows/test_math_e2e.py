@@ -17,8 +17,24 @@ from workflows.math.reward import check
 
 @pytest.mark.vllm
 def test_run_records_exact_calls_and_posts_the_checked_reward(proxy: ProxyProcess) -> None:
-    done = run_cli("run", "math", "--proxy", proxy.url, "--groups", "2", "--group-size", "3",
-                   "--concurrency", "6", "--seed", "7", "-o", "max_tokens=48", "-o", "format_weight=0.2")
+    done = run_cli(
+        "run",
+        "math",
+        "--proxy",
+        proxy.url,
+        "--groups",
+        "2",
+        "--group-size",
+        "3",
+        "--concurrency",
+        "6",
+        "--seed",
+        "7",
+        "-o",
+        "max_tokens=48",
+        "-o",
+        "format_weight=0.2",
+    )
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert (summary["groups"], summary["episodes"], summary["rewarded"], summary["abandoned"]) == (2, 6, 6, 0)
@@ -44,8 +60,7 @@ def test_run_records_exact_calls_and_posts_the_checked_reward(proxy: ProxyProces
 @pytest.mark.vllm
 def test_eval_reports_accuracy_and_format_without_recording(proxy: ProxyProcess) -> None:
     before = len(admin_get(proxy, "/episodes", limit=1000)["data"])
-    done = run_cli("eval", "math", "--proxy", proxy.url, "--split", "test", "--limit", "6",
-                   "-o", "max_tokens=32")
+    done = run_cli("eval", "math", "--proxy", proxy.url, "--split", "test", "--limit", "6", "-o", "max_tokens=32")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert (report["n"], report["split"], report["policy_versions"], report["max_tokens"]) == (6, "test", ["0"], 32)
@@ -54,22 +69,29 @@ def test_eval_reports_accuracy_and_format_without_recording(proxy: ProxyProcess)
     assert len(admin_get(proxy, "/episodes", limit=1000)["data"]) == before
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["-o", "mix=nope"], "mix must be one of ['basic', 'hard']"),
-    (["-o", "colour=red"], "unknown option 'colour'"),
-    (["-o", "max_tokens=many"], "option max_tokens='many': expected int"),
-    (["--split", "dev"], "split must be train or test"),
-    (["--group-size", "0"], "group_size must be >= 1"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-o", "mix=nope"], "mix must be one of ['basic', 'hard']"),
+        (["-o", "colour=red"], "unknown option 'colour'"),
+        (["-o", "max_tokens=many"], "option max_tokens='many': expected int"),
+        (["--split", "dev"], "split must be train or test"),
+        (["--group-size", "0"], "group_size must be >= 1"),
+    ],
+)
 def test_bad_arguments_are_refused_before_anything_runs(args: list[str], message: str) -> None:
-    result = CliRunner().invoke(cli, ["run", "math", "--proxy", "http://127.0.0.1:9", *args],
-                                env={"FLYWHEEL_ADMIN_KEY": "k" * 20})
+    result = CliRunner().invoke(
+        cli, ["run", "math", "--proxy", "http://127.0.0.1:9", *args], env={"FLYWHEEL_ADMIN_KEY": "k" * 20}
+    )
     assert result.exit_code == 2
     assert message in " ".join(result.output.replace("│", " ").split())
 
 
 def test_a_missing_admin_key_is_explained(tmp_path: Path) -> None:
-    result = CliRunner().invoke(cli, ["run", "math", "--proxy", "http://127.0.0.1:9", "--admin-key-file",
-                                      str(tmp_path / "none.key")], env={"FLYWHEEL_ADMIN_KEY": ""})
+    result = CliRunner().invoke(
+        cli,
+        ["run", "math", "--proxy", "http://127.0.0.1:9", "--admin-key-file", str(tmp_path / "none.key")],
+        env={"FLYWHEEL_ADMIN_KEY": ""},
+    )
     assert result.exit_code == 2
     assert "no admin key: set FLYWHEEL_ADMIN_KEY" in " ".join(result.output.replace("│", " ").split())

@@ -42,19 +42,24 @@ def test_unknown_mix_is_refused() -> None:
 
 def test_gsm8k_jsonl(tmp_path: Path) -> None:
     path = tmp_path / "gsm.jsonl"
-    rows = [{"question": "Ann has 3 pens and buys 1,000 more. How many?", "answer": "3 + 1000 = 1003\n#### 1,003"},
-            {"question": "Half of 3?", "answer": "#### 3/2"}]
+    rows = [
+        {"question": "Ann has 3 pens and buys 1,000 more. How many?", "answer": "3 + 1000 = 1003\n#### 1,003"},
+        {"question": "Half of 3?", "answer": "#### 3/2"},
+    ]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
     problems = load_jsonl(path)
     assert [(p.answer, p.kind) for p in problems] == [("1003", "jsonl"), ("3/2", "jsonl")]
     assert problems[0].id == "jsonl/gsm/1"
 
 
-@pytest.mark.parametrize(("line", "message"), [
-    ('{"question": "q", "answer": "no marker"}', r"gsm.jsonl:2: need string fields"),
-    ("not json", r"gsm.jsonl:2: not JSON"),
-    ('{"question": "q", "answer": "#### "}', r"gsm.jsonl:2: empty final answer"),
-])
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('{"question": "q", "answer": "no marker"}', r"gsm.jsonl:2: need string fields"),
+        ("not json", r"gsm.jsonl:2: not JSON"),
+        ('{"question": "q", "answer": "#### "}', r"gsm.jsonl:2: empty final answer"),
+    ],
+)
 def test_bad_jsonl_names_the_line(tmp_path: Path, line: str, message: str) -> None:
     path = tmp_path / "gsm.jsonl"
     path.write_text('{"question": "q", "answer": "#### 1"}\n' + line + "\n")

@@ -50,10 +50,16 @@ class Scripted(Workflow[str, ScriptOptions]):
         if action == "nan":
             return Outcome(reward=float("nan"))
         async with httpx.AsyncClient(timeout=120) as http:
-            response = await http.post(f"{episode.base_url}/chat/completions",
-                                       headers={"Authorization": f"Bearer {episode.api_key}"},
-                                       json={"model": episode.model, "max_tokens": 2, "temperature": 1.0,
-                                             "messages": [{"role": "user", "content": "Say hi"}]})
+            response = await http.post(
+                f"{episode.base_url}/chat/completions",
+                headers={"Authorization": f"Bearer {episode.api_key}"},
+                json={
+                    "model": episode.model,
+                    "max_tokens": 2,
+                    "temperature": 1.0,
+                    "messages": [{"role": "user", "content": "Say hi"}],
+                },
+            )
         response.raise_for_status()
         return Outcome(reward=float(action.split(":")[1]), metadata={"script": action})
 
@@ -64,8 +70,9 @@ def config(proxy: ProxyProcess, **kw: Any) -> RunConfig:
 
 async def test_each_episode_ends_rewarded_or_abandoned_with_its_error(proxy: ProxyProcess) -> None:
     client = AsyncProxyClient(proxy.url, ADMIN_KEY)
-    runner = Runner(Scripted(ScriptOptions()), config(proxy, groups=1, group_size=4, concurrency=4,
-                                                      episode_timeout_s=3.0), client)
+    runner = Runner(
+        Scripted(ScriptOptions()), config(proxy, groups=1, group_size=4, concurrency=4, episode_timeout_s=3.0), client
+    )
     stats = await runner.run()
     await client.aclose()
     (group,) = stats.groups
@@ -99,8 +106,11 @@ def test_abandons_caused_by_the_proxy_or_engine_are_marked_as_not_the_agents_doi
 
 async def test_a_non_finite_reward_is_not_posted(proxy: ProxyProcess) -> None:
     client = AsyncProxyClient(proxy.url, ADMIN_KEY)
-    stats = await Runner(Scripted(ScriptOptions(script=("nan", "reward:1"))),
-                         config(proxy, groups=1, group_size=2, concurrency=2), client).run()
+    stats = await Runner(
+        Scripted(ScriptOptions(script=("nan", "reward:1"))),
+        config(proxy, groups=1, group_size=2, concurrency=2),
+        client,
+    ).run()
     await client.aclose()
     (group,) = stats.groups
     assert group.status == "failed"  # one rewarded episode is too few for GRPO
@@ -112,9 +122,12 @@ async def test_a_non_finite_reward_is_not_posted(proxy: ProxyProcess) -> None:
 async def test_loop_runs_until_stopped_and_leaves_nothing_open(proxy: ProxyProcess) -> None:
     client = AsyncProxyClient(proxy.url, ADMIN_KEY)
     seen: list[GroupResult] = []
-    runner = Runner(Scripted(ScriptOptions(script=("reward:1", "reward:0"))),
-                    config(proxy, group_size=2, concurrency=2, loop=True, seed=3), client,
-                    on_group=lambda g: (seen.append(g), len(seen) >= 3 and runner.stop()))
+    runner = Runner(
+        Scripted(ScriptOptions(script=("reward:1", "reward:0"))),
+        config(proxy, group_size=2, concurrency=2, loop=True, seed=3),
+        client,
+        on_group=lambda g: (seen.append(g), len(seen) >= 3 and runner.stop()),
+    )
     stats = await asyncio.wait_for(runner.run(), 120)
     await client.aclose()
     assert len(stats.groups) >= 3
@@ -145,7 +158,7 @@ def test_task_order_balances_every_window_over_strata_in_proportion() -> None:
     order = task_order(list(tasks), 3, lambda t: t[0])
     assert sorted(order) == sorted(tasks)
     for start in range(0, len(order), 4):
-        window = [kind for kind, _ in order[start:start + 4]]
+        window = [kind for kind, _ in order[start : start + 4]]
         assert sorted(window) == ["a", "a", "b", "c"], (start, window)
     assert order != task_order(list(tasks), 4, lambda t: t[0])
     assert [i for k, i in order if k == "a"] != list(range(40))  # shuffled inside the stratum too

@@ -49,22 +49,33 @@ def fake_docker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, P
     return str(script), log
 
 
-def test_setup_grading_and_cleanup_follow_tacs_contract(fake_docker: tuple[str, Path],
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_setup_grading_and_cleanup_follow_tacs_contract(
+    fake_docker: tuple[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     docker, log = fake_docker
     monkeypatch.setenv("TAC_DECRYPTION_KEY", "key-from-the-environment")
-    task = TACTask(name="sde-fix-issue", path=Path("/nonexistent"), instruction="(inside the image)",
-                   dependencies=(), image="ghcr.io/theagentcompany/sde-fix-issue-image:1.0.0")
-    runtime = DockerRuntime(server_hostname="tac.example", env_llm=Endpoint("http://proxy/passthrough/v1", "k"),
-                            env_model="policy-base", docker=docker)
+    task = TACTask(
+        name="sde-fix-issue",
+        path=Path("/nonexistent"),
+        instruction="(inside the image)",
+        dependencies=(),
+        image="ghcr.io/theagentcompany/sde-fix-issue-image:1.0.0",
+    )
+    runtime = DockerRuntime(
+        server_hostname="tac.example",
+        env_llm=Endpoint("http://proxy/passthrough/v1", "k"),
+        env_model="policy-base",
+        docker=docker,
+    )
     episode_id = "12345678-aaaa-bbbb-cccc-1234567890ab"
     prepared = runtime.prepare(task, episode_id)
     name = f"flywheel-tac-{episode_id}"
-    assert prepared.instruction == ("Complete the task in /instruction/task.md\n\n"
-                                    "Gitlab username is 'root' and password is 'theagentcompany'")
+    assert prepared.instruction == (
+        "Complete the task in /instruction/task.md\n\nGitlab username is 'root' and password is 'theagentcompany'"
+    )
     assert prepared.file_editor is False and prepared.terminal_params["terminal_type"] == "subprocess"
     shell = Path(prepared.terminal_params["shell_path"]).read_text()
-    assert f"exec {docker} exec -it -w /workspace {name} bash \"$@\"" in shell
+    assert f'exec {docker} exec -it -w /workspace {name} bash "$@"' in shell
 
     result = runtime.evaluate(prepared, trajectory=json.dumps([{"kind": "scripted"}]))
     assert result.final_score == Checkpoint(2, 1)
@@ -72,16 +83,48 @@ def test_setup_grading_and_cleanup_follow_tacs_contract(fake_docker: tuple[str, 
     assert not prepared.outputs.exists()
 
     calls = [json.loads(line) for line in log.read_text().splitlines()]
-    llm_env = ["-e", "LITELLM_API_KEY=k", "-e", "LITELLM_BASE_URL=http://proxy/passthrough/v1",
-               "-e", "LITELLM_MODEL=openai/policy-base", "-e", "SERVER_HOSTNAME=tac.example"]
+    llm_env = [
+        "-e",
+        "LITELLM_API_KEY=k",
+        "-e",
+        "LITELLM_BASE_URL=http://proxy/passthrough/v1",
+        "-e",
+        "LITELLM_MODEL=openai/policy-base",
+        "-e",
+        "SERVER_HOSTNAME=tac.example",
+    ]
     assert calls == [
-        ["run", "-d", "--name", name, "--network", "host", "-v", f"{prepared.outputs}:/outputs",
-         "--entrypoint", "tail", task.image, "-f", "/dev/null"],
+        [
+            "run",
+            "-d",
+            "--name",
+            name,
+            "--network",
+            "host",
+            "-v",
+            f"{prepared.outputs}:/outputs",
+            "--entrypoint",
+            "tail",
+            task.image,
+            "-f",
+            "/dev/null",
+        ],
         ["exec", name, "mkdir", "-p", "/workspace"],
         ["exec", *llm_env, name, "bash", "-c", "umask 0022 && bash /utils/init.sh"],
         ["exec", name, "cat", "/utils/dependencies.yml"],
-        ["exec", *llm_env, "-e", "DECRYPTION_KEY=key-from-the-environment", name, "python_default",
-         "/utils/eval.py", "--trajectory_path", "/outputs/traj.json", "--result_path", "/outputs/eval.json"],
+        [
+            "exec",
+            *llm_env,
+            "-e",
+            "DECRYPTION_KEY=key-from-the-environment",
+            name,
+            "python_default",
+            "/utils/eval.py",
+            "--trajectory_path",
+            "/outputs/traj.json",
+            "--result_path",
+            "/outputs/eval.json",
+        ],
         ["rm", "-f", name],
     ]
 
@@ -98,8 +141,9 @@ def test_grading_needs_the_decryption_key(fake_docker: tuple[str, Path], monkeyp
 
 
 def test_no_docker_is_a_clear_error() -> None:
-    runtime = DockerRuntime(server_hostname="h", env_llm=Endpoint("u", "k"), env_model="m",
-                            docker="/nonexistent/docker")
+    runtime = DockerRuntime(
+        server_hostname="h", env_llm=Endpoint("u", "k"), env_model="m", docker="/nonexistent/docker"
+    )
     task = TACTask(name="t", path=Path("/nonexistent"), instruction="", dependencies=(), image="img")
     with pytest.raises(RuntimeError, match="needs the '/nonexistent/docker' command and a Docker engine"):
         runtime.prepare(task, "12345678-0000-0000-0000-000000000000")

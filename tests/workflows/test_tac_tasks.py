@@ -17,8 +17,10 @@ from workflows.tac.scoring import Checkpoint, Result, read_result, score
 from workflows.tac.task import BUNDLED, load_task, load_tasks
 
 
-@pytest.mark.parametrize(("total", "result", "expected"), [
-    (2, 0, 0.0), (2, 1, 0.25), (2, 2, 1.0), (3, 1, 1 / 6), (3, 2, 1 / 3), (3, 3, 1.0), (1, 1, 1.0)])
+@pytest.mark.parametrize(
+    ("total", "result", "expected"),
+    [(2, 0, 0.0), (2, 1, 0.25), (2, 2, 1.0), (3, 1, 1 / 6), (3, 2, 1 / 3), (3, 3, 1.0), (1, 1, 1.0)],
+)
 def test_score_is_half_partial_half_all_or_nothing(total: int, result: int, expected: float) -> None:
     assert score(Checkpoint(total, result)) == pytest.approx(expected)
 
@@ -26,8 +28,10 @@ def test_score_is_half_partial_half_all_or_nothing(total: int, result: int, expe
 def test_checkpoints_sum_into_the_final_score() -> None:
     result = Result([Checkpoint(1, 1), Checkpoint(2, 1)])
     assert result.final_score == Checkpoint(3, 2)
-    assert result.to_json() == {"checkpoints": [{"total": 1, "result": 1}, {"total": 2, "result": 1}],
-                                "final_score": {"total": 3, "result": 2}}
+    assert result.to_json() == {
+        "checkpoints": [{"total": 1, "result": 1}, {"total": 2, "result": 1}],
+        "final_score": {"total": 3, "result": 2},
+    }
     with pytest.raises(ValueError, match="0 <= result <= total"):
         Checkpoint(1, 2)
 
@@ -48,12 +52,14 @@ GOOD = {
     "hello-file": "echo 'hello flywheel' > greeting.txt",
     "sql-shop": "printf 'top_customer: Emeka Obi\\nmarch_orders: 4\\n' > answers.txt",
     "csv-report": "printf 'region,total\\nEast,245.25\\nNorth,440.00\\nSouth,226.00\\nWest,160.00\\n' > report.csv",
-    "fix-median": ("python3 - <<'EOF'\nimport re\nsrc = open('stats.py').read()\n"
-                   "src = src.replace('    return ordered[middle]', '    if len(ordered) % 2:\\n"
-                   "        return ordered[middle]\\n    return (ordered[middle - 1] + ordered[middle]) / 2')\n"
-                   "open('stats.py', 'w').write(src)\nEOF"),
-    "json-config": "sed -i 's/\"debug\": true/\"debug\": false/; s/\"port\": 5000/\"port\": 8080/' config.json",
-    "word-count": "echo \"{\\\"lines\\\": $(wc -l < notes.txt), \\\"words\\\": $(wc -w < notes.txt)}\" > counts.json",
+    "fix-median": (
+        "python3 - <<'EOF'\nimport re\nsrc = open('stats.py').read()\n"
+        "src = src.replace('    return ordered[middle]', '    if len(ordered) % 2:\\n"
+        "        return ordered[middle]\\n    return (ordered[middle - 1] + ordered[middle]) / 2')\n"
+        "open('stats.py', 'w').write(src)\nEOF"
+    ),
+    "json-config": 'sed -i \'s/"debug": true/"debug": false/; s/"port": 5000/"port": 8080/\' config.json',
+    "word-count": 'echo "{\\"lines\\": $(wc -l < notes.txt), \\"words\\": $(wc -w < notes.txt)}" > counts.json',
 }
 BAD = [  # (task, script, checkpoints passed)
     ("hello-file", "true", [0, 0]),
@@ -64,9 +70,9 @@ BAD = [  # (task, script, checkpoints passed)
     ("csv-report", "printf 'region,sum\\nEast,245.25\\n' > report.csv", [0, 0, 0]),
     ("fix-median", "true", [1, 0, 1]),
     ("fix-median", "echo 'def median(:' > stats.py", [0, 0, 0]),
-    ("json-config", "sed -i 's/\"port\": 5000/\"port\": \"8080\"/' config.json", [1, 0, 0]),
-    ("json-config", "echo '{\"debug\": false, \"port\": 8080}' > config.json", [0, 1, 1]),
-    ("word-count", "echo '{\"lines\": 5, \"words\": 17}' > counts.json", [1, 0]),
+    ("json-config", 'sed -i \'s/"port": 5000/"port": "8080"/\' config.json', [1, 0, 0]),
+    ("json-config", 'echo \'{"debug": false, "port": 8080}\' > config.json', [0, 1, 1]),
+    ("word-count", 'echo \'{"lines": 5, "words": 17}\' > counts.json', [1, 0]),
     ("word-count", "echo 'lines=5 words=18' > counts.json", [0, 0]),
 ]
 
@@ -89,8 +95,7 @@ def test_a_good_solution_scores_one(task_name: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("task_name", "script", "passed"), BAD)
-def test_a_bad_solution_scores_its_checkpoints(task_name: str, script: str, passed: list[int], tmp_path: Path
-                                               ) -> None:
+def test_a_bad_solution_scores_its_checkpoints(task_name: str, script: str, passed: list[int], tmp_path: Path) -> None:
     result = play(task_name, script, tmp_path)
     assert [c.result for c in result.checkpoints] == passed
     final = result.final_score
@@ -119,8 +124,9 @@ def test_a_crashing_evaluator_is_an_error_not_a_score(tmp_path: Path) -> None:
     task_dir = tmp_path / "broken"
     task_dir.mkdir()
     (task_dir / "task.md").write_text("Anything.")
-    (task_dir / "evaluator.py").write_text("def grade_checkpoints(trajectory, workspace):\n"
-                                           "    raise KeyError('boom')\n")
+    (task_dir / "evaluator.py").write_text(
+        "def grade_checkpoints(trajectory, workspace):\n    raise KeyError('boom')\n"
+    )
     runtime = LocalRuntime(root=tmp_path / "ws")
     prepared = runtime.prepare(load_task(task_dir), "00000000-x")
     with pytest.raises(RuntimeError, match=r"(?s)broken evaluator failed with exit code 1: .*KeyError: 'boom'"):

@@ -73,13 +73,18 @@ def gold_call() -> dict[str, Any]:
     return {"content": None, "tool_calls": [ToolCall(id="call-1", name=action.name, arguments=action.arguments)]}
 
 
-USER = ["I need to remove Sophia from reservation GV1N64.", "Yes, downgrade everyone. How much is the refund?",
-        "Thanks. ###STOP###"]
+USER = [
+    "I need to remove Sophia from reservation GV1N64.",
+    "Yes, downgrade everyone. How much is the refund?",
+    "Thanks. ###STOP###",
+]
 
 
 def test_the_right_actions_and_words_earn_one() -> None:
-    script = [gold_call(), {"content": "Done: everyone is in basic economy; your refund is 5244 dollars to the "
-                                       "original payment method."}]
+    script = [
+        gold_call(),
+        {"content": "Done: everyone is in basic economy; your refund is 5244 dollars to the original payment method."},
+    ]
     outcome = outcome_of(run(script, USER))
     assert outcome.reward == 1.0
     assert outcome.metadata["termination_reason"] == "user_stop"

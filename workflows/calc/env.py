@@ -21,15 +21,28 @@ SUBMIT = "submit_answer"
 
 
 def _tool(name: str, description: str, properties: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "function", "function": {
-        "name": name, "description": description, "strict": True,
-        "parameters": {"type": "object", "properties": properties, "required": list(properties),
-                       "additionalProperties": False}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "strict": True,
+            "parameters": {
+                "type": "object",
+                "properties": properties,
+                "required": list(properties),
+                "additionalProperties": False,
+            },
+        },
+    }
 
 
 TOOLS: list[dict[str, Any]] = [
-    _tool(CALCULATOR, "Compute a op b.", {"a": {"type": "integer"}, "op": {"type": "string", "enum": list(OP_OF)},
-                                          "b": {"type": "integer"}}),
+    _tool(
+        CALCULATOR,
+        "Compute a op b.",
+        {"a": {"type": "integer"}, "op": {"type": "string", "enum": list(OP_OF)}, "b": {"type": "integer"}},
+    ),
     _tool(SUBMIT, "Submit the final answer.", {"answer": {"type": "integer"}}),
 ]
 """The ``tools`` of every request: a calculator and the final answer."""
@@ -118,7 +131,8 @@ class CalcEnv:
             call = ToolCall(tool=tool, arguments=arguments, valid=True, result=str(value), useful=useful)
         else:
             self.answer = args["answer"]
-            call = ToolCall(tool=tool, arguments=arguments, valid=True, result="submitted",
-                            useful=self.answer == self.task.answer)
+            call = ToolCall(
+                tool=tool, arguments=arguments, valid=True, result="submitted", useful=self.answer == self.task.answer
+            )
         self.calls.append(call)
         return call

@@ -35,9 +35,14 @@ class Score:
 
 
 def score(env: CalcEnv) -> Score:
-    return Score(success=env.answer is not None and env.answer == env.task.answer, answer=env.answer,
-                 gold=env.task.answer, calls=len(env.calls), valid_calls=sum(c.valid for c in env.calls),
-                 useful_calls=sum(c.useful for c in env.calls))
+    return Score(
+        success=env.answer is not None and env.answer == env.task.answer,
+        answer=env.answer,
+        gold=env.task.answer,
+        calls=len(env.calls),
+        valid_calls=sum(c.valid for c in env.calls),
+        useful_calls=sum(c.useful for c in env.calls),
+    )
 
 
 def call_rewards(env: CalcEnv, useful: float) -> dict[int, float] | None:

@@ -38,9 +38,16 @@ SYSTEM_PROMPT = "Use the calculator for each step, then submit the answer."
 
 def _demo_call(n: int, name: str, arguments: dict[str, Any], result: str) -> list[dict[str, Any]]:
     call_id = f"call_demo_{n}"
-    return [{"role": "assistant", "content": None, "tool_calls": [
-                {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]},
-            {"role": "tool", "tool_call_id": call_id, "content": result}]
+    return [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": call_id, "content": result},
+    ]
 
 
 DEMO: list[dict[str, Any]] = [
@@ -101,21 +108,31 @@ class Transcript:
     """The policy versions that answered (``X-Policy-Version``)."""
 
 
-async def play(client: AsyncOpenAI, model: str, task: CalcTask, options: CalcOptions, *,
-               temperature: float, top_p: float = 1.0) -> Transcript:
+async def play(
+    client: AsyncOpenAI, model: str, task: CalcTask, options: CalcOptions, *, temperature: float, top_p: float = 1.0
+) -> Transcript:
     """Play one task with ``client``: the environment's record, each call's finish reason, the versions."""
     env = CalcEnv(task)
     versions: set[str] = set()
-    messages: list[dict[str, Any]] = [{"role": "system", "content": options.system_prompt},
-                                      *(DEMO if options.demo else []), {"role": "user", "content": task.question}]
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": options.system_prompt},
+        *(DEMO if options.demo else []),
+        {"role": "user", "content": task.question},
+    ]
     plan = [CALCULATOR] * len(task.steps) + [SUBMIT]
     turns = len(plan) if options.tool_choice == "named" else len(task.steps) + 2
     finish: list[str | None] = []
     for turn in range(turns):
         tool_choice: Any = named(plan[turn]) if options.tool_choice == "named" else "required"
         raw = await client.chat.completions.with_raw_response.create(
-            model=model, messages=messages, tools=TOOLS, tool_choice=tool_choice,  # type: ignore[arg-type]
-            max_tokens=options.max_tokens, temperature=temperature, top_p=top_p)
+            model=model,
+            messages=messages,
+            tools=TOOLS,
+            tool_choice=tool_choice,  # type: ignore[arg-type]
+            max_tokens=options.max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+        )
         versions.add(raw.headers.get("x-policy-version", "unknown"))
         choice = raw.parse().choices[0]
         finish.append(choice.finish_reason)
@@ -123,17 +140,28 @@ async def play(client: AsyncOpenAI, model: str, task: CalcTask, options: CalcOpt
         if not calls:
             env.no_call(f"no tool call (finish_reason {choice.finish_reason})")
             break
-        messages.append({"role": "assistant", "content": choice.message.content, "tool_calls": [
-            {"id": c.id, "type": "function",
-             "function": {"name": c.function.name, "arguments": c.function.arguments}}  # type: ignore[union-attr]
-            for c in calls]})
+        messages.append(
+            {
+                "role": "assistant",
+                "content": choice.message.content,
+                "tool_calls": [
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.function.name, "arguments": c.function.arguments},
+                    }  # type: ignore[union-attr]
+                    for c in calls
+                ],
+            }
+        )
         first = calls[0].function  # type: ignore[union-attr]
         result = env.execute(first.name, first.arguments, extra_calls=len(calls) - 1)
         if env.submitted or (options.tool_choice == "named" and plan[turn] == SUBMIT):
             break
         messages.append({"role": "tool", "tool_call_id": calls[0].id, "content": result.result or ""})
-        messages += [{"role": "tool", "tool_call_id": c.id, "content": "error: one tool call per turn"}
-                     for c in calls[1:]]
+        messages += [
+            {"role": "tool", "tool_call_id": c.id, "content": "error: one tool call per turn"} for c in calls[1:]
+        ]
     return Transcript(env, finish, versions)
 
 
@@ -153,25 +181,43 @@ class CalcWorkflow(Workflow[CalcTask, CalcOptions]):
         return task.id
 
     def task_metadata(self, task: CalcTask) -> dict[str, Any]:
-        return {"kind": task.kind, "question": task.question, "answer": task.answer,
-                "steps": [f"{s.a} {s.op} {s.b}" for s in task.steps]}
+        return {
+            "kind": task.kind,
+            "question": task.question,
+            "answer": task.answer,
+            "steps": [f"{s.a} {s.op} {s.b}" for s in task.steps],
+        }
 
     def stratum(self, task: CalcTask) -> str:
         return task.kind
 
     async def run_episode(self, task: CalcTask, episode: Episode) -> Outcome:
         # No client retries: a retried call would take a call ordinal of its own and shift call_rewards.
-        async with AsyncOpenAI(base_url=episode.base_url, api_key=episode.api_key, timeout=TIMEOUT_S,
-                               max_retries=0) as client:
-            played = await play(client, episode.model, task, self.options, temperature=self.options.temperature,
-                                top_p=self.options.top_p)
+        async with AsyncOpenAI(
+            base_url=episode.base_url, api_key=episode.api_key, timeout=TIMEOUT_S, max_retries=0
+        ) as client:
+            played = await play(
+                client,
+                episode.model,
+                task,
+                self.options,
+                temperature=self.options.temperature,
+                top_p=self.options.top_p,
+            )
         result = score(played.env)
-        return Outcome(reward=result.reward, call_rewards=call_rewards(played.env, self.options.useful_call_reward),
-                       metadata={**_summary(result), "finish_reasons": played.finish_reasons,
-                                 "errors": [c.error for c in played.env.calls if c.error]})
+        return Outcome(
+            reward=result.reward,
+            call_rewards=call_rewards(played.env, self.options.useful_call_reward),
+            metadata={
+                **_summary(result),
+                "finish_reasons": played.finish_reasons,
+                "errors": [c.error for c in played.env.calls if c.error],
+            },
+        )
 
-    async def evaluate(self, endpoint: Endpoint, *, split: Split, limit: int | None, concurrency: int,
-                       model: str) -> dict[str, Any]:
+    async def evaluate(
+        self, endpoint: Endpoint, *, split: Split, limit: int | None, concurrency: int, model: str
+    ) -> dict[str, Any]:
         """Greedy episodes on the split's first ``limit`` tasks through ``endpoint`` (unrecorded).
 
         ``accuracy`` is task success; ``format_rate`` the share of episodes whose every call was a
@@ -197,22 +243,38 @@ class CalcWorkflow(Workflow[CalcTask, CalcOptions]):
         by_kind: dict[str, list[Score]] = defaultdict(list)
         for task, result in results:
             by_kind[task.kind].append(result)
-        return {"workflow": self.name, "split": split, "model": model, "n": len(results),
-                **_rates([r for _, r in results]), "policy_versions": sorted(versions),
-                "by_kind": {k: {"n": len(v), **_rates(v)} for k, v in sorted(by_kind.items())},
-                "tool_choice": self.options.tool_choice, "max_tokens": self.options.max_tokens,
-                "seconds": round(time.monotonic() - started, 2)}
+        return {
+            "workflow": self.name,
+            "split": split,
+            "model": model,
+            "n": len(results),
+            **_rates([r for _, r in results]),
+            "policy_versions": sorted(versions),
+            "by_kind": {k: {"n": len(v), **_rates(v)} for k, v in sorted(by_kind.items())},
+            "tool_choice": self.options.tool_choice,
+            "max_tokens": self.options.max_tokens,
+            "seconds": round(time.monotonic() - started, 2),
+        }
 
 
 def _summary(result: Score) -> dict[str, Any]:
-    return {"success": result.success, "answer": result.answer, "gold": result.gold, "calls": result.calls,
-            "valid_calls": result.valid_calls, "useful_calls": result.useful_calls, "all_valid": result.all_valid}
+    return {
+        "success": result.success,
+        "answer": result.answer,
+        "gold": result.gold,
+        "calls": result.calls,
+        "valid_calls": result.valid_calls,
+        "useful_calls": result.useful_calls,
+        "all_valid": result.all_valid,
+    }
 
 
 def _rates(results: list[Score]) -> dict[str, float]:
     calls = sum(r.calls for r in results)
-    return {"accuracy": sum(r.success for r in results) / len(results),
-            "format_rate": sum(r.all_valid for r in results) / len(results),
-            "call_validity": sum(r.valid_calls for r in results) / calls if calls else 0.0,
-            "useful_call_rate": sum(r.useful_calls for r in results) / calls if calls else 0.0,
-            "calls_per_episode": calls / len(results)}
+    return {
+        "accuracy": sum(r.success for r in results) / len(results),
+        "format_rate": sum(r.all_valid for r in results) / len(results),
+        "call_validity": sum(r.valid_calls for r in results) / calls if calls else 0.0,
+        "useful_call_rate": sum(r.useful_calls for r in results) / calls if calls else 0.0,
+        "calls_per_episode": calls / len(results),
+    }

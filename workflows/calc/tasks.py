@@ -126,8 +126,7 @@ def _word2(r: random.Random) -> tuple[str, str, tuple[Step, ...]]:
     a, b = r.randint(12, 99), r.randint(12, 99)
     c = r.randint(11, a + b - 10)
     first = Step(a, "+", b)
-    question = (f"{name} has {a} {item}, gets {b} more, then gives away {c}. "
-                f"How many {item} does {name} have now?")
+    question = f"{name} has {a} {item}, gets {b} more, then gives away {c}. How many {item} does {name} have now?"
     return f"{name}:{item}:{a}:{b}:{c}", question, (first, Step(first.value, "-", c))
 
 
@@ -169,5 +168,5 @@ def generate(split: Split, *, mix: str = "default", size: int | None = None, see
     out: list[CalcTask] = []
     for r in range(rounds):
         for kind, weight in weights.items():
-            out.extend(pools[kind][r * weight:(r + 1) * weight])
+            out.extend(pools[kind][r * weight : (r + 1) * weight])
     return out[:total]

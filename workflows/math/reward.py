@@ -57,8 +57,8 @@ def _boxed(reply: str) -> list[tuple[int, str]]:
         while i < len(reply) and depth:
             depth += {"{": 1, "}": -1}.get(reply[i], 0)
             i += 1
-        if depth == 0 and reply[start + 7:i - 1].strip():
-            found.append((start, reply[start + 7:i - 1].strip()))
+        if depth == 0 and reply[start + 7 : i - 1].strip():
+            found.append((start, reply[start + 7 : i - 1].strip()))
         start = reply.find("\\boxed{", start + 1)
     return found
 
@@ -90,5 +90,4 @@ def same_answer(predicted: str, gold: str) -> bool:
 
 def check(reply: str, gold: str) -> Check:
     answer = extract_answer(reply)
-    return Check(answer=answer, correct=answer is not None and same_answer(answer, gold),
-                 formatted=is_formatted(reply))
+    return Check(answer=answer, correct=answer is not None and same_answer(answer, gold), formatted=is_formatted(reply))

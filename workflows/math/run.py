@@ -69,7 +69,7 @@ class MathWorkflow(Workflow[MathProblem, MathOptions]):
     def tasks(self, split: Split) -> Sequence[MathProblem]:
         path = self.options.train_jsonl if split == "train" else self.options.test_jsonl
         problems = load_jsonl(path, split) if path is not None else generate(split, mix=self.options.mix)
-        return problems[:self.options.size] if self.options.size is not None else problems
+        return problems[: self.options.size] if self.options.size is not None else problems
 
     def task_id(self, task: MathProblem) -> str:
         return task.id
@@ -84,16 +84,27 @@ class MathWorkflow(Workflow[MathProblem, MathOptions]):
         # A client per episode (its own connection pool): openai 2.x and 3.x take different httpx clients.
         async with AsyncOpenAI(base_url=episode.base_url, api_key=episode.api_key, timeout=TIMEOUT_S) as client:
             response = await client.chat.completions.create(
-                model=episode.model, messages=self.messages(task),  # type: ignore[arg-type]
-                max_tokens=self.options.max_tokens, temperature=self.options.temperature)
+                model=episode.model,
+                messages=self.messages(task),  # type: ignore[arg-type]
+                max_tokens=self.options.max_tokens,
+                temperature=self.options.temperature,
+            )
         choice = response.choices[0]
         result = check(choice.message.content or "", task.answer)
-        return Outcome(reward=result.reward(self.options.format_weight),
-                       metadata={"answer": result.answer, "gold": task.answer, "correct": result.correct,
-                                 "formatted": result.formatted, "finish_reason": choice.finish_reason})
+        return Outcome(
+            reward=result.reward(self.options.format_weight),
+            metadata={
+                "answer": result.answer,
+                "gold": task.answer,
+                "correct": result.correct,
+                "formatted": result.formatted,
+                "finish_reason": choice.finish_reason,
+            },
+        )
 
-    async def evaluate(self, endpoint: Endpoint, *, split: Split, limit: int | None, concurrency: int,
-                       model: str) -> dict[str, Any]:
+    async def evaluate(
+        self, endpoint: Endpoint, *, split: Split, limit: int | None, concurrency: int, model: str
+    ) -> dict[str, Any]:
         """Greedy (temperature 0) answers to the split's first ``limit`` problems, unrecorded.
 
         Accuracy counts a right final answer in any format; format compliance is reported apart.
@@ -111,8 +122,11 @@ class MathWorkflow(Workflow[MathProblem, MathOptions]):
             async def one(task: MathProblem) -> tuple[MathProblem, bool, bool]:
                 async with slots:
                     raw = await client.chat.completions.with_raw_response.create(
-                        model=model, messages=self.messages(task),  # type: ignore[arg-type]
-                        max_tokens=self.options.max_tokens, temperature=0.0)
+                        model=model,
+                        messages=self.messages(task),  # type: ignore[arg-type]
+                        max_tokens=self.options.max_tokens,
+                        temperature=0.0,
+                    )
                 versions.add(raw.headers.get("x-policy-version", "unknown"))
                 result = check(raw.parse().choices[0].message.content or "", task.answer)
                 return task, result.correct, result.formatted
@@ -122,11 +136,21 @@ class MathWorkflow(Workflow[MathProblem, MathOptions]):
         for task, correct, formatted in results:
             by_kind[task.kind].append((correct, formatted))
         return {
-            "workflow": self.name, "split": split, "model": model, "n": len(results),
+            "workflow": self.name,
+            "split": split,
+            "model": model,
+            "n": len(results),
             "accuracy": sum(c for _, c, _ in results) / len(results),
             "format_rate": sum(f for _, _, f in results) / len(results),
             "policy_versions": sorted(versions),
-            "by_kind": {k: {"n": len(v), "accuracy": sum(c for c, _ in v) / len(v),
-                            "format_rate": sum(f for _, f in v) / len(v)} for k, v in sorted(by_kind.items())},
-            "max_tokens": self.options.max_tokens, "seconds": round(time.monotonic() - started, 2),
+            "by_kind": {
+                k: {
+                    "n": len(v),
+                    "accuracy": sum(c for c, _ in v) / len(v),
+                    "format_rate": sum(f for _, f in v) / len(v),
+                }
+                for k, v in sorted(by_kind.items())
+            },
+            "max_tokens": self.options.max_tokens,
+            "seconds": round(time.monotonic() - started, 2),
         }

@@ -44,8 +44,9 @@ so a test fact is never trained on in any phrasing."""
 WORDS = {"+": "plus", "-": "minus", "*": "times"}
 
 
-def _facts(op: str, pairs: Iterator[tuple[int, int]], value: Callable[[int, int], int]
-           ) -> Iterator[tuple[str, str, str, int]]:
+def _facts(
+    op: str, pairs: Iterator[tuple[int, int]], value: Callable[[int, int], int]
+) -> Iterator[tuple[str, str, str, int]]:
     for a, b in pairs:
         for n, phrasing in enumerate(PHRASINGS):
             yield f"{a}{op}{b}", f"{a}{op}{b}/p{n}", phrasing.format(a=a, b=b, op=op, word=WORDS[op]), value(a, b)
@@ -83,22 +84,40 @@ def _word1() -> Iterator[tuple[str, str, str, int]]:
         for a in range(1, 10):
             for b in range(1, 10):
                 key = f"gain:{name}:{a}:{b}"
-                yield key, key, f"{name} has {a} {item}. {name} gets {b} more. How many {item} does {name} have now?", \
-                    a + b
+                yield (
+                    key,
+                    key,
+                    f"{name} has {a} {item}. {name} gets {b} more. How many {item} does {name} have now?",
+                    a + b,
+                )
                 if b <= a:
                     key = f"loss:{name}:{a}:{b}"
-                    yield key, key, (f"{name} had {a} {item} and gave away {b}. How many {item} does {name} have "
-                                     "left?"), a - b
+                    yield (
+                        key,
+                        key,
+                        (f"{name} had {a} {item} and gave away {b}. How many {item} does {name} have left?"),
+                        a - b,
+                    )
                 if 2 <= a <= 5 and 2 <= b <= 5:
                     key = f"groups:{name}:{a}:{b}"
-                    yield key, key, (f"{name} has {a} bags with {b} {item} in each bag. How many {item} does {name} "
-                                     "have?"), a * b
+                    yield (
+                        key,
+                        key,
+                        (f"{name} has {a} bags with {b} {item} in each bag. How many {item} does {name} have?"),
+                        a * b,
+                    )
 
 
 Generator = Callable[[], Iterator[tuple[str, str, str, int]]]
 """Yields (fact key: decides the split, problem key: unique id, question, answer) for a whole space."""
 KINDS: dict[str, Generator] = {
-    "add1": _add1, "sub1": _sub1, "mul1": _mul1, "add21": _add21, "add2": _add2, "word1": _word1}
+    "add1": _add1,
+    "sub1": _sub1,
+    "mul1": _mul1,
+    "add21": _add21,
+    "add2": _add2,
+    "word1": _word1,
+}
 MIXES: dict[str, dict[str, int]] = {
     "basic": {"add1": 3, "sub1": 3, "mul1": 2, "word1": 2},
     "hard": {"add2": 2, "mul1": 1, "word1": 1},
@@ -132,7 +151,7 @@ def generate(split: Split, *, mix: str = "basic", size: int | None = None, seed:
     out: list[MathProblem] = []
     for r in range(rounds):
         for kind, weight in weights.items():
-            out.extend(pools[kind][r * weight:(r + 1) * weight])
+            out.extend(pools[kind][r * weight : (r + 1) * weight])
     return out[:size] if size is not None else out
 
 
@@ -157,8 +176,14 @@ def load_jsonl(path: Path, split_name: str = "jsonl") -> list[MathProblem]:
             final = answer.rsplit("####", 1)[1].strip().replace(",", "")
             if not final:
                 raise ValueError(f"{path}:{n}: empty final answer after '####'")
-            problems.append(MathProblem(id=str(row.get("id") or f"{split_name}/{path.stem}/{n}"), kind="jsonl",
-                                        question=question, answer=final))
+            problems.append(
+                MathProblem(
+                    id=str(row.get("id") or f"{split_name}/{path.stem}/{n}"),
+                    kind="jsonl",
+                    question=question,
+                    answer=final,
+                )
+            )
     if not problems:
         raise ValueError(f"{path}: no problems")
     return problems

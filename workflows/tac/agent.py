@@ -32,7 +32,8 @@ os.environ.setdefault("ALLOW_SHORT_CONTEXT_WINDOWS", "true")
 BUDGET_ENDINGS = {"MaxIterationsReached", "MaxBudgetReached"}
 SHORT_SYSTEM_PROMPT = (
     "You are a careful software agent working in a Linux shell. Use the tools to inspect files, run "
-    "commands and edit files until the task is done, then call the finish tool. Keep commands short.")
+    "commands and edit files until the task is done, then call the finish tool. Keep commands short."
+)
 """For small-context models: OpenHands' own system prompt is ~3.5k tokens before the tools' ~2.7k."""
 
 
@@ -77,20 +78,36 @@ def run_agent(instruction: str, workdir: Path, config: AgentConfig) -> AgentRun:
     from openhands.sdk.workspace import LocalWorkspace
     from pydantic import SecretStr
 
-    llm = LLM(model=f"openai/{config.model}", base_url=config.base_url, api_key=SecretStr(config.api_key),
-              api_mode="chat", reasoning_effort=None, native_tool_calling=True, stream=False,
-              temperature=config.temperature, max_output_tokens=config.max_output_tokens,
-              max_input_tokens=config.max_input_tokens, max_message_chars=config.max_message_chars,
-              num_retries=0, timeout=config.timeout_s, caching_prompt=False, usage_id="flywheel-agent")
+    llm = LLM(
+        model=f"openai/{config.model}",
+        base_url=config.base_url,
+        api_key=SecretStr(config.api_key),
+        api_mode="chat",
+        reasoning_effort=None,
+        native_tool_calling=True,
+        stream=False,
+        temperature=config.temperature,
+        max_output_tokens=config.max_output_tokens,
+        max_input_tokens=config.max_input_tokens,
+        max_message_chars=config.max_message_chars,
+        num_retries=0,
+        timeout=config.timeout_s,
+        caching_prompt=False,
+        usage_id="flywheel-agent",
+    )
     tools = [Tool(name="terminal", params=config.terminal_params or {})]
     if config.file_editor:
         tools.append(Tool(name="file_editor"))
     extra: dict[str, Any] = {"system_prompt": SHORT_SYSTEM_PROMPT} if config.system_prompt == "short" else {}
     agent = Agent(llm=llm, tools=tools, **extra)
     # Conversation is a factory whose overloads mypy cannot follow: hold it as Any.
-    conversation: Any = Conversation(agent=agent, workspace=LocalWorkspace(working_dir=str(workdir)),
-                                     conversation_id=uuid.UUID(config.conversation_id),
-                                     max_iteration_per_run=config.max_iterations, visualizer=None)
+    conversation: Any = Conversation(
+        agent=agent,
+        workspace=LocalWorkspace(working_dir=str(workdir)),
+        conversation_id=uuid.UUID(config.conversation_id),
+        max_iteration_per_run=config.max_iterations,
+        visualizer=None,
+    )
     try:
         conversation.send_message(instruction)
         try:

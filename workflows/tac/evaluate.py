@@ -20,8 +20,9 @@ from workflows.tac.scoring import Result
 
 
 def grade(task_dir: Path, workspace: Path, trajectory: str) -> Result:
-    spec = importlib.util.spec_from_file_location(f"tac_evaluator_{task_dir.name.replace('-', '_')}",
-                                                  task_dir / "evaluator.py")
+    spec = importlib.util.spec_from_file_location(
+        f"tac_evaluator_{task_dir.name.replace('-', '_')}", task_dir / "evaluator.py"
+    )
     if spec is None or spec.loader is None:
         raise ValueError(f"cannot load {task_dir / 'evaluator.py'}")
     module = importlib.util.module_from_spec(spec)

@@ -76,8 +76,12 @@ class TACWorkflow(Workflow[TACTask, TACOptions]):
 
     def runtime(self, passthrough: Endpoint) -> Runtime:
         if self.options.runtime == "docker":
-            return DockerRuntime(server_hostname=self.options.server_hostname, env_llm=passthrough,
-                                 env_model=self.options.env_model, keep=self.options.keep_workspaces)
+            return DockerRuntime(
+                server_hostname=self.options.server_hostname,
+                env_llm=passthrough,
+                env_model=self.options.env_model,
+                keep=self.options.keep_workspaces,
+            )
         return LocalRuntime(root=self.options.workspace_root, keep=self.options.keep_workspaces)
 
     def play(self, task: TACTask, episode: Episode) -> Outcome:
@@ -86,19 +90,36 @@ class TACWorkflow(Workflow[TACTask, TACOptions]):
         prepared = runtime.prepare(task, episode.id)
         try:
             opts = self.options
-            run = run_agent(prepared.instruction, prepared.workdir, AgentConfig(
-                model=episode.model, base_url=f"{episode.proxy_url}/v1", api_key=episode.api_key,
-                conversation_id=episode.id, max_iterations=opts.max_iterations, temperature=opts.temperature,
-                max_output_tokens=opts.max_output_tokens, max_input_tokens=opts.max_input_tokens,
-                system_prompt=opts.system_prompt, file_editor=prepared.file_editor,
-                terminal_params=prepared.terminal_params))
+            run = run_agent(
+                prepared.instruction,
+                prepared.workdir,
+                AgentConfig(
+                    model=episode.model,
+                    base_url=f"{episode.proxy_url}/v1",
+                    api_key=episode.api_key,
+                    conversation_id=episode.id,
+                    max_iterations=opts.max_iterations,
+                    temperature=opts.temperature,
+                    max_output_tokens=opts.max_output_tokens,
+                    max_input_tokens=opts.max_input_tokens,
+                    system_prompt=opts.system_prompt,
+                    file_editor=prepared.file_editor,
+                    terminal_params=prepared.terminal_params,
+                ),
+            )
             result = runtime.evaluate(prepared, run.trajectory)
         finally:
             runtime.cleanup(prepared)
         final = result.final_score
-        return Outcome(reward=score(final), metadata={
-            "checkpoints": [[c.result, c.total] for c in result.checkpoints],
-            "final_score": [final.result, final.total], "ending": run.ending, "events": run.events})
+        return Outcome(
+            reward=score(final),
+            metadata={
+                "checkpoints": [[c.result, c.total] for c in result.checkpoints],
+                "final_score": [final.result, final.total],
+                "ending": run.ending,
+                "events": run.events,
+            },
+        )
 
     async def run_episode(self, task: TACTask, episode: Episode) -> Outcome:
         return await in_thread(self.play, task, episode)

@@ -73,8 +73,9 @@ class Runtime(ABC):
 
 
 class LocalRuntime(Runtime):
-    def __init__(self, *, root: Path | None = None, keep: bool = False, init_timeout_s: float = 120,
-                 eval_timeout_s: float = 120) -> None:
+    def __init__(
+        self, *, root: Path | None = None, keep: bool = False, init_timeout_s: float = 120, eval_timeout_s: float = 120
+    ) -> None:
         self.root = root
         self.keep = keep
         self.init_timeout_s = init_timeout_s
@@ -82,8 +83,10 @@ class LocalRuntime(Runtime):
 
     def prepare(self, task: TACTask, episode_id: str) -> Prepared:
         if task.dependencies:
-            raise ValueError(f"TAC task {task.name} needs services {list(task.dependencies)}; "
-                             "the local runtime runs only tasks without them (use runtime=docker)")
+            raise ValueError(
+                f"TAC task {task.name} needs services {list(task.dependencies)}; "
+                "the local runtime runs only tasks without them (use runtime=docker)"
+            )
         if self.root is not None:
             self.root.mkdir(parents=True, exist_ok=True)
         base = Path(tempfile.mkdtemp(prefix=f"tac-{task.name}-{episode_id[:8]}-", dir=self.root))
@@ -96,8 +99,12 @@ class LocalRuntime(Runtime):
         prepared = Prepared(task=task, workdir=workdir, outputs=outputs, instruction=task.instruction)
         if task.init_script is not None:
             try:
-                _run(["bash", str(task.init_script)], cwd=workdir, timeout=self.init_timeout_s,
-                     what=f"{task.name} init.sh")
+                _run(
+                    ["bash", str(task.init_script)],
+                    cwd=workdir,
+                    timeout=self.init_timeout_s,
+                    what=f"{task.name} init.sh",
+                )
             except RuntimeError:
                 self.cleanup(prepared)
                 raise
@@ -107,9 +114,25 @@ class LocalRuntime(Runtime):
         traj, result = prepared.outputs / "trajectory.json", prepared.outputs / "eval.json"
         traj.write_text(trajectory)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        _run([sys.executable, "-m", "workflows.tac.evaluate", "--task-dir", str(prepared.task.path),
-              "--workspace", str(prepared.workdir), "--trajectory_path", str(traj), "--result_path", str(result)],
-             cwd=prepared.outputs, env=env, timeout=self.eval_timeout_s, what=f"{prepared.task.name} evaluator")
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "workflows.tac.evaluate",
+                "--task-dir",
+                str(prepared.task.path),
+                "--workspace",
+                str(prepared.workdir),
+                "--trajectory_path",
+                str(traj),
+                "--result_path",
+                str(result),
+            ],
+            cwd=prepared.outputs,
+            env=env,
+            timeout=self.eval_timeout_s,
+            what=f"{prepared.task.name} evaluator",
+        )
         return read_result(result)
 
     def cleanup(self, prepared: Prepared) -> None:
@@ -120,8 +143,17 @@ class LocalRuntime(Runtime):
 class DockerRuntime(Runtime):
     """TAC's official task images (see the module docstring)."""
 
-    def __init__(self, *, server_hostname: str, env_llm: Endpoint, env_model: str, docker: str = "docker",
-                 keep: bool = False, init_timeout_s: float = 900, eval_timeout_s: float = 600) -> None:
+    def __init__(
+        self,
+        *,
+        server_hostname: str,
+        env_llm: Endpoint,
+        env_model: str,
+        docker: str = "docker",
+        keep: bool = False,
+        init_timeout_s: float = 900,
+        eval_timeout_s: float = 600,
+    ) -> None:
         self.server_hostname = server_hostname
         self.env_llm = env_llm
         self.env_model = env_model
@@ -132,8 +164,12 @@ class DockerRuntime(Runtime):
 
     def _llm_env(self) -> list[str]:
         """``-e`` flags giving the task's NPCs and LLM-based checks their LLM (TAC reads LITELLM_*)."""
-        pairs = {"LITELLM_API_KEY": self.env_llm.api_key, "LITELLM_BASE_URL": self.env_llm.base_url,
-                 "LITELLM_MODEL": f"openai/{self.env_model}", "SERVER_HOSTNAME": self.server_hostname}
+        pairs = {
+            "LITELLM_API_KEY": self.env_llm.api_key,
+            "LITELLM_BASE_URL": self.env_llm.base_url,
+            "LITELLM_MODEL": f"openai/{self.env_model}",
+            "SERVER_HOSTNAME": self.server_hostname,
+        }
         return [flag for k, v in pairs.items() for flag in ("-e", f"{k}={v}")]
 
     def prepare(self, task: TACTask, episode_id: str) -> Prepared:
@@ -146,19 +182,49 @@ class DockerRuntime(Runtime):
         outputs.chmod(0o777)  # the container may write as another user
         name = f"flywheel-tac-{episode_id}"
         shell = outputs / "container-shell.sh"
-        shell.write_text(f"#!/bin/sh\nexec {shlex.quote(self.docker)} exec -it -w /workspace {name} bash \"$@\"\n")
+        shell.write_text(f'#!/bin/sh\nexec {shlex.quote(self.docker)} exec -it -w /workspace {name} bash "$@"\n')
         shell.chmod(0o755)
-        prepared = Prepared(task=task, workdir=workdir, outputs=outputs, instruction="", container=name,
-                            terminal_params={"terminal_type": "subprocess", "shell_path": str(shell)},
-                            file_editor=False)
+        prepared = Prepared(
+            task=task,
+            workdir=workdir,
+            outputs=outputs,
+            instruction="",
+            container=name,
+            terminal_params={"terminal_type": "subprocess", "shell_path": str(shell)},
+            file_editor=False,
+        )
         try:
-            _run([self.docker, "run", "-d", "--name", name, "--network", "host", "-v", f"{outputs}:/outputs",
-                  "--entrypoint", "tail", task.image, "-f", "/dev/null"], timeout=600, what=f"docker run {task.image}")
+            _run(
+                [
+                    self.docker,
+                    "run",
+                    "-d",
+                    "--name",
+                    name,
+                    "--network",
+                    "host",
+                    "-v",
+                    f"{outputs}:/outputs",
+                    "--entrypoint",
+                    "tail",
+                    task.image,
+                    "-f",
+                    "/dev/null",
+                ],
+                timeout=600,
+                what=f"docker run {task.image}",
+            )
             _run([self.docker, "exec", name, "mkdir", "-p", "/workspace"], timeout=60, what="mkdir /workspace")
-            _run([self.docker, "exec", *self._llm_env(), name, "bash", "-c", "umask 0022 && bash /utils/init.sh"],
-                 timeout=self.init_timeout_s, what=f"{task.name} /utils/init.sh")
-            deps = _run([self.docker, "exec", name, "cat", "/utils/dependencies.yml"], timeout=60,
-                        what="read /utils/dependencies.yml").stdout
+            _run(
+                [self.docker, "exec", *self._llm_env(), name, "bash", "-c", "umask 0022 && bash /utils/init.sh"],
+                timeout=self.init_timeout_s,
+                what=f"{task.name} /utils/init.sh",
+            )
+            deps = _run(
+                [self.docker, "exec", name, "cat", "/utils/dependencies.yml"],
+                timeout=60,
+                what="read /utils/dependencies.yml",
+            ).stdout
         except RuntimeError:
             self.cleanup(prepared)
             raise
@@ -174,9 +240,24 @@ class DockerRuntime(Runtime):
             raise RuntimeError("TAC's evaluators are encrypted: set TAC_DECRYPTION_KEY (TAC's harness documents it)")
         (prepared.outputs / "traj.json").write_text(trajectory)
         assert prepared.container is not None
-        _run([self.docker, "exec", *self._llm_env(), "-e", f"DECRYPTION_KEY={key}", prepared.container,
-              "python_default", "/utils/eval.py", "--trajectory_path", "/outputs/traj.json",
-              "--result_path", "/outputs/eval.json"], timeout=self.eval_timeout_s, what="/utils/eval.py")
+        _run(
+            [
+                self.docker,
+                "exec",
+                *self._llm_env(),
+                "-e",
+                f"DECRYPTION_KEY={key}",
+                prepared.container,
+                "python_default",
+                "/utils/eval.py",
+                "--trajectory_path",
+                "/outputs/traj.json",
+                "--result_path",
+                "/outputs/eval.json",
+            ],
+            timeout=self.eval_timeout_s,
+            what="/utils/eval.py",
+        )
         return read_result(prepared.outputs / "eval.json")
 
     def cleanup(self, prepared: Prepared) -> None:

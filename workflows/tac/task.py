@@ -64,8 +64,13 @@ def load_task(path: Path) -> TACTask:
     image_file = path / "image.txt"
     default_image = f"ghcr.io/theagentcompany/{path.name}-image:1.0.0"
     image = image_file.read_text().strip() if image_file.is_file() else default_image
-    return TACTask(name=path.name, path=path, instruction=(path / "task.md").read_text().strip(),
-                   dependencies=tuple(deps or ()), image=image)
+    return TACTask(
+        name=path.name,
+        path=path,
+        instruction=(path / "task.md").read_text().strip(),
+        dependencies=tuple(deps or ()),
+        image=image,
+    )
 
 
 def load_tasks(root: Path, split: str) -> list[TACTask]:

@@ -61,12 +61,12 @@ class Tau2Options:
 
 def llm_args(endpoint: Endpoint, **sampling: Any) -> dict[str, Any]:
     """litellm arguments for an OpenAI-compatible endpoint; never streamed."""
-    return {"api_base": endpoint.base_url, "api_key": endpoint.api_key, "stream": False, "num_retries": 0,
-            **sampling}
+    return {"api_base": endpoint.base_url, "api_key": endpoint.api_key, "stream": False, "num_retries": 0, **sampling}
 
 
-def simulate(domain: str, task: Any, agent: Any, user: Any, environment: Any, *, max_steps: int,
-             max_errors: int) -> Any:
+def simulate(
+    domain: str, task: Any, agent: Any, user: Any, environment: Any, *, max_steps: int, max_errors: int
+) -> Any:
     """One tau2 conversation, graded by tau2's evaluator; ``sim.reward_info.reward`` is the reward.
 
     The same steps as ``tau2.run.run_task`` for an LLM agent, with the agent and user passed in so
@@ -76,22 +76,36 @@ def simulate(domain: str, task: Any, agent: Any, user: Any, environment: Any, *,
     from tau2.evaluator.evaluator import EvaluationType, evaluate_simulation
     from tau2.orchestrator.orchestrator import Orchestrator
 
-    orchestrator = Orchestrator(domain=domain, agent=agent, user=user, environment=environment, task=task,
-                                max_steps=max_steps, max_errors=max_errors, seed=None)
+    orchestrator = Orchestrator(
+        domain=domain,
+        agent=agent,
+        user=user,
+        environment=environment,
+        task=task,
+        max_steps=max_steps,
+        max_errors=max_errors,
+        seed=None,
+    )
     simulation = orchestrator.run()
-    simulation.reward_info = evaluate_simulation(domain=domain, task=task, simulation=simulation,
-                                                 evaluation_type=EvaluationType.ALL, solo_mode=False)
+    simulation.reward_info = evaluate_simulation(
+        domain=domain, task=task, simulation=simulation, evaluation_type=EvaluationType.ALL, solo_mode=False
+    )
     return simulation
 
 
 def outcome_of(simulation: Any) -> Outcome:
     info = simulation.reward_info
-    return Outcome(reward=float(info.reward), metadata={
-        "termination_reason": str(getattr(simulation.termination_reason, "value", simulation.termination_reason)),
-        "messages": len(simulation.messages), "duration_s": round(float(simulation.duration), 2),
-        "reward_basis": [str(getattr(b, "value", b)) for b in (info.reward_basis or [])],
-        "reward_breakdown": {str(getattr(k, "value", k)): v for k, v in (info.reward_breakdown or {}).items()},
-        "note": (info.info or {}).get("note")})
+    return Outcome(
+        reward=float(info.reward),
+        metadata={
+            "termination_reason": str(getattr(simulation.termination_reason, "value", simulation.termination_reason)),
+            "messages": len(simulation.messages),
+            "duration_s": round(float(simulation.duration), 2),
+            "reward_basis": [str(getattr(b, "value", b)) for b in (info.reward_basis or [])],
+            "reward_breakdown": {str(getattr(k, "value", k)): v for k, v in (info.reward_breakdown or {}).items()},
+            "note": (info.info or {}).get("note"),
+        },
+    )
 
 
 class Tau2Workflow(Workflow[Any, Tau2Options]):
@@ -143,19 +157,27 @@ class Tau2Workflow(Workflow[Any, Tau2Options]):
 
         opts = self.options
         environment = registry.get_env_constructor(opts.domain)()
-        agent = LLMAgent(tools=environment.get_tools(), domain_policy=environment.get_policy(),
-                         llm=f"openai/{episode.model}",
-                         llm_args=llm_args(episode.endpoint, temperature=opts.temperature, max_tokens=opts.max_tokens))
+        agent = LLMAgent(
+            tools=environment.get_tools(),
+            domain_policy=environment.get_policy(),
+            llm=f"openai/{episode.model}",
+            llm_args=llm_args(episode.endpoint, temperature=opts.temperature, max_tokens=opts.max_tokens),
+        )
         try:
             user_tools = environment.get_user_tools()
         except Exception:  # domains without user tools raise here (as tau2.run does)
             user_tools = None
-        user = UserSimulator(tools=user_tools, instructions=str(task.user_scenario),
-                             llm=f"openai/{opts.user_model}",
-                             llm_args=llm_args(self.user_endpoint(episode), temperature=opts.user_temperature,
-                                               max_tokens=opts.max_tokens))
-        return simulate(opts.domain, task, agent, user, environment, max_steps=opts.max_steps,
-                        max_errors=opts.max_errors)
+        user = UserSimulator(
+            tools=user_tools,
+            instructions=str(task.user_scenario),
+            llm=f"openai/{opts.user_model}",
+            llm_args=llm_args(
+                self.user_endpoint(episode), temperature=opts.user_temperature, max_tokens=opts.max_tokens
+            ),
+        )
+        return simulate(
+            opts.domain, task, agent, user, environment, max_steps=opts.max_steps, max_errors=opts.max_errors
+        )
 
     async def run_episode(self, task: Any, episode: Episode) -> Outcome:
         return outcome_of(await in_thread(self.play, task, episode))
