@@ -22,7 +22,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from deploy.vllm import DEFAULT_TEMPLATE, ROOT
-from trainer.config import TrainerConfig
+from trainer.config import TrainerConfig, coerce_number
 
 Device = Literal["cpu", "gpu"]
 SeedPolicy = Literal["pass", "drop", "refuse"]
@@ -271,23 +271,8 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             raise RunConfigError(f"{name}: expected a mapping of names to values, got {value!r}")
         return dict(value)
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        raise RunConfigError(f"{name}: expected true or false, got {value!r}")
-    if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise RunConfigError(f"{name}: expected an integer, got {value!r}")
-    if hint is float:
-        if isinstance(value, str):  # YAML 1.1 reads 2e-5 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        raise RunConfigError(f"{name}: expected a number, got {value!r}")
+    if hint in (bool, int, float):
+        return coerce_number(name, value, hint, RunConfigError)
     if hint is str:
         if isinstance(value, str):
             return value

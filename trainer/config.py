@@ -321,6 +321,30 @@ def _check_choices(config: TrainerConfig) -> None:
 # -- loading ---------------------------------------------------------------------------------------
 
 
+def coerce_number(name: str, value: Any, hint: type[bool | int | float], error: type[ValueError]) -> Any:
+    """A YAML value as a ``bool``, ``int`` or ``float`` field takes it, or ``error`` naming the field.
+
+    Strict where YAML is loose: ``1`` is not ``true``, ``true`` is not ``1``. YAML 1.1 (PyYAML)
+    reads ``2e-5`` (no dot) as a string, so a float field parses strings. Shared by the run config
+    (``deploy/run_config.py``)."""
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise error(f"{name}: expected true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise error(f"{name}: expected an integer, got {value!r}")
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    raise error(f"{name}: expected a number, got {value!r}")
+
+
 def _coerce(name: str, value: Any, hint: Any) -> Any:
     origin, args = get_origin(hint), get_args(hint)
     if origin in (Union, types.UnionType):
@@ -336,23 +360,8 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
         if not isinstance(items, list | tuple):
             raise ConfigError(f"{name}: expected a list, got {value!r}")
         return tuple(str(i).strip() for i in items if str(i).strip())
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{name}: expected true or false, got {value!r}")
-    if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{name}: expected an integer, got {value!r}")
-    if hint is float:
-        if isinstance(value, str):  # YAML 1.1 reads 2e-5 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(f"{name}: expected a number, got {value!r}")
+    if hint in (bool, int, float):
+        return coerce_number(name, value, hint, ConfigError)
     if hint is str:
         if isinstance(value, str | int | float):
             return os.path.expandvars(str(value))
