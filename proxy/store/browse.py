@@ -18,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from proxy.store.models import Call, Episode, Group
 from proxy.store.records import EpisodeRecord, GroupRecord
+from proxy.store.rows import episode_record, group_records
 from proxy.vocabulary import EpisodeStatus, GroupStatus, TrainStatus
 
 Cursor = tuple[float, str]
@@ -67,7 +68,6 @@ class Browse:
         limit: int = 50,
     ) -> list[EpisodeRow]:
         """A page of episodes, newest first; ``task`` matches a substring of the task id."""
-        from proxy.store.repository import _episode  # one row-to-record mapping for the store
 
         query = (
             select(Episode, Group.train_status)
@@ -86,7 +86,7 @@ class Browse:
             rows = (await session.execute(query)).all()
             summary = await self._call_summary(session, [row[0].id for row in rows])
         return [
-            EpisodeRow(episode=_episode(episode), train_status=train, **summary.get(episode.id, _NO_CALLS))
+            EpisodeRow(episode=episode_record(episode), train_status=train, **summary.get(episode.id, _NO_CALLS))
             for episode, train in rows
         ]
 
@@ -114,7 +114,6 @@ class Browse:
         limit: int = 50,
     ) -> list[GroupRecord]:
         """A page of groups, newest first, each with its episodes (for counts and rewards)."""
-        from proxy.store.repository import _episode, _group
 
         query = (
             select(Group)
@@ -129,21 +128,7 @@ class Browse:
         if task:
             query = query.where(Group.task_id.contains(task, autoescape=True))
         async with self._sessions() as session:
-            groups = (await session.scalars(query)).all()
-            ids = [g.id for g in groups]
-            episodes = (
-                (
-                    await session.scalars(
-                        select(Episode).where(Episode.group_id.in_(ids)).order_by(Episode.group_index)
-                    )
-                ).all()
-                if ids
-                else []
-            )
-        by_group: dict[str, list[EpisodeRecord]] = {gid: [] for gid in ids}
-        for episode in episodes:
-            by_group[episode.group_id or ""].append(_episode(episode))
-        return [_group(g, by_group[g.id]) for g in groups]
+            return await group_records(session, (await session.scalars(query)).all())
 
     async def counts(self) -> Counts:
         """Episodes by status, groups by train status, and all calls."""

@@ -36,7 +36,7 @@ from proxy.store.records import (
     PolicyVersionRecord,
     TrainerStepRecord,
 )
-from proxy.store.rows import CALL_FIELDS, admit, call_values
+from proxy.store.rows import CALL_FIELDS, admit, call_record, call_values, episode_record, group_record, group_records
 from proxy.store.sqlite_fast import SqliteFastPath
 from proxy.vocabulary import AckStatus, EpisodeStatus, GroupStatus, TrainStatus
 
@@ -46,51 +46,6 @@ OPEN: Final = "open"
 REWARDED: Final = "rewarded"
 ABANDONED: Final = "abandoned"
 FINISHED = (REWARDED, ABANDONED)
-
-
-def _episode(row: Episode, calls: list[CallRecord] | None = None) -> EpisodeRecord:
-    return EpisodeRecord(
-        id=row.id,
-        group_id=row.group_id,
-        group_index=row.group_index,
-        task_id=row.task_id,
-        metadata=row.meta or {},
-        status=row.status,
-        reward=row.reward,
-        call_rewards=row.call_rewards,
-        reward_metadata=row.reward_metadata,
-        abandon_reason=row.abandon_reason,
-        created_at=row.created_at,
-        finished_at=row.finished_at,
-        calls=calls,
-    )
-
-
-def _group(row: Group, episodes: list[EpisodeRecord] | None = None) -> GroupRecord:
-    counts: dict[str, int] = {}
-    for episode in episodes or []:
-        counts[episode.status] = counts.get(episode.status, 0) + 1
-    return GroupRecord(
-        id=row.id,
-        task_id=row.task_id,
-        size=row.size,
-        metadata=row.meta or {},
-        status=row.status,
-        created_at=row.created_at,
-        completed_at=row.completed_at,
-        train_status=row.train_status,
-        trained_step=row.trained_step,
-        train_note=row.train_note,
-        episodes=episodes,
-        counts=counts,
-    )
-
-
-_CALL_COLUMNS = [c.name for c in Call.__table__.columns]
-
-
-def _call(row: Any) -> CallRecord:
-    return CallRecord(**{name: getattr(row, name) for name in _CALL_COLUMNS})
 
 
 def _episode_states(episode_ids: list[str]) -> Select[str, str, int | None]:
@@ -204,7 +159,7 @@ class Repository:
             session.add(group)
             await session.flush()  # the group row first: episodes reference it
             session.add_all(episodes)
-        return _group(group, [_episode(e) for e in episodes])
+        return group_record(group, [episode_record(e) for e in episodes])
 
     async def create_episode(self, *, task_id: str | None, metadata: dict[str, Any]) -> EpisodeRecord:
         episode = Episode(
@@ -212,7 +167,7 @@ class Repository:
         )
         async with self._write() as session:
             session.add(episode)
-        return _episode(episode)
+        return episode_record(episode)
 
     async def episode_state(self, episode_id: str) -> tuple[str, str | None] | None:
         """(status, group_id) of an episode, or None: the model routes' existence check."""
@@ -230,7 +185,7 @@ class Repository:
             if row is None:
                 raise NotFound(f"episode {episode_id} not found", param="episode_id")
             calls = await self._calls(session, [episode_id]) if with_calls else None
-        return _episode(row, calls.get(episode_id, []) if calls is not None else None)
+        return episode_record(row, calls.get(episode_id, []) if calls is not None else None)
 
     async def _calls(self, session: AsyncSession, episode_ids: list[str]) -> dict[str, list[CallRecord]]:
         out: dict[str, list[CallRecord]] = {eid: [] for eid in episode_ids}
@@ -240,7 +195,7 @@ class Repository:
             select(Call.__table__).where(Call.episode_id.in_(episode_ids)).order_by(Call.episode_id, Call.ordinal)
         )
         for row in result:
-            out[row.episode_id].append(_call(row))
+            out[row.episode_id].append(call_record(row))
         return out
 
     async def recent_calls(self, episode_id: str, *, limit: int) -> list[CallRecord]:
@@ -252,7 +207,7 @@ class Repository:
                 .order_by(Call.ordinal.desc())
                 .limit(limit)
             )
-            return [_call(row) for row in result]
+            return [call_record(row) for row in result]
 
     async def call_by_response_id(self, response_id: str) -> CallRecord | None:
         """The answered call a client saw as ``response_id`` (a Responses ``previous_response_id``)."""
@@ -261,7 +216,7 @@ class Repository:
                 select(Call.__table__).where(Call.response_id == response_id, Call.status_code == 200).limit(1)
             )
             row = result.first()
-            return _call(row) if row is not None else None
+            return call_record(row) if row is not None else None
 
     async def list_episodes(
         self,
@@ -280,7 +235,7 @@ class Repository:
         if task_id:
             query = query.where(Episode.task_id == task_id)
         async with self._read() as session:
-            return [_episode(row) for row in (await session.scalars(query)).all()]
+            return [episode_record(row) for row in (await session.scalars(query)).all()]
 
     async def get_group(self, group_id: str) -> GroupRecord:
         async with self._read() as session:
@@ -292,7 +247,7 @@ class Repository:
                     select(Episode).where(Episode.group_id == group_id).order_by(Episode.group_index, Episode.id)
                 )
             ).all()
-        return _group(row, [_episode(e) for e in episodes])
+        return group_record(row, [episode_record(e) for e in episodes])
 
     async def list_groups(
         self,
@@ -311,21 +266,7 @@ class Repository:
         if train_status:
             query = query.where(Group.train_status == train_status)
         async with self._read() as session:
-            groups = (await session.scalars(query)).all()
-            ids = [g.id for g in groups]
-            episodes = (
-                (
-                    await session.scalars(
-                        select(Episode).where(Episode.group_id.in_(ids)).order_by(Episode.group_index)
-                    )
-                ).all()
-                if ids
-                else []
-            )
-        by_group: dict[str, list[EpisodeRecord]] = {gid: [] for gid in ids}
-        for episode in episodes:
-            by_group[episode.group_id or ""].append(_episode(episode))
-        return [_group(g, by_group[g.id]) for g in groups]
+            return await group_records(session, (await session.scalars(query)).all())
 
     async def _lock_group(self, session: AsyncSession, group_id: str | None) -> None:
         """Serialise group completion: two rewards of one group must not both miss the other."""
@@ -379,7 +320,7 @@ class Repository:
                     and (row.reward_metadata or None) == (metadata or None)
                 )
                 if same:
-                    return _episode(row), False
+                    return episode_record(row), False
                 raise Conflict(
                     f"episode {episode_id} already has a different reward ({row.reward})", code="reward_conflict"
                 )
@@ -395,7 +336,7 @@ class Repository:
             row.call_rewards, row.reward_metadata = call_rewards or None, metadata or None
             await session.flush()
             await self._complete_group(session, row.group_id, now)
-            return _episode(row), True
+            return episode_record(row), True
 
     async def _check_ordinals(self, session: AsyncSession, episode_id: str, call_rewards: dict[str, float]) -> None:
         """Keys are ``"<ordinal>"`` (a call) or ``"<ordinal>:<choice>"`` (one choice of an n > 1 call)."""
@@ -436,7 +377,7 @@ class Repository:
                 row.status, row.abandon_reason, row.finished_at = ABANDONED, reason, now
                 await session.flush()
                 await self._complete_group(session, row.group_id, now)
-            return _episode(row)
+            return episode_record(row)
 
     async def abandon_expired(self, *, idle_s: float) -> int:
         """Abandon open episodes idle (no call, no reward) for ``idle_s``; returns how many."""
@@ -654,11 +595,11 @@ class Repository:
             calls = await self._calls(session, [e.id for e in episodes])
         by_group: dict[str, list[EpisodeRecord]] = {gid: [] for gid in group_ids}
         for episode in episodes:
-            by_group[episode.group_id or ""].append(_episode(episode, calls[episode.id]))
+            by_group[episode.group_id or ""].append(episode_record(episode, calls[episode.id]))
         return Claim(
             lease_id=lease_id,
             lease_expires_at=expires_at,
-            groups=[_group(groups[gid], by_group[gid]) for gid in group_ids],
+            groups=[group_record(groups[gid], by_group[gid]) for gid in group_ids],
             stale=stale,
         )
 
@@ -763,7 +704,7 @@ class Repository:
             for group in todo:
                 group.train_status, group.trained_step, group.train_note = status, step, note
                 group.lease_expires_at = None
-        return [_group(g) for g in rows.values()]
+        return [group_record(g) for g in rows.values()]
 
     async def add_trainer_step(self, *, step: int, metrics: dict[str, Any]) -> TrainerStepRecord:
         """Store a step's metrics; a retried report of the same step replaces the first."""

@@ -1,10 +1,11 @@
-"""How a ``NewCall`` becomes a ``calls`` row, for both writers: the SQLAlchemy engines (SQLite or
+"""Rows and records: how a ``NewCall`` becomes a ``calls`` row, for both writers: the SQLAlchemy engines (SQLite or
 PostgreSQL) and the SQLite fast path (``sqlite_fast``).
 
 One place decides which calls are admitted (their episode is still open inside the inserting
 transaction), the ordinals, each column's Python type and the JSON text (the engines are built
 with ``json_text`` as their serializer), so a call reads back the same, type for type, whichever
-writer stored it and on either database.
+writer stored it and on either database. And the one mapping back, rows to records, for every
+reader (the repository, the dashboard's ``browse``).
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from dataclasses import fields
 from typing import Any
 
 import orjson
-from sqlalchemy import JSON, Boolean, Float
+from sqlalchemy import JSON, Boolean, Float, select
+from sqlalchemy.ext.asyncio import AsyncSession
 
-from proxy.store.models import Call
-from proxy.store.records import NewCall
+from proxy.store.models import Call, Episode, Group
+from proxy.store.records import CallRecord, EpisodeRecord, GroupRecord, NewCall
 
 CALL_FIELDS = [f.name for f in fields(NewCall)]
 """The columns a ``NewCall`` fills, in ``NewCall`` order (the store adds ``id`` and ``ordinal``)."""
@@ -82,3 +84,62 @@ def call_values(call: NewCall) -> list[Any]:
         if values[i] is not None:
             values[i] = bool(values[i])
     return values
+
+
+def episode_record(row: Episode, calls: list[CallRecord] | None = None) -> EpisodeRecord:
+    return EpisodeRecord(
+        id=row.id,
+        group_id=row.group_id,
+        group_index=row.group_index,
+        task_id=row.task_id,
+        metadata=row.meta or {},
+        status=row.status,
+        reward=row.reward,
+        call_rewards=row.call_rewards,
+        reward_metadata=row.reward_metadata,
+        abandon_reason=row.abandon_reason,
+        created_at=row.created_at,
+        finished_at=row.finished_at,
+        calls=calls,
+    )
+
+
+def group_record(row: Group, episodes: list[EpisodeRecord] | None = None) -> GroupRecord:
+    counts: dict[str, int] = {}
+    for episode in episodes or []:
+        counts[episode.status] = counts.get(episode.status, 0) + 1
+    return GroupRecord(
+        id=row.id,
+        task_id=row.task_id,
+        size=row.size,
+        metadata=row.meta or {},
+        status=row.status,
+        created_at=row.created_at,
+        completed_at=row.completed_at,
+        train_status=row.train_status,
+        trained_step=row.trained_step,
+        train_note=row.train_note,
+        episodes=episodes,
+        counts=counts,
+    )
+
+
+_CALL_COLUMNS = [c.name for c in Call.__table__.columns]
+
+
+def call_record(row: Any) -> CallRecord:
+    return CallRecord(**{name: getattr(row, name) for name in _CALL_COLUMNS})
+
+
+async def group_records(session: AsyncSession, groups: Sequence[Group]) -> list[GroupRecord]:
+    """``groups`` as records with their episodes (one query for all of them, in group order)."""
+    ids = [g.id for g in groups]
+    episodes = (
+        (await session.scalars(select(Episode).where(Episode.group_id.in_(ids)).order_by(Episode.group_index))).all()
+        if ids
+        else []
+    )
+    by_group: dict[str, list[EpisodeRecord]] = {gid: [] for gid in ids}
+    for episode in episodes:
+        by_group[episode.group_id or ""].append(episode_record(episode))
+    return [group_record(g, by_group[g.id]) for g in groups]
