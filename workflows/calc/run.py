@@ -126,9 +126,9 @@ async def play(
         tool_choice: Any = named(plan[turn]) if options.tool_choice == "named" else "required"
         raw = await client.chat.completions.with_raw_response.create(
             model=model,
-            messages=messages,
-            tools=TOOLS,
-            tool_choice=tool_choice,  # type: ignore[arg-type]
+            messages=messages,  # type: ignore[arg-type]
+            tools=TOOLS,  # type: ignore[arg-type]
+            tool_choice=tool_choice,
             max_tokens=options.max_tokens,
             temperature=temperature,
             top_p=top_p,
@@ -148,8 +148,8 @@ async def play(
                     {
                         "id": c.id,
                         "type": "function",
-                        "function": {"name": c.function.name, "arguments": c.function.arguments},
-                    }  # type: ignore[union-attr]
+                        "function": {"name": c.function.name, "arguments": c.function.arguments},  # type: ignore[union-attr]
+                    }
                     for c in calls
                 ],
             }
