@@ -40,19 +40,23 @@ setup: engine agents model
 
 lint: engine
 	$(ENGINE_PY) -m ruff check .
+	$(ENGINE_PY) -m ruff format --check .
 	$(ENGINE_PY) -m mypy proxy trainer deploy workflows bench
 
-test: setup lint test-engine test-agents
+TEST_ENV = FLYWHEEL_ENGINE_PYTHON=$(ENGINE_PY) FLYWHEEL_AGENTS_PYTHON=$(AGENTS_PY) \
+	FLYWHEEL_MODEL_DIR=$$($(ENGINE_PY) -m deploy.model path)
+
+# Both suites on one vLLM (tests/run_suites.py); `make test-engine` / `make test-agents` start their own.
+test: setup lint
+	$(TEST_ENV) $(ENGINE_PY) -m tests.run_suites \
+	  $(ENGINE_PY) -m pytest -m "not agents" --cov $(PYTEST_ARGS) :: \
+	  $(AGENTS_PY) -m pytest -m agents tests/workflows $(PYTEST_ARGS)
 
 test-engine:
-	FLYWHEEL_ENGINE_PYTHON=$(ENGINE_PY) FLYWHEEL_AGENTS_PYTHON=$(AGENTS_PY) \
-	FLYWHEEL_MODEL_DIR=$$($(ENGINE_PY) -m deploy.model path) \
-	$(ENGINE_PY) -m pytest -m "not agents" --cov $(PYTEST_ARGS)
+	$(TEST_ENV) $(ENGINE_PY) -m pytest -m "not agents" --cov $(PYTEST_ARGS)
 
 test-agents:
-	FLYWHEEL_ENGINE_PYTHON=$(ENGINE_PY) FLYWHEEL_AGENTS_PYTHON=$(AGENTS_PY) \
-	FLYWHEEL_MODEL_DIR=$$($(ENGINE_PY) -m deploy.model path) \
-	$(AGENTS_PY) -m pytest -m agents tests/workflows $(PYTEST_ARGS)
+	$(TEST_ENV) $(AGENTS_PY) -m pytest -m agents tests/workflows $(PYTEST_ARGS)
 
 serve: setup
 	FLYWHEEL_AGENTS_PYTHON=$(AGENTS_PY) $(ENGINE_PY) -m deploy.local serve --config $(RUN_CONFIG)

@@ -26,19 +26,47 @@ pytestmark = pytest.mark.vllm
 
 WORKFLOWS = {
     "math": ["--group-size", "4", "--concurrency", "4", "--max-pending", "1", "-o", "max_tokens=24"],
-    # configs/run-tools.yaml's agent: 2-3 tool calls per episode, one-step tasks keep it short here.
-    "calc": ["--group-size", "4", "--concurrency", "4", "--max-pending", "1", "-o", "mix=one_step"],
+    # configs/run-tools.yaml's agent: 2-3 tool calls per episode, one-step tasks keep it short here;
+    # its per-call reward too, so few groups have equal rewards (those teach nothing and the trainer
+    # skips them, waiting for more).
+    "calc": [
+        "--group-size",
+        "4",
+        "--concurrency",
+        "4",
+        "--max-pending",
+        "1",
+        "-o",
+        "mix=one_step",
+        "-o",
+        "useful_call_reward=0.3",
+    ],
 }
+OVERRIDES = {"calc": {"turn_credit": "discounted"}}
 
 
 @pytest.mark.parametrize("workflow", sorted(WORKFLOWS))
-def test_two_short_steps_publish_an_adapter_that_serves_later_episodes(vllm_url: str, vllm_model_dir: str,
-                                                                       tmp_path: Path, workflow: str) -> None:
+def test_two_short_steps_publish_an_adapter_that_serves_later_episodes(
+    vllm_url: str, vllm_model_dir: str, tmp_path: Path, workflow: str
+) -> None:
     config = {
-        "data_dir": str(tmp_path), "proxy_config": "configs/local.yaml", "proxy_port": free_port(),
-        "engine": {"url": vllm_url, "model": vllm_model_dir}, "seed": 3, "budget_minutes": 12, "resume": False,
-        "trainer": {"config": "configs/trainer-local.yaml",
-                    "overrides": {"max_steps": 2, "groups_per_step": 1, "batch_wait_s": 1, "learning_rate": 1e-3}},
+        "data_dir": str(tmp_path),
+        "proxy_config": "configs/local.yaml",
+        "proxy_port": free_port(),
+        "engine": {"url": vllm_url, "model": vllm_model_dir},
+        "seed": 3,
+        "budget_minutes": 12,
+        "resume": False,
+        "trainer": {
+            "config": "configs/trainer-local.yaml",
+            "overrides": {
+                "max_steps": 2,
+                "groups_per_step": 1,
+                "batch_wait_s": 1,
+                "learning_rate": 1e-3,
+                **OVERRIDES.get(workflow, {}),
+            },
+        },
         "workflow": {"name": workflow, "args": WORKFLOWS[workflow]},
         "eval": {"args": ["--split", "test", "--limit", "8" if workflow == "math" else "4", "--concurrency", "8"]},
     }
@@ -46,8 +74,14 @@ def test_two_short_steps_publish_an_adapter_that_serves_later_episodes(vllm_url:
     path.write_text(yaml.safe_dump(config))
     env = dict(os.environ, PYTHONPATH=str(ROOT), FLYWHEEL_POLICY__ADAPTER_PREFIX=f"smoke-{uuid.uuid4().hex[:6]}-v")
     env.pop("FLYWHEEL_ADMIN_KEY", None)
-    done = subprocess.run([sys.executable, "-m", "deploy.local", "run", "--config", str(path)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, "-m", "deploy.local", "run", "--config", str(path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     [run_dir] = (tmp_path / "runs").iterdir()
     report = json.loads((run_dir / "report.json").read_text())
