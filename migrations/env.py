@@ -8,6 +8,7 @@ from alembic import context
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from proxy.store.models import Base
+from proxy.store.rows import json_text
 
 target_metadata = Base.metadata
 
@@ -21,7 +22,8 @@ def _run(connection) -> None:  # type: ignore[no-untyped-def]
 
 
 async def _online() -> None:
-    engine = create_async_engine(context.config.get_main_option("sqlalchemy.url"))
+    # JSON columns written by a migration get the text every writer stores (``rows.json_text``).
+    engine = create_async_engine(context.config.get_main_option("sqlalchemy.url"), json_serializer=json_text)
     async with engine.connect() as connection:
         await connection.run_sync(_run)
     await engine.dispose()

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from proxy.client import Call, Episode, Group
+from proxy.tokens import continues, extends
 from proxy.vocabulary import Abandoned
 from trainer.config import ScaleRewards, TurnCredit
 from trainer.loss import group_advantages
@@ -260,10 +261,10 @@ def _continued(prompt: list[int], choices: list[tuple[int, list[int]]], later: S
     """The choice the first later call that extends ``prompt`` continues, if any."""
     for call in later:
         ids = call.prompt_token_ids
-        if ids is None or ids[: len(prompt)] != prompt:
+        if ids is None or not extends(ids, prompt):
             continue
         for index, completion in choices:
-            if ids[len(prompt) : len(prompt) + len(completion)] == completion:
+            if continues(ids, prompt, completion):
                 return index
         return None
     return None
@@ -403,7 +404,7 @@ def episode_samples(
     samples: list[Sample] = []
     current: Sample | None = None
     for index, turn in enumerate(turns):
-        if current is not None and turn.prompt[: len(current.input_ids)] == current.input_ids:
+        if current is not None and extends(turn.prompt, current.input_ids):
             stats.merged += 1
             gap = turn.prompt[len(current.input_ids) :]
         else:

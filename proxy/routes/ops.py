@@ -36,5 +36,9 @@ async def healthz(svc: ServicesDep) -> JSONResponse:
 async def metrics(svc: ServicesDep) -> Response:
     m = svc.metrics
     m.queue_depth.set(svc.recorder.queue_depth)
+    layout = svc.repo.layout
+    m.calls_stored.labels("delta").set(layout.calls_delta)
+    m.calls_stored.labels("whole").set(layout.calls_whole)
+    m.base_reads.set(layout.base_reads)
     m.replicas_healthy.set(sum(r.healthy for r in svc.upstreams.replicas))
     return Response(m.render(), media_type=CONTENT_TYPE_LATEST)

@@ -2,15 +2,29 @@
 
 Typed SQLAlchemy 2.0 declarative models; they never leave ``proxy/store`` (the repository returns
 plain dataclasses). Times are epoch seconds (float): portable between SQLite and PostgreSQL and
-cheap to compare. Token ids and logprobs are JSON arrays: exact, inspectable, and small next to the
-request bodies stored beside them. The schema itself is owned by Alembic (``migrations/``).
+cheap to compare. A call's token ids and log-probs are binary (little-endian int32, float32 or float64
+where float32 would not keep them exactly), and a call continuing an earlier call of its episode
+stores only its new prompt ids and new messages (``delta.py`` has the layout; ``rows.py`` gives
+readers whole calls back). Calls written before migration 0004 that it has not converted yet keep
+the JSON layout (``encoding`` 0). The schema itself is owned by Alembic (``migrations/``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import JSON, Boolean, Double, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    Double,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    UniqueConstraint,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from proxy.vocabulary import CallApi, CallKind, EpisodeStatus, GroupStatus, TrainStatus
@@ -47,7 +61,12 @@ class Episode(Base):
     """One attempt at a task by an agent; every model call it makes is a ``Call``."""
 
     __tablename__ = "episodes"
-    __table_args__ = (Index("ix_episodes_created_id", "created_at", "id"),)
+    __table_args__ = (
+        Index("ix_episodes_created_id", "created_at", "id"),
+        # Every status lookup (the idle sweep, counts) uses its first column; the dashboard's pages
+        # filtered by status seek one range of it instead of sorting the status's rows (migration 0005).
+        Index("ix_episodes_status_created_id", "status", "created_at", "id"),
+    )
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
     group_id: Mapped[str | None] = mapped_column(ForeignKey("groups.id"), index=True)
@@ -55,7 +74,7 @@ class Episode(Base):
     """Position in its group (0..size-1), so episodes list in creation order."""
     task_id: Mapped[str | None] = mapped_column(String(256), index=True)
     meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
-    status: Mapped[EpisodeStatus] = mapped_column(String(16), index=True)
+    status: Mapped[EpisodeStatus] = mapped_column(String(16))
     reward: Mapped[float | None]
     call_rewards: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     reward_metadata: Mapped[dict[str, Any] | None] = mapped_column(JSON)
@@ -104,6 +123,17 @@ class Call(Base):
     """The client's own request, for the APIs translated to chat (``request`` is the chat request)."""
     response_id: Mapped[str | None] = mapped_column(String(64), index=True)
     """The answer's id as the client saw it, where the API has one (``previous_response_id``)."""
+    # The compact layout (``delta.py``): 0 = JSON layout (before migration 0004), 1 = compact.
+    encoding: Mapped[int] = mapped_column(Integer, server_default="0")
+    base_ordinal: Mapped[int | None]
+    """The earlier call of the episode this row's deltas extend."""
+    prompt_choice: Mapped[int | None]
+    """Prompt = base prompt + that choice's sampled ids (-1: none) + ``prompt_ids``; NULL: ``prompt_ids`` is whole."""
+    prompt_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
+    messages_from: Mapped[int | None]
+    """Messages = the base's first ``messages_from`` messages + the stored ones; NULL: stored whole."""
+    choice_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
+    choice_logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)
 
 
 class PolicyVersion(Base):

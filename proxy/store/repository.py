@@ -26,6 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, a
 from proxy.errors import Conflict, EpisodeClosed, FlywheelError, InvalidRequest, NotFound, RecordingFailed
 from proxy.store.browse import Browse
 from proxy.store.db import is_sqlite, make_engine, sqlite_file
+from proxy.store.delta import Tail, Tails
 from proxy.store.models import Call, Episode, Group, PolicyVersion, TrainerStep
 from proxy.store.records import (
     CallRecord,
@@ -36,7 +37,19 @@ from proxy.store.records import (
     PolicyVersionRecord,
     TrainerStepRecord,
 )
-from proxy.store.rows import CALL_FIELDS, admit, call_record, call_values, episode_record, group_record, group_records
+from proxy.store.rows import (
+    CHAIN_COLUMNS,
+    ROW_FIELDS,
+    Layout,
+    admit,
+    call_records,
+    episode_record,
+    group_record,
+    group_records,
+    last_tail,
+    pack_batch,
+    uncached,
+)
 from proxy.store.sqlite_fast import SqliteFastPath
 from proxy.vocabulary import AckStatus, EpisodeStatus, GroupStatus, TrainStatus
 
@@ -101,6 +114,10 @@ class Repository:
         # a plain connection on a thread of their own (see sqlite_fast); the rest uses the engines.
         path = sqlite_file(url) if sqlite_fast_path else None
         self._fast = SqliteFastPath(path, synchronous=synchronous) if path else None
+        self._tails = Tails()
+        """Each open episode's last stored call, the base of its next call's deltas (``delta.py``)."""
+        self.layout = Layout()
+        """Calls stored as deltas or whole, and base reads from the store (cache misses)."""
 
     async def close(self) -> None:
         if self._fast is not None:
@@ -161,6 +178,31 @@ class Repository:
             session.add_all(episodes)
         return group_record(group, [episode_record(e) for e in episodes])
 
+    async def count_backlog(self) -> int:
+        """Groups the trainer has still to take: open (in flight) or complete, and not yet trained,
+        skipped or stale (leased ones included: they are being trained on the current version)."""
+        async with self._read() as session:
+            count = await session.scalar(
+                select(func.count())
+                .select_from(Group)
+                .where(Group.train_status == "pending", Group.status.in_((OPEN, "complete")))
+            )
+        return int(count or 0)
+
+    async def count_groups(self) -> dict[str, int]:
+        """Groups by training outcome: ``train_status`` for complete groups, ``open`` and ``failed`` apart."""
+        async with self._read() as session:
+            rows = (
+                await session.execute(
+                    select(Group.status, Group.train_status, func.count()).group_by(Group.status, Group.train_status)
+                )
+            ).all()
+        counts: dict[str, int] = {}
+        for status, train_status, n in rows:
+            key = train_status if status == "complete" else status
+            counts[key] = counts.get(key, 0) + int(n)
+        return counts
+
     async def create_episode(self, *, task_id: str | None, metadata: dict[str, Any]) -> EpisodeRecord:
         episode = Episode(
             id=str(uuid.uuid4()), group_id=None, task_id=task_id, meta=metadata, status=OPEN, created_at=time.time()
@@ -194,29 +236,38 @@ class Repository:
         result = await session.execute(
             select(Call.__table__).where(Call.episode_id.in_(episode_ids)).order_by(Call.episode_id, Call.ordinal)
         )
-        for row in result:
-            out[row.episode_id].append(call_record(row))
+        for record in call_records(result.all()):
+            out[record.episode_id].append(record)
         return out
+
+    async def _episode_calls(
+        self, session: AsyncSession, episode_id: str, *, through: int | None = None
+    ) -> list[CallRecord]:
+        """An episode's calls in ordinal order, up to ordinal ``through``: a delta's bases come with it."""
+        query = select(Call.__table__).where(Call.episode_id == episode_id)
+        if through is not None:
+            query = query.where(Call.ordinal <= through)
+        return call_records((await session.execute(query.order_by(Call.ordinal))).all())
 
     async def recent_calls(self, episode_id: str, *, limit: int) -> list[CallRecord]:
         """The episode's newest answered chat calls, newest first: the history a spliced call continues."""
         async with self._read() as session:
-            result = await session.execute(
-                select(Call.__table__)
-                .where(Call.episode_id == episode_id, Call.kind == "chat", Call.status_code == 200)
-                .order_by(Call.ordinal.desc())
-                .limit(limit)
-            )
-            return [call_record(row) for row in result]
+            calls = await self._episode_calls(session, episode_id)
+        answered = [c for c in reversed(calls) if c.kind == "chat" and c.status_code == 200]
+        return answered[:limit]
 
     async def call_by_response_id(self, response_id: str) -> CallRecord | None:
         """The answered call a client saw as ``response_id`` (a Responses ``previous_response_id``)."""
         async with self._read() as session:
             result = await session.execute(
-                select(Call.__table__).where(Call.response_id == response_id, Call.status_code == 200).limit(1)
+                select(Call.episode_id, Call.ordinal)
+                .where(Call.response_id == response_id, Call.status_code == 200)
+                .limit(1)
             )
             row = result.first()
-            return call_record(row) if row is not None else None
+            if row is None:
+                return None
+            return (await self._episode_calls(session, row.episode_id, through=row.ordinal))[-1]
 
     async def list_episodes(
         self,
@@ -333,6 +384,7 @@ class Repository:
                 await self._check_ordinals(session, episode_id, call_rewards)
             now = time.time()
             row.status, row.reward, row.finished_at = REWARDED, reward, now
+            self._tails.drop(episode_id)
             row.call_rewards, row.reward_metadata = call_rewards or None, metadata or None
             await session.flush()
             await self._complete_group(session, row.group_id, now)
@@ -375,6 +427,7 @@ class Repository:
             if row.status == OPEN:
                 now = time.time()
                 row.status, row.abandon_reason, row.finished_at = ABANDONED, reason, now
+                self._tails.drop(episode_id)
                 await session.flush()
                 await self._complete_group(session, row.group_id, now)
             return episode_record(row)
@@ -432,8 +485,9 @@ class Repository:
         """
         if not calls:
             return []
+        bases = {c.episode_id: self._tails.get(c.episode_id) for c in calls}
         try:
-            refused = await self._insert_batch(calls)
+            refused, tails, layout = await self._insert_batch(calls, bases)
         except IntegrityError as exc:
             if len(calls) == 1:
                 log.error("a call record was refused by the store", extra={"error": repr(exc)})
@@ -442,17 +496,24 @@ class Repository:
             for call in calls:  # one bad record must not sink the batch
                 outcomes += await self.insert_calls([call])
             return outcomes
+        for episode_id, tail in tails.items():  # committed: later calls may extend them
+            self._tails.put(episode_id, tail)
+        self.layout.add(layout)
         if not refused:
             return [None] * len(calls)
         return [_refusal(c.episode_id, refused[c.episode_id]) if c.episode_id in refused else None for c in calls]
 
-    async def _insert_batch(self, calls: Sequence[NewCall]) -> dict[str, str | None]:
+    async def _insert_batch(
+        self, calls: Sequence[NewCall], bases: dict[str, Tail | None]
+    ) -> tuple[dict[str, str | None], dict[str, Tail], Layout]:
         if self._fast is not None:
-            return await self._fast.insert_calls(calls)
+            return await self._fast.insert_calls(calls, bases)
         async with self._writer.begin() as conn:
-            return await self._insert(conn, calls)
+            return await self._insert(conn, calls, bases)
 
-    async def _insert(self, conn: AsyncConnection, calls: Sequence[NewCall]) -> dict[str, str | None]:
+    async def _insert(
+        self, conn: AsyncConnection, calls: Sequence[NewCall], bases: dict[str, Tail | None]
+    ) -> tuple[dict[str, str | None], dict[str, Tail], Layout]:
         episode_ids = sorted({c.episode_id for c in calls})
         states = _episode_states(episode_ids)
         if not self.sqlite:  # the lock order: group rows, then episode rows, each sorted by id
@@ -461,15 +522,20 @@ class Repository:
             states = states.order_by(Episode.id).with_for_update(of=Episode)
         found = {eid: (status, last) for eid, status, last in (await conn.execute(states)).all()}
         admitted, refused = admit(calls, found)
-        if admitted:
-            await conn.execute(
-                insert(Call),
-                [
-                    dict(zip(CALL_FIELDS, call_values(call), strict=True)) | {"ordinal": ordinal}
-                    for ordinal, call in admitted
-                ],
-            )
-        return refused
+        layout = Layout()
+        if not admitted:
+            return refused, {}, layout
+        bases = dict(bases)
+        chain = [Call.__table__.c[name] for name in CHAIN_COLUMNS]
+        for episode_id in uncached(admitted, found, bases):  # not cached here: read its last call
+            layout.base_reads += 1
+            rows = await conn.execute(select(*chain).where(Call.episode_id == episode_id).order_by(Call.ordinal))
+            bases[episode_id] = last_tail(rows.all())
+        values, tails = pack_batch(admitted, bases, layout)
+        await conn.execute(
+            insert(Call), [dict(zip(ROW_FIELDS, row, strict=True)) | {"ordinal": ordinal} for ordinal, row in values]
+        )
+        return refused, tails, layout
 
     async def count_calls(self, episode_id: str | None = None) -> int:
         query = select(func.count()).select_from(Call)

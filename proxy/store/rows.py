@@ -2,31 +2,38 @@
 PostgreSQL) and the SQLite fast path (``sqlite_fast``).
 
 One place decides which calls are admitted (their episode is still open inside the inserting
-transaction), the ordinals, each column's Python type and the JSON text (the engines are built
-with ``json_text`` as their serializer), so a call reads back the same, type for type, whichever
-writer stored it and on either database. And the one mapping back, rows to records, for every
-reader (the repository, the dashboard's ``browse``).
+transaction), the ordinals, each column's Python type, the JSON text (the engines are built
+with ``json_text`` as their serializer) and the compact layout (``delta``: binary ids, prompts and
+messages as deltas on the episode's last call), so a call reads back the same, type for type,
+whichever writer stored it and on either database. And the one mapping back, rows to whole
+records, for every reader (the repository, the dashboard's ``browse``).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from dataclasses import fields
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 import orjson
 from sqlalchemy import JSON, Boolean, Float, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from proxy.store.delta import COMPACT, PACKED_COLUMNS, Heavy, Packed, Tail, pack, tail_of, unpack
 from proxy.store.models import Call, Episode, Group
 from proxy.store.records import CallRecord, EpisodeRecord, GroupRecord, NewCall
 
 CALL_FIELDS = [f.name for f in fields(NewCall)]
 """The columns a ``NewCall`` fills, in ``NewCall`` order (the store adds ``id`` and ``ordinal``)."""
+ROW_FIELDS = [*CALL_FIELDS, "encoding", *PACKED_COLUMNS]
+"""The columns a writer fills (``CALL_FIELDS``, then the compact layout's), in ``row_values`` order."""
+CHAIN_COLUMNS = ["episode_id", "ordinal", "request", "prompt_token_ids", "choices", "encoding", *PACKED_COLUMNS]
+"""What rebuilding a call's large fields reads (``heavies``)."""
 
 _COLUMN_TYPES = {c.name: c.type for c in Call.__table__.columns}
-JSON_COLUMNS = frozenset(name for name in CALL_FIELDS if isinstance(_COLUMN_TYPES[name], JSON))
+JSON_COLUMNS = frozenset(name for name in ROW_FIELDS if isinstance(_COLUMN_TYPES[name], JSON))
+_HEAVY_AT = {name: CALL_FIELDS.index(name) for name in ("request", "prompt_token_ids", "choices")}
 _FLOAT_AT = [i for i, name in enumerate(CALL_FIELDS) if isinstance(_COLUMN_TYPES[name], Float)]
 _BOOL_AT = [i for i, name in enumerate(CALL_FIELDS) if isinstance(_COLUMN_TYPES[name], Boolean)]
 
@@ -86,6 +93,75 @@ def call_values(call: NewCall) -> list[Any]:
     return values
 
 
+@dataclass(slots=True)
+class Layout:
+    """How calls were stored: the counts a store's growth is read from (``/metrics``)."""
+
+    calls_delta: int = 0
+    """Calls stored as a delta on an earlier call (prompt ids, messages or both)."""
+    calls_whole: int = 0
+    """Calls stored whole: an episode's first call, a break, or a call whose ids or messages could
+    not be compared exactly."""
+    base_reads: int = 0
+    """Episodes whose last call was read back from the store (not in the writer's cache)."""
+
+    def add(self, other: Layout) -> None:
+        self.calls_delta += other.calls_delta
+        self.calls_whole += other.calls_whole
+        self.base_reads += other.base_reads
+
+
+def row_values(ordinal: int, call: NewCall, base: Tail | None) -> tuple[list[Any], Packed]:
+    """The values of ``call``'s row in ``ROW_FIELDS`` order (``ordinal`` apart), deltas against
+    ``base`` where exact, and the packed form (its ``tail`` is what the next call may extend)."""
+    packed = pack(ordinal, Heavy(call.request, call.prompt_token_ids, call.choices), base)
+    values = call_values(call)
+    values[_HEAVY_AT["request"]] = packed.request
+    values[_HEAVY_AT["prompt_token_ids"]] = packed.prompt_token_ids
+    values[_HEAVY_AT["choices"]] = packed.choices
+    values += [COMPACT, *(getattr(packed, name) for name in PACKED_COLUMNS)]
+    return values, packed
+
+
+def uncached(
+    admitted: Sequence[tuple[int, NewCall]],
+    states: Mapping[str, tuple[str, int | None]],
+    bases: Mapping[str, Tail | None],
+) -> list[str]:
+    """Episodes of the batch with stored calls but no cached last call: their base is read from the store."""
+    return sorted(
+        {c.episode_id for _, c in admitted if bases.get(c.episode_id) is None and states[c.episode_id][1] is not None}
+    )
+
+
+def last_tail(rows: Iterable[Any]) -> Tail | None:
+    """The last call of one episode's rows (``CHAIN_COLUMNS``, ordinal order) a later call may extend."""
+    tail = None
+    for ordinal, heavy in heavies(rows):
+        tail = tail_of(ordinal, heavy) or tail
+    return tail
+
+
+def pack_batch(
+    admitted: Sequence[tuple[int, NewCall]], bases: Mapping[str, Tail | None], layout: Layout
+) -> tuple[list[tuple[int, list[Any]]], dict[str, Tail]]:
+    """Every admitted call's row values, each a delta on its episode's previous usable call where
+    exact (``bases``: the last one stored, then the batch's own); the episodes' new last calls."""
+    tails = {eid: tail for eid, tail in bases.items() if tail is not None}
+    out = []
+    changed: dict[str, Tail] = {}
+    for ordinal, call in admitted:  # in start order: an episode's ordinals rise along the batch
+        values, packed = row_values(ordinal, call, tails.get(call.episode_id))
+        if packed.delta:
+            layout.calls_delta += 1
+        else:
+            layout.calls_whole += 1
+        if packed.tail is not None:
+            tails[call.episode_id] = changed[call.episode_id] = packed.tail
+        out.append((ordinal, values))
+    return out, changed
+
+
 def episode_record(row: Episode, calls: list[CallRecord] | None = None) -> EpisodeRecord:
     return EpisodeRecord(
         id=row.id,
@@ -124,11 +200,30 @@ def group_record(row: Group, episodes: list[EpisodeRecord] | None = None) -> Gro
     )
 
 
-_CALL_COLUMNS = [c.name for c in Call.__table__.columns]
+_LIGHT_COLUMNS = [f.name for f in fields(CallRecord) if f.name not in ("request", "prompt_token_ids", "choices")]
 
 
-def call_record(row: Any) -> CallRecord:
-    return CallRecord(**{name: getattr(row, name) for name in _CALL_COLUMNS})
+def heavies(rows: Iterable[Any]) -> Iterable[tuple[int, Heavy]]:
+    """(ordinal, large fields whole) of each row; rows of an episode come in ordinal order, so a
+    delta's base (an earlier call of its episode) is always rebuilt before it."""
+    episodes: dict[str, dict[int, Heavy]] = {}
+    for row in rows:
+        bases = episodes.setdefault(row.episode_id, {})
+        heavy = bases[row.ordinal] = unpack(row, bases)
+        yield row.ordinal, heavy
+
+
+def call_records(rows: Sequence[Any]) -> list[CallRecord]:
+    """Rows of whole episodes (or of each episode's first calls), by episode and ordinal, as whole records."""
+    return [
+        CallRecord(
+            **{name: getattr(row, name) for name in _LIGHT_COLUMNS},
+            request=heavy.request,
+            prompt_token_ids=heavy.prompt_token_ids,
+            choices=heavy.choices,
+        )
+        for row, (_, heavy) in zip(rows, heavies(rows), strict=True)
+    ]
 
 
 async def group_records(session: AsyncSession, groups: Sequence[Group]) -> list[GroupRecord]:

@@ -12,23 +12,40 @@ that transaction cannot change before it commits. Everything else goes through t
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 from typing import TypeVar
 
 from sqlalchemy.exc import IntegrityError
 
+from proxy.store.delta import Tail
 from proxy.store.models import Call, Episode
 from proxy.store.records import NewCall
-from proxy.store.rows import CALL_FIELDS, JSON_COLUMNS, admit, call_values, json_text
+from proxy.store.rows import (
+    CHAIN_COLUMNS,
+    JSON_COLUMNS,
+    ROW_FIELDS,
+    Layout,
+    admit,
+    json_text,
+    last_tail,
+    pack_batch,
+    uncached,
+)
 
 T = TypeVar("T")
 
 _INSERT_CALL_SQL = "INSERT INTO {} (ordinal, {}) VALUES ({})".format(
-    Call.__tablename__, ", ".join(f'"{name}"' for name in CALL_FIELDS), ", ".join("?" * (len(CALL_FIELDS) + 1))
+    Call.__tablename__, ", ".join(f'"{name}"' for name in ROW_FIELDS), ", ".join("?" * (len(ROW_FIELDS) + 1))
 )
-_JSON_AT = [i for i, name in enumerate(CALL_FIELDS) if name in JSON_COLUMNS]
+_JSON_AT = [i for i, name in enumerate(ROW_FIELDS) if name in JSON_COLUMNS]
+_CHAIN_SQL = "SELECT {} FROM {} WHERE episode_id = ? ORDER BY ordinal".format(
+    ", ".join(f'"{name}"' for name in CHAIN_COLUMNS), Call.__tablename__
+)
+_CHAIN_JSON_AT = [i for i, name in enumerate(CHAIN_COLUMNS) if name in JSON_COLUMNS]
 _EPISODE_STATE_SQL = f"SELECT status, group_id FROM {Episode.__tablename__} WHERE id = ?"
 # Each episode's status and highest ordinal: one max() per episode (an index seek) instead of
 # GROUP BY over every call of the episodes.
@@ -78,25 +95,46 @@ class SqliteWorker:
         self._thread.shutdown(wait=True)
 
 
-def _row(ordinal: int, call: NewCall) -> tuple[object, ...]:
-    values = call_values(call)
+def _row(ordinal: int, values: list[object]) -> tuple[object, ...]:
     for i in _JSON_AT:  # what SQLAlchemy's JSON type binds (None is the JSON text 'null')
         values[i] = json_text(values[i])
     return (ordinal, *values)
 
 
-def _insert_calls(conn: sqlite3.Connection, calls: Sequence[NewCall]) -> dict[str, str | None]:
+def _last_tail(conn: sqlite3.Connection, episode_id: str) -> Tail | None:
+    """The episode's last usable call, read back (JSON parsed as SQLAlchemy's JSON type does)."""
+    rows = []
+    for values in conn.execute(_CHAIN_SQL, (episode_id,)):
+        row = list(values)
+        for i in _CHAIN_JSON_AT:
+            row[i] = json.loads(row[i]) if row[i] is not None else None
+        rows.append(SimpleNamespace(**dict(zip(CHAIN_COLUMNS, row, strict=True))))
+    return last_tail(rows)
+
+
+def _insert_calls(
+    conn: sqlite3.Connection, calls: Sequence[NewCall], bases: Mapping[str, Tail | None]
+) -> tuple[dict[str, str | None], dict[str, Tail], Layout]:
     """``Repository.insert_calls``' transaction, on the writer thread; returns the refused episodes
-    (id -> status, None if missing), whose calls were not written."""
+    (id -> status, None if missing), whose calls were not written, the episodes' new last calls
+    and how the calls were stored."""
     episode_ids = sorted({c.episode_id for c in calls})
+    layout = Layout()
     conn.execute("BEGIN IMMEDIATE")
     try:
         found = conn.execute(_EPISODE_STATES_SQL.format(", ".join("?" * len(episode_ids))), episode_ids).fetchall()
-        rows, refused = admit(calls, {eid: (status, last) for eid, status, last in found})
-        if rows:
-            conn.executemany(_INSERT_CALL_SQL, [_row(ordinal, call) for ordinal, call in rows])
+        states = {eid: (status, last) for eid, status, last in found}
+        admitted, refused = admit(calls, states)
+        tails: dict[str, Tail] = {}
+        if admitted:
+            bases = dict(bases)
+            for episode_id in uncached(admitted, states, bases):
+                layout.base_reads += 1
+                bases[episode_id] = _last_tail(conn, episode_id)
+            rows, tails = pack_batch(admitted, bases, layout)
+            conn.executemany(_INSERT_CALL_SQL, [_row(ordinal, values) for ordinal, values in rows])
         conn.execute("COMMIT")
-        return refused
+        return refused, tails, layout
     except BaseException:
         if conn.in_transaction:
             conn.execute("ROLLBACK")
@@ -116,12 +154,14 @@ class SqliteFastPath:
         self._writer = SqliteWorker(path, synchronous=synchronous, name="recorder")
         self._reader = SqliteWorker(path, synchronous=synchronous, name="gate")
 
-    async def insert_calls(self, calls: Sequence[NewCall]) -> dict[str, str | None]:
-        """Write a batch in one transaction; returns the refused episodes as ``rows.admit`` does. A
-        constraint failure is SQLAlchemy's ``IntegrityError``, as on the engine path, so the
-        repository handles both alike."""
+    async def insert_calls(
+        self, calls: Sequence[NewCall], bases: Mapping[str, Tail | None]
+    ) -> tuple[dict[str, str | None], dict[str, Tail], Layout]:
+        """Write a batch in one transaction; returns the refused episodes as ``rows.admit`` does, and
+        the new last calls and layout counts as ``rows.pack_batch`` does. A constraint failure is
+        SQLAlchemy's ``IntegrityError``, as on the engine path, so the repository handles both alike."""
         try:
-            return await self._writer.run(lambda conn: _insert_calls(conn, calls))
+            return await self._writer.run(lambda conn: _insert_calls(conn, calls, bases))
         except sqlite3.IntegrityError as exc:
             raise IntegrityError(_INSERT_CALL_SQL, None, exc) from exc
 

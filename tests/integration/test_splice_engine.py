@@ -9,7 +9,9 @@ be the standard chat response.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sqlite3
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +20,7 @@ import openai
 import pytest
 
 from proxy.client import Episode
+from proxy.store.db import sqlite_file
 from tests.support.services import ADMIN_KEY, ProxyProcess, episode_record, new_episode, serving_proxy
 from trainer.data import DataStats, episode_samples
 
@@ -68,6 +71,18 @@ def follow_up(first: Any) -> list[dict[str, Any]]:
         },
         {"role": "tool", "tool_call_id": call.id, "content": "1776"},
     ]
+
+
+def stored_layout(proxy: ProxyProcess, episode_id: str) -> list[tuple[Any, ...]]:
+    """How the store holds the episode's calls (``proxy/store/delta.py``), straight from the rows."""
+    path = sqlite_file(proxy.store_url)
+    assert path is not None
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        return db.execute(
+            "SELECT ordinal, encoding, base_ordinal, prompt_choice, messages_from, substr(choice_logprobs, 1, 1) "
+            "FROM calls WHERE episode_id = ? ORDER BY ordinal",
+            (episode_id,),
+        ).fetchall()
 
 
 def rendered(vllm_url: str, messages: list[dict[str, Any]]) -> list[int]:
@@ -128,6 +143,10 @@ def test_follow_up_prompts_extend_the_sampled_ids(proxy: ProxyProcess, vllm_url:
     stats = DataStats()
     (sample,) = episode_samples(Episode.model_validate(raw), group_id="g", max_seq_len=8192, stats=stats)
     assert (stats.merged, stats.breaks) == (1, 0)
+    # The trainer merges them, so the store keeps the second as a delta on the first: its new prompt
+    # ids after the first's prompt and choice 0, its two new messages after the first's two. vLLM's
+    # log-probs are float32 values (its sampler computes them in float32), stored in 4 bytes (tag f).
+    assert stored_layout(proxy, episode["id"]) == [(0, 1, None, None, None, b"f"), (1, 1, 0, 0, 2, b"f")]
 
 
 def test_a_turn_the_agent_edited_goes_the_ordinary_way_and_says_why(proxy: ProxyProcess) -> None:

@@ -18,7 +18,7 @@ from proxy.recorder import Recorder
 from proxy.store.db import is_sqlite, migrate_async, sqlite_file
 from proxy.store.records import CallRecord, NewCall
 from proxy.store.repository import Repository
-from proxy.store.rows import CALL_FIELDS
+from proxy.store.rows import CALL_FIELDS, ROW_FIELDS
 
 
 @pytest.fixture
@@ -191,7 +191,7 @@ def _raw_calls(url: str) -> list[tuple[Any, ...]]:
     """Every stored column of every call with SQLite's own type for it, episode ids left out."""
     path = sqlite_file(url)
     assert path is not None
-    columns = [name for name in CALL_FIELDS if name != "episode_id"] + ["ordinal"]
+    columns = [name for name in ROW_FIELDS if name != "episode_id"] + ["ordinal"]
     with contextlib.closing(sqlite3.connect(path)) as conn:
         select_list = ", ".join(f'typeof("{name}"), "{name}"' for name in columns)
         return conn.execute(f"SELECT id, {select_list} FROM calls ORDER BY id").fetchall()
