@@ -108,7 +108,9 @@ class FakeUpstreamProcess:
     url: str
 
     @classmethod
-    def start(cls, *, tokens: int = 16, interval_s: float = 0.5, port: int = 0) -> FakeUpstreamProcess:
+    def start(
+        cls, *, tokens: int = 16, interval_s: float = 0.5, port: int = 0, prompt_ids: str = "fixed"
+    ) -> FakeUpstreamProcess:
         proc = subprocess.Popen(
             [
                 sys.executable,
@@ -119,6 +121,8 @@ class FakeUpstreamProcess:
                 str(tokens),
                 "--interval",
                 str(interval_s),
+                "--prompt-ids",
+                prompt_ids,
             ],
             stdout=subprocess.PIPE,
             start_new_session=True,

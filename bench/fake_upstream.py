@@ -12,6 +12,11 @@ completion id is spliced in. A slow-stream mode for the open-connections benchma
 body carries ``"fake_upstream": {"interval_s": 0.5, "duration_s": 60}`` gets its first events at
 once, then one token event every ``interval_s`` from a single shared ticker, then the end.
 
+With ``--prompt-ids template`` a chat answer's ``prompt_token_ids`` are the request's messages
+through a toy chat template (``template_ids``) instead of a fixed list, so an agent's context grows
+call by call, and the canned answer's text maps back to its own token ids: the next call's prompt
+extends the previous prompt plus its completion, as with a real model (``bench/fleet.py``).
+
 Run: ``python bench/fake_upstream.py --port 0`` prints ``fake_upstream listening on HOST:PORT``.
 """
 
@@ -22,6 +27,7 @@ import asyncio
 import itertools
 import os
 import time
+import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -128,13 +134,68 @@ def _cmpl_id(kind: Kind) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + ID_PLACEHOLDER.decode()
 
 
-def render_full(shape: Shape, created: int) -> bytes:
+def canned_text(tokens: int) -> str:
+    """The text of a canned answer of ``tokens`` tokens (what an agent appends as its message)."""
+    return "".join(_token(i)[1] for i in range(tokens))
+
+
+IM_START, IM_END, NEWLINE = 1, 2, 198
+ROLES = {"system": 9690, "user": 4093, "assistant": 520, "tool": 1295}
+PIECES = sorted(((text, tid) for tid, text in VOCAB), key=lambda p: -len(p[0]))
+WORD_IDS = 20_000
+"""Words outside the canned vocabulary get ids from here up (a hash of the word, one token each)."""
+
+
+def content_ids(text: str) -> list[int]:
+    """A toy tokenizer: the canned vocabulary's pieces, longest first, else one token per word."""
+    out, i = [], 0
+    while i < len(text):
+        for piece, tid in PIECES:
+            if text.startswith(piece, i):
+                out.append(tid)
+                i += len(piece)
+                break
+        else:
+            end = text.find(" ", i + 1)
+            end = len(text) if end < 0 else end
+            out.append(WORD_IDS + zlib.crc32(text[i:end].encode()) % 100_000)
+            i = end
+    return out
+
+
+class Template:
+    """A toy chat template with a memo per message (an agent resends its whole history every turn)."""
+
+    def __init__(self, limit: int = 50_000) -> None:
+        self.memo: dict[tuple[str, str], list[int]] = {}
+        self.limit = limit
+
+    def message(self, role: str, content: str) -> list[int]:
+        key = (role, content)
+        ids = self.memo.get(key)
+        if ids is None:
+            if len(self.memo) >= self.limit:
+                self.memo.clear()
+            ids = self.memo[key] = [IM_START, ROLES.get(role, 3), NEWLINE, *content_ids(content), IM_END, NEWLINE]
+        return ids
+
+    def prompt(self, messages: Any) -> list[int]:
+        """``<start>role\ncontent<end>\n`` per message, then ``<start>assistant\n`` (the generation prompt)."""
+        out: list[int] = []
+        for m in messages if isinstance(messages, list) else ():
+            if isinstance(m, dict):
+                content = m.get("content")
+                out += self.message(str(m.get("role")), content if isinstance(content, str) else "")
+        return [*out, IM_START, ROLES["assistant"], NEWLINE]
+
+
+def render_full(shape: Shape, created: int, prompt_ids: list[int] = PROMPT_IDS) -> bytes:
     """The non-streamed JSON body, as vLLM 0.32.0 writes it."""
     tokens = [_token(i) for i in range(shape.tokens)]
     text = "".join(t for _, t, _ in tokens)
     usage = {
-        "prompt_tokens": len(PROMPT_IDS),
-        "total_tokens": len(PROMPT_IDS) + shape.tokens * shape.n,
+        "prompt_tokens": len(prompt_ids),
+        "total_tokens": len(prompt_ids) + shape.tokens * shape.n,
         "completion_tokens": shape.tokens * shape.n,
         "prompt_tokens_details": None,
         "completion_tokens_details": None,
@@ -171,7 +232,7 @@ def render_full(shape: Shape, created: int) -> bytes:
                     "stop_reason": None,
                     "token_ids": [tid for tid, _, _ in tokens] if shape.ids else None,
                     "prompt_logprobs": None,
-                    "prompt_token_ids": PROMPT_IDS if shape.ids else None,
+                    "prompt_token_ids": prompt_ids if shape.ids else None,
                     "routed_experts": None,
                 }
             )
@@ -187,7 +248,7 @@ def render_full(shape: Shape, created: int) -> bytes:
     }
     if shape.kind == "chat":
         body.update(
-            {"prompt_logprobs": None, "prompt_token_ids": PROMPT_IDS if shape.ids else None, "prompt_text": None}
+            {"prompt_logprobs": None, "prompt_token_ids": prompt_ids if shape.ids else None, "prompt_text": None}
         )
     body.update({"kv_transfer_params": None, "ec_transfer_params": None, "metrics": None})
     return orjson.dumps(body)
@@ -482,7 +543,13 @@ class FakeUpstreamProtocol(asyncio.Protocol):
             self._send(400, b"application/json", b'{"error":{"message":"invalid JSON body","type":"BadRequestError"}}')
             return True
         if not body.get("stream"):
-            self._send(200, b"application/json", canned.full(shape))
+            template = self.server.template
+            if template is not None and kind == "chat" and shape.ids:
+                prompt = template.prompt(body.get("messages"))
+                answer = render_full(shape, canned.created, prompt).replace(ID_PLACEHOLDER, canned.new_id(), 1)
+            else:
+                answer = canned.full(shape)
+            self._send(200, b"application/json", answer)
             return True
         assert self.transport is not None
         head = response_head(200, b"text/event-stream; charset=utf-8", None)
@@ -509,8 +576,10 @@ class FakeUpstreamProtocol(asyncio.Protocol):
 
 
 class FakeUpstream:
-    def __init__(self, *, tokens: int, interval_s: float) -> None:
+    def __init__(self, *, tokens: int, interval_s: float, template: bool = False) -> None:
         self.canned = Canned(tokens)
+        self.template = Template() if template else None
+        """Chat prompts' ids from their messages (not streamed answers: the agents' bench needs only those)."""
         self.ticker = Ticker(interval_s, self.canned)
         self.connections = 0
         self.requests = 0
@@ -519,8 +588,8 @@ class FakeUpstream:
         return FakeUpstreamProtocol(self)
 
 
-async def serve(host: str, port: int, *, tokens: int, interval_s: float) -> None:
-    upstream = FakeUpstream(tokens=tokens, interval_s=interval_s)
+async def serve(host: str, port: int, *, tokens: int, interval_s: float, template: bool = False) -> None:
+    upstream = FakeUpstream(tokens=tokens, interval_s=interval_s, template=template)
     loop = asyncio.get_running_loop()
     server = await loop.create_server(upstream.protocol, host, port, backlog=16384, reuse_address=True)
     bound = server.sockets[0].getsockname()
@@ -538,8 +607,15 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port (printed)")
     parser.add_argument("--tokens", type=int, default=16, help="completion tokens per choice (capped by max_tokens)")
     parser.add_argument("--interval", type=float, default=0.5, help="slow-stream seconds between token events")
+    parser.add_argument(
+        "--prompt-ids",
+        choices=["fixed", "template"],
+        default="fixed",
+        help="chat prompt ids: a fixed list, or the messages through a toy chat template (not streamed answers)",
+    )
     args = parser.parse_args()
-    uvloop.run(serve(args.host, args.port, tokens=args.tokens, interval_s=args.interval))
+    template = args.prompt_ids == "template"
+    uvloop.run(serve(args.host, args.port, tokens=args.tokens, interval_s=args.interval, template=template))
 
 
 if __name__ == "__main__":
