@@ -4,6 +4,7 @@ Examples::
 
     python -m workflows run math --proxy http://127.0.0.1:8100 --groups 8 --group-size 8 --concurrency 16
     python -m workflows run tau2 --proxy URL -o domain=retail --groups 2 --group-size 2 --loop
+    python -m workflows run math --proxy URL --reward mix --judge-weight 0.5 --judge-rubric @rubric.txt
     python -m workflows eval math --proxy URL --split test --limit 100
     python -m workflows list
 
@@ -20,12 +21,13 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 import typer
 
 from proxy.client import AsyncProxyClient, ProxyError
 from workflows.base import Endpoint, Split, Workflow
+from workflows.judge import REWARD_MODES, Judge, JudgeConfig, RewardMode
 from workflows.options import OptionError, describe, parse_options
 from workflows.registry import BUILTIN, load
 
@@ -39,6 +41,11 @@ OptionsOpt = Annotated[
     list[str] | None, typer.Option("--option", "-o", help="workflow option key=value (see `python -m workflows list`)")
 ]
 SplitOpt = Annotated[str, typer.Option("--split", help="train or test")]
+REWARD_HELP = (
+    "verifier (the workflow's check), judge (an LLM judge scores each finished group side by side) or mix; "
+    "the judge is the proxy's /passthrough/v1 with policy-base unless FLYWHEEL_JUDGE_BASE_URL, "
+    "FLYWHEEL_JUDGE_API_KEY and FLYWHEEL_JUDGE_MODEL name another"
+)
 
 
 def admin_key(path: Path) -> str:
@@ -62,6 +69,24 @@ def build(name: str, options: list[str] | None) -> Workflow[Any, Any]:
         raise typer.BadParameter(str(exc)) from exc
 
 
+def rubric_text(rubric: str | None) -> str | None:
+    """``--judge-rubric``: the text itself, or ``@path`` for a file's text."""
+    if rubric is None or not rubric.startswith("@"):
+        return rubric
+    path = Path(rubric[1:]).expanduser()
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise typer.BadParameter(f"cannot read the rubric file {path}: {exc}", param_hint="--judge-rubric") from exc
+
+
+def check_reward(reward: str) -> RewardMode:
+    for mode in REWARD_MODES:
+        if reward == mode:
+            return cast(RewardMode, mode)
+    raise typer.BadParameter(f"reward must be one of {', '.join(REWARD_MODES)}, got {reward!r}", param_hint="--reward")
+
+
 def check_split(split: str) -> Split:
     if split not in ("train", "test"):
         raise typer.BadParameter(f"split must be train or test, got {split!r}", param_hint="--split")
@@ -82,6 +107,11 @@ def run(
     seed: Annotated[int, typer.Option(help="seeds the task order")] = 0,
     max_pending: Annotated[
         int | None, typer.Option(help="with --loop: wait while the trainer has this many complete groups unclaimed")
+    ] = None,
+    reward: Annotated[str, typer.Option(help=REWARD_HELP)] = "verifier",
+    judge_weight: Annotated[float, typer.Option(help="the judge's share with --reward mix, in [0, 1]")] = 0.5,
+    judge_rubric: Annotated[
+        str | None, typer.Option(help="extra scoring instructions for the judge, or @file to read them from")
     ] = None,
     option: OptionsOpt = None,
     admin_key_file: KeyFileOpt = Path("data/admin.key"),
@@ -105,14 +135,33 @@ def run(
             seed=seed,
             max_pending=max_pending,
             passthrough_key=os.environ.get("FLYWHEEL_AGENT_KEY") or None,
+            reward=check_reward(reward),
+            judge_weight=judge_weight,
+        )
+        passthrough = Endpoint(
+            f"{config.proxy_url.rstrip('/')}/passthrough/v1", config.passthrough_key or config.admin_key
+        )
+        judge_config = (
+            None
+            if config.reward == "verifier"
+            else JudgeConfig.from_env(passthrough, rubric=rubric_text(judge_rubric), seed=seed)
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
 
     async def main() -> dict[str, Any]:
         client = AsyncProxyClient(config.proxy_url, config.admin_key, timeout_s=60.0)
+        judge = Judge(judge_config) if judge_config is not None else None
         with RunProgress(None if loop else groups * group_size) as progress:
-            runner = Runner(workflow, config, client, on_episode=progress.episode, on_group=progress.group)
+            runner = Runner(
+                workflow,
+                config,
+                client,
+                on_episode=progress.episode,
+                on_group=progress.group,
+                on_admission_wait=progress.admission_wait,
+                judge=judge,
+            )
             job = asyncio.current_task()
             loop_ = asyncio.get_running_loop()
 
@@ -129,6 +178,8 @@ def run(
                 stats = await runner.run()
             finally:
                 await client.aclose()
+                if judge is not None:
+                    await judge.aclose()
         return {"workflow": workflow.name, "split": config.split, **stats.summary()}
 
     try:

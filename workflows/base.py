@@ -30,6 +30,7 @@ error as its reason, and never invents a reward for it.
 from __future__ import annotations
 
 import asyncio
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -80,10 +81,16 @@ class Episode:
 class Outcome:
     """An episode's result: its reward and what to store beside it."""
 
-    reward: float
+    reward: float | None
+    """The workflow's own (verifier's) reward; None when it has no check for the task, which only the
+    judge can then reward (``--reward judge``: ``workflows/judge``)."""
     metadata: dict[str, Any] = field(default_factory=dict)
     call_rewards: dict[int, float] | None = None
     """Optional per-call rewards keyed by call ordinal (0-based)."""
+
+
+INFRASTRUCTURE = "infrastructure: "
+"""Prefix of abandon reasons that are not the agent's doing (the trainer never penalizes them)."""
 
 
 class EpisodeFailed(Exception):
@@ -120,6 +127,14 @@ class Workflow(ABC, Generic[T, O]):
     def task_metadata(self, task: T) -> dict[str, Any]:
         """JSON stored on the group, so a group can be traced back to its task."""
         return {}
+
+    def describe_task(self, task: T) -> str:
+        """The task as a judge should read it (``--reward judge``): what the agent was asked to do.
+
+        The default is the task's metadata as JSON, else its id; a workflow overrides it with the
+        real instruction (math: the question; tac: ``task.md``)."""
+        metadata = self.task_metadata(task)
+        return json.dumps(metadata, sort_keys=True, default=str) if metadata else self.task_id(task)
 
     def stratum(self, task: T) -> str | None:
         """A label the runner balances its task order over (a task kind), or None for a plain shuffle.

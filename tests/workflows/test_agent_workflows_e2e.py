@@ -5,6 +5,8 @@ recorded with exact token ids, rewarded by the task's own grader, and its group 
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,6 +14,7 @@ import pytest
 from tests.support.services import ProxyProcess
 from tests.workflows.conftest import admin_get, run_cli
 from workflows.tac.scoring import Checkpoint, score
+from workflows.tac.task import BUNDLED
 
 pytestmark = pytest.mark.vllm
 
@@ -106,3 +109,46 @@ def test_openhands_on_a_local_tac_task(proxy: ProxyProcess) -> None:
         assert meta["ending"] in {"finished", "stuck", "MaxIterationsReached"}
         result, total = meta["final_score"]
         assert total == 2 and episode["reward"] == score(Checkpoint(total, result))
+
+
+def test_openhands_on_a_tac_task_without_checkpoints_is_rewarded_by_the_judge(
+    proxy: ProxyProcess, tmp_path: Path
+) -> None:
+    task_dir = tmp_path / "tasks" / "hello-open"
+    shutil.copytree(BUNDLED / "hello-file", task_dir)
+    (task_dir / "evaluator.py").unlink()  # no checkpoints: only the judge can reward it
+    done = run_cli(
+        "run",
+        "tac",
+        "--proxy",
+        proxy.url,
+        "--group-size",
+        "2",
+        "--concurrency",
+        "2",
+        "--reward",
+        "judge",
+        "-o",
+        f"tasks_dir={task_dir.parent}",
+        "-o",
+        "max_iterations=2",
+        "-o",
+        "max_output_tokens=96",
+        "-o",
+        "system_prompt=short",
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["episodes"] == 2 and summary["judge"]["requests"] >= 1, summary
+    (group,) = [g for g in finished_groups(proxy, "tac") if g["task_id"] == "tac/hello-open"]
+    episodes = episodes_of(proxy, group)
+    if summary["rewarded"] == 2:  # the judge answered: its score is the reward, the instruction its task
+        assert group["status"] == "complete"
+        for episode in episodes:
+            verdict = episode["reward_metadata"]["judge"]
+            assert episode["reward"] == verdict["score"] and episode["reward_metadata"]["checkpoints"] is None
+            assert (task_dir / "task.md").read_text().strip()[:60] in verdict["prompt"][1]["content"]
+    else:  # the 135M judge failed its attempts: abandoned as not the agent's doing, never rewarded
+        assert summary["judge"]["failed"] == 1
+        assert all(e["abandon_reason"].startswith("infrastructure: judge: ") for e in episodes)

@@ -134,8 +134,12 @@ def test_a_crashing_evaluator_is_an_error_not_a_score(tmp_path: Path) -> None:
     runtime.cleanup(prepared)
 
 
-def test_a_missing_evaluator_is_named(tmp_path: Path) -> None:
-    (tmp_path / "half").mkdir()
-    (tmp_path / "half" / "task.md").write_text("x")
-    with pytest.raises(ValueError, match="TAC task half: missing evaluator.py"):
-        load_task(tmp_path / "half")
+def test_a_task_without_evaluator_is_ungraded_and_one_without_task_md_is_named(tmp_path: Path) -> None:
+    (tmp_path / "open").mkdir()
+    (tmp_path / "open" / "task.md").write_text("Write a haiku about the sea into poem.txt.")
+    task = load_task(tmp_path / "open")
+    assert (task.graded, task.instruction) == (False, "Write a haiku about the sea into poem.txt.")
+    assert all(t.graded for t in load_tasks(BUNDLED, "train"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="TAC task empty: missing task.md"):
+        load_task(tmp_path / "empty")

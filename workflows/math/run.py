@@ -77,6 +77,9 @@ class MathWorkflow(Workflow[MathProblem, MathOptions]):
     def task_metadata(self, task: MathProblem) -> dict[str, Any]:
         return {"kind": task.kind, "question": task.question, "answer": task.answer}
 
+    def describe_task(self, task: MathProblem) -> str:
+        return f"Solve this problem; the reply must end with a line 'Answer: <number>'.\n\n{task.question}"
+
     def messages(self, task: MathProblem) -> list[dict[str, str]]:
         return [{"role": "system", "content": self.options.system_prompt}, {"role": "user", "content": task.question}]
 

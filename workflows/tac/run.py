@@ -2,7 +2,8 @@
 
 Reward = TAC's final score ``0.5 * result/total + 0.5 * (result // total)``. An episode whose
 task could not be set up, whose agent run failed, or whose evaluator failed is abandoned with that
-error; only a graded run gets a reward.
+error; only a graded run gets a reward. A task without an evaluator (no checkpoints) is not graded:
+its episodes need ``--reward judge``, which scores each group's runs against ``task.md``.
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ class TACWorkflow(Workflow[TACTask, TACOptions]):
     def task_metadata(self, task: TACTask) -> dict[str, Any]:
         return {"task": task.name, "runtime": self.options.runtime}
 
+    def describe_task(self, task: TACTask) -> str:
+        return task.instruction
+
     def runtime(self, passthrough: Endpoint) -> Runtime:
         if self.options.runtime == "docker":
             return DockerRuntime(
@@ -107,9 +111,11 @@ class TACWorkflow(Workflow[TACTask, TACOptions]):
                     terminal_params=prepared.terminal_params,
                 ),
             )
-            result = runtime.evaluate(prepared, run.trajectory)
+            result = runtime.evaluate(prepared, run.trajectory) if task.graded else None
         finally:
             runtime.cleanup(prepared)
+        if result is None:  # no checkpoints: the judge rewards it (the runner refuses it otherwise)
+            return Outcome(reward=None, metadata={"checkpoints": None, "ending": run.ending, "events": run.events})
         final = result.final_score
         return Outcome(
             reward=score(final),

@@ -5,7 +5,8 @@ A task directory holds what a TAC image keeps under ``/instruction`` and ``/util
 - ``task.md``: the instruction given to the agent;
 - ``checkpoints.md``: the checkpoints in words (for people; the evaluator is the authority);
 - ``evaluator.py``: ``grade_checkpoints(trajectory: str, workspace: Path) -> Result`` (local tasks
-  get their workspace path; TAC's own evaluators read fixed paths inside their container);
+  get their workspace path; TAC's own evaluators read fixed paths inside their container). A task
+  without one has no checkpoints: only the LLM judge can reward it (``--reward judge``);
 - ``dependencies.yml``: the services the task needs (gitlab, rocketchat, owncloud, plane); local
   tasks need none;
 - ``workspace/`` (optional): files copied into the agent's fresh working directory;
@@ -41,6 +42,11 @@ class TACTask:
         return self.path / "evaluator.py"
 
     @property
+    def graded(self) -> bool:
+        """The task has checkpoints (an evaluator); without them only the judge can reward a run."""
+        return self.evaluator.is_file()
+
+    @property
     def workspace_seed(self) -> Path | None:
         seed = self.path / "workspace"
         return seed if seed.is_dir() else None
@@ -54,9 +60,8 @@ class TACTask:
 def load_task(path: Path) -> TACTask:
     """Read one task directory; a missing piece is an error naming the file."""
     path = path.resolve()
-    for required in ("task.md", "evaluator.py"):
-        if not (path / required).is_file():
-            raise ValueError(f"TAC task {path.name}: missing {required} in {path}")
+    if not (path / "task.md").is_file():
+        raise ValueError(f"TAC task {path.name}: missing task.md in {path}")
     deps_file = path / "dependencies.yml"
     deps = yaml.safe_load(deps_file.read_text()) if deps_file.is_file() else []
     if not isinstance(deps, list | type(None)) or any(not isinstance(d, str) for d in deps or []):
