@@ -132,7 +132,34 @@ def ensure(kind: str) -> Path:
     return path
 
 
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+def ensure_chromium() -> None:
+    """Debian's Chromium for the dashboard's browser test (Playwright drives it; it downloads no
+    browser). Installed with apt-get where this runs as root; otherwise the reason is printed and
+    that one test skips. Never fails the setup: the rest of Flywheel does not need a browser."""
+    if CHROMIUM.exists():
+        return
+    if shutil.which("apt-get") is None or os.geteuid() != 0:
+        why = "no apt-get" if shutil.which("apt-get") is None else "not root"
+        print(f"bootstrap: {CHROMIUM} missing and {why}: the browser test will skip", file=sys.stderr)
+        return
+    install = ["apt-get", "install", "-y", "--no-install-recommends", "chromium"]
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    print("bootstrap: installing Debian's chromium (the dashboard's browser test)", file=sys.stderr, flush=True)
+    done = subprocess.run(install, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:  # a stale package index: refresh it once
+        subprocess.run(["apt-get", "update"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        done = subprocess.run(install, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        tail = done.stderr.strip().splitlines()[-1:] or ["?"]
+        print(f"bootstrap: apt-get could not install chromium ({tail[0]}): the browser test will skip", file=sys.stderr)
+
+
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in PYTHONS:
         sys.exit("usage: bootstrap.py engine|agents")
     print(ensure(sys.argv[1]))
+    if sys.argv[1] == "engine":
+        ensure_chromium()

@@ -39,6 +39,12 @@ def admin_key(data_dir: Path) -> str:
     return path.read_text().strip()
 
 
+def dashboard_hint(proxy_url: str, key_file: Path | None) -> str:
+    """Where the dashboard is and how to log in: the key's file or variable, never the key."""
+    where = f"the key in {key_file}" if key_file is not None else "the key in $FLYWHEEL_ADMIN_KEY"
+    return f"dashboard: {proxy_url}/ui/ (once the proxy is up; log in with the admin key: {where})"
+
+
 @dataclass
 class Child:
     """A supervised child process with its own log file."""
@@ -94,6 +100,7 @@ class Stack:
         self.proxy_url = f"http://{proxy_settings.get('host', '127.0.0.1')}:{port}"
         self.model_dir = engine.model or self._model()
         self.key = admin_key(data_dir)
+        self.key_file = None if os.environ.get("FLYWHEEL_ADMIN_KEY") else data_dir / "admin.key"
         env = dict(os.environ, FLYWHEEL_ADMIN_KEY=self.key, FLYWHEEL_PORT=str(port))
         store_url = proxy_settings.get("store", {}).get("url", "")
         if store_url.startswith("sqlite") and "///data/" in store_url:  # keep the store beside this run's data
@@ -150,6 +157,7 @@ class Stack:
         log(f"vLLM restarted ({reason}); the proxy reloads the current adapter before routing to it")
 
     def start(self) -> None:
+        log(dashboard_hint(self.proxy_url, self.key_file))
         if self.vllm is not None:
             log(f"starting vLLM (log: {self.vllm.log_path}); about a minute on CPU")
             self.vllm.start()
@@ -169,7 +177,7 @@ class Stack:
             time.sleep(0.5)
         else:
             raise SystemExit(f"the proxy did not become healthy; see {self.proxy.log_path}")
-        log(f"proxy healthy at {self.proxy_url} (log: {self.proxy.log_path})")
+        log(f"proxy healthy at {self.proxy_url} (log: {self.proxy.log_path}); dashboard at {self.proxy_url}/ui/")
 
     def stop(self) -> None:
         for child in reversed(self.children):

@@ -1,4 +1,4 @@
-"""``python -m proxy serve|migrate``: run the proxy, or upgrade the store's schema."""
+"""``python -m proxy serve|migrate|export``: run the proxy, upgrade the store's schema, or export episodes."""
 
 from __future__ import annotations
 
@@ -6,11 +6,16 @@ import os
 import secrets
 import tempfile
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, cast
 
 import typer
 
 from proxy.settings import load_settings
+
+if TYPE_CHECKING:
+    from proxy.export import Filters as ExportFilters
+    from proxy.export import Format as ExportFormat
+    from proxy.vocabulary import EpisodeStatus
 
 cli = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
@@ -128,6 +133,54 @@ def migrate(config: ConfigOpt = None, revision: Annotated[str, typer.Option(help
 
     run_migrations(_store_url(config), revision)
     typer.echo(f"schema at {revision}")
+
+
+@cli.command()
+def export(
+    out: Annotated[Path, typer.Option("--out", "-o", dir_okay=False, help="the file to write (replaced whole)")],
+    fmt: Annotated[str, typer.Option("--format", "-f", help="jsonl or parquet")] = "jsonl",
+    status: Annotated[str | None, typer.Option(help="episode status: open, rewarded or abandoned")] = None,
+    task: Annotated[str | None, typer.Option(help="task ids containing this")] = None,
+    since: Annotated[str | None, typer.Option(help="created at or after: epoch seconds or ISO 8601 (UTC)")] = None,
+    page: Annotated[int, typer.Option(min=1, max=10_000, help="episodes per read (and Parquet row group)")] = 100,
+    config: ConfigOpt = None,
+) -> None:
+    """Write the store's episodes as a dataset (schema: README, "Export"), streamed page by page."""
+    import asyncio
+
+    from proxy import export as ex
+
+    if fmt not in ("jsonl", "parquet"):
+        raise typer.BadParameter(f"{fmt!r}: jsonl or parquet", param_hint="--format")
+    if status not in (None, "open", "rewarded", "abandoned"):
+        raise typer.BadParameter(f"{status!r}: open, rewarded or abandoned", param_hint="--status")
+    try:
+        since_at = ex.parse_since(since) if since is not None else None
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--since") from exc
+    filters = ex.Filters(status=cast("EpisodeStatus | None", status), task=task, since=since_at)
+    rows = asyncio.run(_export(_store_url(config), filters, cast("ex.Format", fmt), out, page))
+    typer.echo(f"{rows} episodes written to {out}", err=True)
+
+
+async def _export(url: str, filters: ExportFilters, fmt: ExportFormat, out: Path, page: int) -> int:
+    """Stream the export into ``out.partial`` and rename it over ``out`` once complete."""
+    from proxy import export as ex
+    from proxy.store.repository import Repository
+
+    repo = Repository(url, pool_size=1, sqlite_fast_path=False)
+    partial = out.with_name(out.name + ".partial")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows: list[int] = []
+    try:
+        with partial.open("wb") as fh:
+            async for chunk in ex.stream(repo, filters, fmt, page=page, on_page=rows.append):
+                fh.write(chunk)
+        partial.replace(out)
+    finally:
+        await repo.close()
+        partial.unlink(missing_ok=True)
+    return sum(rows)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ Pages are keyset pages, newest first: a page is "the ``limit`` rows before this 
 never an OFFSET, so page 1,000 costs what page 1 costs. ``(created_at, id)`` is a total order
 (a group's episodes share ``created_at``; the id breaks the tie), so consecutive pages are disjoint
 and miss nothing that existed when the first was read; ``ix_*_created_id`` (migration 0003) serves
-them. A filter on status is answered through its own index and sorted (not yet measured at 100,000
-episodes). Nothing here writes.
+them, and ``ix_episodes_status_created_id`` (migration 0005) the episodes filtered by status (with the
+status index alone SQLite sorted all of that status's rows: 167 ms a page at 100,000 episodes).
+Measured with ``bench/ui_pages.py``: README, Benchmarks. Nothing here writes.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from sqlalchemy import func, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from proxy.store.models import Call, Episode, Group
-from proxy.store.records import EpisodeRecord, GroupRecord
-from proxy.store.rows import episode_record, group_records
+from proxy.store.records import CallRecord, EpisodeRecord, GroupRecord
+from proxy.store.rows import call_records, episode_record, group_records
 from proxy.vocabulary import EpisodeStatus, GroupStatus, TrainStatus
 
 Cursor = tuple[float, str]
@@ -129,6 +130,54 @@ class Browse:
             query = query.where(Group.task_id.contains(task, autoescape=True))
         async with self._sessions() as session:
             return await group_records(session, (await session.scalars(query)).all())
+
+    async def export_page(
+        self,
+        *,
+        status: EpisodeStatus | None = None,
+        task: str | None = None,
+        since: float | None = None,
+        after: Cursor | None = None,
+        limit: int = 100,
+    ) -> tuple[list[EpisodeRecord], dict[str, dict[str, float]]]:
+        """A page of episodes for the export, OLDEST first (a dataset reads in recording order),
+        with their calls, and the rewards of the rewarded episodes of their groups (advantages).
+
+        The same keyset walk as the pages, the other way: rows after ``after`` in ascending
+        (created_at, id), one range of ``ix_episodes_created_id``. The page's calls are one query,
+        made whole by ``rows.call_records`` as the repository does (the store keeps deltas).
+        """
+        query = select(Episode).order_by(Episode.created_at, Episode.id).limit(limit)
+        if after is not None:
+            query = query.where(tuple_(Episode.created_at, Episode.id) > tuple_(*after))
+        if since is not None:
+            query = query.where(Episode.created_at >= since)
+        if status:
+            query = query.where(Episode.status == status)
+        if task:
+            query = query.where(Episode.task_id.contains(task, autoescape=True))
+        async with self._sessions() as session:
+            rows = (await session.scalars(query)).all()
+            calls: dict[str, list[CallRecord]] = {row.id: [] for row in rows}
+            if calls:
+                of_page = Call.episode_id.in_(list(calls))
+                stored = await session.execute(
+                    select(Call.__table__).where(of_page).order_by(Call.episode_id, Call.ordinal)
+                )
+                for record in call_records(stored.all()):
+                    calls[record.episode_id].append(record)
+            group_ids = sorted({row.group_id for row in rows if row.group_id is not None})
+            rewards: dict[str, dict[str, float]] = {gid: {} for gid in group_ids}
+            if group_ids:
+                result = await session.execute(
+                    select(Episode.group_id, Episode.id, Episode.reward).where(
+                        Episode.group_id.in_(group_ids), Episode.status == "rewarded", Episode.reward.is_not(None)
+                    )
+                )
+                for gid, eid, reward in result.all():
+                    if gid is not None and reward is not None:
+                        rewards[gid][eid] = reward
+        return [episode_record(row, calls[row.id]) for row in rows], rewards
 
     async def counts(self) -> Counts:
         """Episodes by status, groups by train status, and all calls."""

@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 from urllib.parse import parse_qs, quote
 
 import jinja2
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
-from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
+from proxy import export as ex
 from proxy.auth import bearer
-from proxy.deps import Services, ServicesDep, services_of
-from proxy.errors import InvalidRequest, NotFound
+from proxy.deps import Services, ServicesDep, check_key
+from proxy.errors import InvalidRequest, NotFound, TooManyRequests
 from proxy.gate import canonical_id
 from proxy.store.browse import Cursor
 from proxy.ui import views
@@ -84,9 +85,16 @@ class Pages:
         self.env = _environment()
         self.tokens = tokens
 
-    def render(self, request: Request, name: str, status_code: int = 200, **context: Any) -> HTMLResponse:
+    def render(
+        self,
+        request: Request,
+        name: str,
+        status_code: int = 200,
+        headers: dict[str, str] | None = None,
+        **context: Any,
+    ) -> HTMLResponse:
         body = self.env.get_template(name).render(request=request, **context)
-        return HTMLResponse(body, status_code=status_code, headers=_HEADERS)
+        return HTMLResponse(body, status_code=status_code, headers=_HEADERS | (headers or {}))
 
 
 def _pages(request: Request) -> Pages:
@@ -94,17 +102,17 @@ def _pages(request: Request) -> Pages:
     return pages
 
 
-def _signed_in(request: Request, svc: Services) -> bool:
+def _signed_in(request: Request) -> bool:
     key = bearer(request.headers.get("authorization"))
     if key is not None:
-        found = svc.keys.identify(key)
+        found = check_key(request, key)
         return found is not None and found.role == "admin"
     return _pages(request).tokens.valid(request.cookies.get(COOKIE))
 
 
 async def viewer(request: Request) -> Pages:
     """The pages, for a signed-in admin; ``LoginRequired`` otherwise."""
-    if not _signed_in(request, services_of(request)):
+    if not _signed_in(request):
         raise LoginRequired(request.url.path)
     return _pages(request)
 
@@ -115,6 +123,8 @@ async def _login_redirect(request: Request, exc: Exception) -> Response:
 
 
 router = APIRouter(prefix="/ui", include_in_schema=False)
+Blank = Literal[""]
+"""A filter form's "any" choice: the select sends ``status=``, which means no filter."""
 Viewer = Depends(viewer)
 
 
@@ -136,8 +146,13 @@ async def login(request: Request, svc: ServicesDep) -> Response:
     form = parse_qs((await request.body()).decode("utf-8", "replace"), keep_blank_values=True)
     key = (form.get("key") or [""])[0]
     target = _local((form.get("next") or [""])[0])
-    found = svc.keys.identify(key)
     pages = _pages(request)
+    try:
+        found = check_key(request, key)
+    except TooManyRequests as exc:
+        return pages.render(
+            request, "login.html", status_code=429, next=target, error=exc.message, headers=exc.headers()
+        )
     if found is None or found.role != "admin":
         return pages.render(request, "login.html", status_code=401, next=target, error="That is not the admin key.")
     response = RedirectResponse(target, status_code=303, headers=_HEADERS)
@@ -217,13 +232,13 @@ async def groups(
     request: Request,
     svc: ServicesDep,
     pages: Pages = Viewer,
-    status: GroupStatus | None = None,
-    train_status: TrainStatus | None = None,
+    status: GroupStatus | Blank | None = None,
+    train_status: TrainStatus | Blank | None = None,
     task: str | None = None,
     after: str | None = None,
 ) -> HTMLResponse:
     rows = await svc.repo.browse.groups(
-        status=status, train_status=train_status, task=task or None, after=_cursor(after), limit=PAGE
+        status=status or None, train_status=train_status or None, task=task or None, after=_cursor(after), limit=PAGE
     )
     filters = {"status": status or "", "train_status": train_status or "", "task": task or ""}
     return pages.render(
@@ -254,7 +269,7 @@ async def episodes(
     request: Request,
     svc: ServicesDep,
     pages: Pages = Viewer,
-    status: EpisodeStatus | None = None,
+    status: EpisodeStatus | Blank | None = None,
     task: str | None = None,
     group: str | None = None,
     after: str | None = None,
@@ -264,7 +279,7 @@ async def episodes(
     except InvalidRequest:
         return pages.render(request, "missing.html", status_code=404, what="group", ident=group or "")
     rows = await svc.repo.browse.episodes(
-        status=status, task=task or None, group_id=group_id, after=_cursor(after), limit=PAGE
+        status=status or None, task=task or None, group_id=group_id, after=_cursor(after), limit=PAGE
     )
     filters = {"status": status or "", "task": task or "", "group": group or ""}
     return pages.render(
@@ -283,6 +298,32 @@ async def episode(request: Request, episode_id: str, svc: ServicesDep, pages: Pa
         group = await svc.repo.get_group(record.group_id)
         advantage = views.advantages(group.episodes or []).get(record.id)
     return pages.render(request, "episode.html", episode=record, calls=views.conversation(record), advantage=advantage)
+
+
+_MEDIA = {"jsonl": "application/x-ndjson", "parquet": "application/vnd.apache.parquet"}
+
+
+@router.get("/export")
+async def export(
+    svc: ServicesDep,
+    _: Pages = Viewer,
+    fmt: Annotated[ex.Format, Query(alias="format")] = "jsonl",
+    status: EpisodeStatus | Blank | None = None,
+    task: Annotated[str | None, Query(max_length=256)] = None,
+    since: Annotated[str | None, Query(max_length=64)] = None,
+) -> StreamingResponse:
+    """The groups page's download: ``python -m proxy export`` streamed as the response body."""
+    try:
+        since_at = ex.parse_since(since) if since else None
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), param="since") from exc
+    filters = ex.Filters(status=status or None, task=task or None, since=since_at)
+    name = f"flywheel-episodes{'-' + status if status else ''}.{fmt}"
+    return StreamingResponse(
+        ex.stream(svc.repo, filters, fmt),
+        media_type=_MEDIA[fmt],
+        headers={"content-disposition": f'attachment; filename="{name}"', "cache-control": "no-store"},
+    )
 
 
 def install(app: FastAPI, admin_key: str) -> None:

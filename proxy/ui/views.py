@@ -12,12 +12,12 @@ entries as ids); otherwise the view shows ids shaded by logprob and the text sta
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
+from proxy.export import group_advantages, loss_mask
 from proxy.store.records import CallRecord, EpisodeRecord
 
 
@@ -42,6 +42,9 @@ class Token:
     id: int
     logprob: float | None
     text: str | None
+    trained: bool = True
+    """In the loss (``export.loss_mask``: the trainer's rule); False for a greedy, penalized or
+    unrecorded call's tokens and a constrained call's forced ones."""
 
     @property
     def probability(self) -> float | None:
@@ -62,6 +65,11 @@ class ChoiceView:
     tokens: list[Token]
     with_text: bool
     reward: float | None
+
+    @property
+    def trained(self) -> int:
+        """How many of its sampled tokens the trainer trains."""
+        return sum(t.trained for t in self.tokens)
 
 
 @dataclass(slots=True)
@@ -145,8 +153,14 @@ def _choice(call: CallRecord, raw: dict[str, Any], call_rewards: dict[str, float
     ids: list[int] = raw.get("token_ids") or []
     logprobs: list[float] = raw.get("logprobs") or []
     texts = _token_texts(call, index, len(ids))
+    mask = loss_mask(call, ids, logprobs)
     tokens = [
-        Token(id=t, logprob=logprobs[i] if i < len(logprobs) else None, text=texts[i] if texts else None)
+        Token(
+            id=t,
+            logprob=logprobs[i] if i < len(logprobs) else None,
+            text=texts[i] if texts else None,
+            trained=bool(mask[i]),
+        )
         for i, t in enumerate(ids)
     ]
     rewards = call_rewards or {}
@@ -187,9 +201,4 @@ def conversation(episode: EpisodeRecord) -> list[CallView]:
 def advantages(episodes: list[EpisodeRecord]) -> dict[str, float]:
     """Each rewarded episode's reward minus its group's mean, over the group's std (GRPO's
     ``scale_rewards: group``); the trainer's own figure can differ (other scaling, skipped groups)."""
-    rewarded = {e.id: e.reward for e in episodes if e.status == "rewarded" and e.reward is not None}
-    if len(rewarded) < 2:
-        return {}
-    mean = statistics.fmean(rewarded.values())
-    std = statistics.pstdev(rewarded.values())
-    return {eid: (r - mean) / std if std > 0 else 0.0 for eid, r in rewarded.items()}
+    return group_advantages({e.id: e.reward for e in episodes if e.status == "rewarded" and e.reward is not None})

@@ -34,6 +34,7 @@ def _call(
     token_ids: list[int],
     logprobs: list[float],
     version: int,
+    mode: str = "sampled",
 ) -> NewCall:
     tokens = [{"token": f"<{t}>", "logprob": lp} for t, lp in zip(token_ids, logprobs, strict=True)]
     message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
@@ -76,6 +77,7 @@ def _call(
         ttft_ms=None,
         prompt_tokens=11,
         completion_tokens=len(token_ids),
+        notes={"sampling": {"mode": mode, "temperature": 1.0 if mode == "sampled" else 0.0}},
     )
 
 
@@ -115,6 +117,7 @@ async def _tool_episode(repo: Repository, episode_id: str, answer: str) -> None:
                 token_ids=[601, 602],
                 logprobs=[-0.1, -4.0],
                 version=1,
+                mode="greedy",
             )
         ]
     )
@@ -270,10 +273,14 @@ async def test_episode_page_shows_the_conversation_tools_tokens_and_rewards(ui: 
     assert "call 0: 0.3" in page and "call reward 0.3" in page
     assert "advantage (group-normalised)" in page
     assert "policy-v1" in page and "vllm-0" in page and "123 ms" in page
-    # The token view: 11 masked prompt ids, the sampled tokens with their text, tinted by logprob.
-    assert "Tokens: 11 prompt (loss-masked); 3 sampled (trained)" in page
+    # The token view: 11 masked prompt ids, the sampled tokens with their text, tinted by logprob;
+    # the greedy answer's tokens are in the sequence but struck through (the trainer masks them).
+    assert 'Tokens: 11 prompt (loss-masked); 3 sampled, <span class="trained-count">3</span> of them trained' in page
     token = r'<span class="tok" style="--shade: 0\.918" title="id 502 · logprob -2\.5">&lt;502&gt;</span>'
     assert re.search(token, page)
+    assert '2 sampled, <span class="trained-count">0</span> of them trained' in page
+    masked = r'<span class="tok masked" style="--shade: 0\.982" title="id 602 · logprob -4 · not trained">'
+    assert re.search(masked, page)
     # The tool result appears once: the second call shows only what was new since the first.
     assert page.count("RESULT-391") == 1
     assert page.count("What is 17 * 23?") == 1
@@ -343,3 +350,34 @@ async def test_login_leads_only_to_dashboard_paths(ui: Any) -> None:
     bare = await client.get("/ui", follow_redirects=True)
     assert bare.status_code == 200
     assert 'name="key" type="password"' in bare.text
+
+
+async def test_a_judged_reward_shows_the_judges_verdict_on_the_episode_and_compare_pages(ui: Any) -> None:
+    """The audit ``workflows/judge`` keeps in the reward's metadata is shown, not only as raw JSON."""
+    client, repo, ids = ui
+    audit = {
+        "score": 0.25,
+        "reason": "The product is off by one <b>unit</b>.",
+        "label": "trajectory_2",
+        "clipped": False,
+        "model": "judge-model-x",
+        "latency_s": 1.5,
+        "attempts": 2,
+        "failures": ["not JSON"],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 5},
+        "prompt": [{"role": "user", "content": "score these"}],
+        "answer": '{"trajectory_2": {"reason": "...", "score": 0.25}}',
+    }
+    metadata = {"reward_mode": "mix", "judge_weight": 0.5, "verifier_reward": 0.0, "judge": audit}
+    await repo.set_reward(ids[2], reward=0.125, call_rewards=None, metadata=metadata)
+    await _login(client)
+    page = (await client.get(f"/ui/episodes/{ids[2]}")).text
+    assert "judge <code>judge-model-x</code>: score 0.25" in page
+    assert "mix (judge weight 0.5, verifier 0" in page and "2 attempts" in page
+    assert '<blockquote class="judge-reason">The product is off by one &lt;b&gt;unit&lt;/b&gt;.</blockquote>' in page
+    assert "the judge's prompt and answer (trajectory_2)" in page
+    unjudged = (await client.get(f"/ui/episodes/{ids[0]}")).text
+    assert 'class="judge"' not in unjudged
+    group_id = (await client.get(f"/episodes/{ids[0]}", headers=ADMIN)).json()["group_id"]
+    compare = (await client.get(f"/ui/groups/{group_id}")).text
+    assert compare.count('<div class="judge">') == 1 and "judge-model-x" in compare
