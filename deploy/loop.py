@@ -6,7 +6,9 @@
    evaluation needs) is spent or the trainer reaches its step limit;
 4. stop the workflow (its open episodes are abandoned, never scored) and the trainer (it
    checkpoints); evaluate the last published policy on the same held-out split;
-5. write ``report.json`` and ``learning_curve.png`` into the run directory, stop everything.
+5. write ``report.json`` and ``learning_curve.png`` into the run directory, stop everything. The
+   report counts the groups generated, trained, skipped stale and skipped equal, and the admission
+   refusals and waits (``deploy/groups.py``).
 
 Everything the loop runs is a separate process that talks HTTP to the proxy, exactly as on a GPU
 deployment; this file only starts, watches and stops them.
@@ -24,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from deploy.groups import admission_state, group_counts, workflow_summary
 from deploy.run_config import RunConfig
 from deploy.stack import Child, Stack, log
 from deploy.vllm import ROOT
@@ -298,12 +301,22 @@ def run(config: RunConfig) -> None:
             "reward_first_steps": [s["metrics"].get("reward/mean") for s in steps[:5]],
             "reward_last_steps": [s["metrics"].get("reward/mean") for s in steps[-5:]],
             "multi_turn": _multi_turn(stack, steps, before, after),
+            "groups": group_counts(
+                admission_state(stack.proxy_url, stack.key), steps, workflow_summary(stack.logs / "workflow.log")
+            ),
         }
         plot = _plot(run_dir, steps, before, after)
         (run_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         log(
             f"held-out accuracy {report['eval_before']:.3f} -> {report['eval_after']:.3f} after {report['steps']} "
             f"steps in {report['minutes']:.1f} min; report {run_dir / 'report.json'}, plot {plot}"
+        )
+        groups = report["groups"]
+        log(
+            f"groups: {groups['generated']} generated, {groups['trained']} trained, {groups['skipped_stale']} "
+            f"skipped stale (fraction {groups['stale_fraction']}), {groups['skipped_equal']} skipped equal rewards; "
+            f"admission: {groups['admission_refusals']} refusals (limit {groups['admission_limit']}), "
+            f"{groups['admission_waits']} runner waits ({groups['admission_wait_s']} s)"
         )
         turns = report["multi_turn"]
         if turns["merged"] or turns["breaks"]:

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from proxy.admission import Admission
 from proxy.auth import KeyRing
 from proxy.deps import Services
 from proxy.dialects.messages import error_body as messages_error_body
@@ -35,6 +36,7 @@ from proxy.sampling import SamplingDefaults
 from proxy.settings import Settings
 from proxy.splice import Splicer
 from proxy.store.repository import Repository
+from proxy.throttle import FailedAuth
 from proxy.ui import routes as ui
 from proxy.upstream import Upstreams
 
@@ -74,7 +76,7 @@ def _speaks_messages(path: str) -> bool:
 
 def _error_response(error: FlywheelError, path: str) -> JSONResponse:
     body = messages_error_body(error) if _speaks_messages(path) else error.body()
-    return JSONResponse(body, status_code=error.status_code)
+    return JSONResponse(body, status_code=error.status_code, headers=error.headers() or None)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -129,9 +131,11 @@ def create_app(
             gate=EpisodeGate(store),
             metrics=metrics,
             relay=relay,
+            admission=Admission(settings.admission, store),
         )
         log.info("sampling defaults for omitted fields", extra={"defaults": sampling.values, "source": sampling.source})
         app.state.services = svc
+        app.state.failed_auth = FailedAuth(settings.auth.failed_limit, settings.auth.failed_window_s)
         recorder.start()
         with contextlib.suppress(Exception):
             await policies.refresh()

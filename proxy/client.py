@@ -68,6 +68,7 @@ __all__ = [
     "CallRewards",
     "Claim",
     "CreatedEpisode",
+    "Demand",
     "CreatedGroup",
     "Episode",
     "EpisodeKey",
@@ -91,12 +92,22 @@ UNSENT = (httpx.ConnectError, httpx.ConnectTimeout)
 class ProxyError(Exception):
     """The proxy answered with an error: ``status``, its message, OpenAI error ``type`` and ``code``."""
 
-    def __init__(self, status: int, message: str, error_type: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        error_type: str | None = None,
+        code: str | None = None,
+        *,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(f"proxy answered {status}: {message}")
         self.status = status
         self.message = message
         self.error_type = error_type
         self.code = code
+        self.retry_after_s = retry_after_s
+        """The answer's ``Retry-After`` in seconds (a 429: e.g. ``backlog_full`` from ``POST /groups``)."""
 
 
 class ProxyUnreachable(ProxyError):
@@ -138,6 +149,14 @@ class RetryPolicy:
 
 RETRY = RetryPolicy()
 """The default: 7 attempts, waits of 0.5 s doubling up to 8 s."""
+
+
+@dataclass(frozen=True)
+class Demand:
+    """What a trainer takes, sent with its claims: the proxy admits new groups from it (``proxy/admission.py``)."""
+
+    groups_per_step: int
+    mode: Literal["sync", "async"]
 
 
 # -- replies ---------------------------------------------------------------------------------------
@@ -304,7 +323,12 @@ class _Api:
 
     @staticmethod
     def claim(
-        trainer_id: str, max_groups: int, lease_s: float, max_staleness: int | None, lease_id: str | None
+        trainer_id: str,
+        max_groups: int,
+        lease_s: float,
+        max_staleness: int | None,
+        lease_id: str | None,
+        demand: Demand | None,
     ) -> _Request[Claim]:
         body = ClaimIn.model_construct(
             trainer_id=trainer_id,
@@ -312,12 +336,14 @@ class _Api:
             lease_s=lease_s,
             max_staleness=max_staleness,
             lease_id=lease_id or str(uuid.uuid4()),
+            groups_per_step=demand.groups_per_step if demand else None,
+            mode=demand.mode if demand else None,
         )
         return _Request("POST", "/trainer/claim", "safe", Claim.model_validate, body)
 
     @staticmethod
-    def renew(lease_id: str, group_ids: list[str], lease_s: float) -> _Request[float]:
-        body = RenewIn.model_construct(lease_id=lease_id, group_ids=group_ids, lease_s=lease_s)
+    def renew(lease_id: str, group_ids: list[str], lease_s: float, trainer_id: str | None) -> _Request[float]:
+        body = RenewIn.model_construct(lease_id=lease_id, group_ids=group_ids, lease_s=lease_s, trainer_id=trainer_id)
         return _Request("POST", "/trainer/renew", "safe", lambda reply: float(reply["lease_expires_at"]), body)
 
     @staticmethod
@@ -364,8 +390,20 @@ def _give_up(
     if not isinstance(error, dict):
         error = {"message": str(error)}
     return ProxyError(
-        failure.status_code, str(error.get("message") or failure.text[:500]), error.get("type"), error.get("code")
+        failure.status_code,
+        str(error.get("message") or failure.text[:500]),
+        error.get("type"),
+        error.get("code"),
+        retry_after_s=_retry_after(failure.headers.get("retry-after")),
     )
+
+
+def _retry_after(value: str | None) -> float | None:
+    """``Retry-After`` in seconds; the proxy sends whole seconds (an HTTP date is not expected, so None)."""
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None
 
 
 # -- the clients -----------------------------------------------------------------------------------
@@ -483,15 +521,17 @@ class ProxyClient:
         lease_s: float,
         max_staleness: int | None,
         lease_id: str | None = None,
+        demand: Demand | None = None,
     ) -> Claim:
         """Lease up to ``max_groups`` complete groups under ``lease_id`` (default a fresh one): retried
-        with that id, a claim whose answer was lost returns the same groups."""
-        return self._send(_Api.claim(trainer_id, max_groups, lease_s, max_staleness, lease_id))
+        with that id, a claim whose answer was lost returns the same groups. ``demand`` tells the
+        proxy's admission control what the trainer takes per step (``proxy/admission.py``)."""
+        return self._send(_Api.claim(trainer_id, max_groups, lease_s, max_staleness, lease_id, demand))
 
-    def renew(self, *, lease_id: str, group_ids: list[str], lease_s: float) -> float:
+    def renew(self, *, lease_id: str, group_ids: list[str], lease_s: float, trainer_id: str | None = None) -> float:
         """Extend a lease on ``group_ids`` by ``lease_s`` from now; returns the new expiry. A 409
         ``lease_lost`` means one of the groups was claimed again: the step must be dropped."""
-        return self._send(_Api.renew(lease_id, group_ids, lease_s))
+        return self._send(_Api.renew(lease_id, group_ids, lease_s, trainer_id))
 
     def release(self, *, lease_id: str, group_ids: list[str] | None = None) -> int:
         """Hand a lease's untrained groups back now instead of when it expires."""
@@ -616,11 +656,14 @@ class AsyncProxyClient:
         lease_s: float,
         max_staleness: int | None,
         lease_id: str | None = None,
+        demand: Demand | None = None,
     ) -> Claim:
-        return await self._send(_Api.claim(trainer_id, max_groups, lease_s, max_staleness, lease_id))
+        return await self._send(_Api.claim(trainer_id, max_groups, lease_s, max_staleness, lease_id, demand))
 
-    async def renew(self, *, lease_id: str, group_ids: list[str], lease_s: float) -> float:
-        return await self._send(_Api.renew(lease_id, group_ids, lease_s))
+    async def renew(
+        self, *, lease_id: str, group_ids: list[str], lease_s: float, trainer_id: str | None = None
+    ) -> float:
+        return await self._send(_Api.renew(lease_id, group_ids, lease_s, trainer_id))
 
     async def release(self, *, lease_id: str, group_ids: list[str] | None = None) -> int:
         return await self._send(_Api.release(lease_id, group_ids))

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import orjson
 from fastapi import Depends, Request
 
+from proxy.admission import Admission
 from proxy.auth import KeyRing, Principal, bearer
 from proxy.errors import AuthenticationFailed, InvalidRequest, PayloadTooLarge, PermissionDenied
 from proxy.gate import EpisodeGate, canonical_id, identify_episode
@@ -18,6 +19,7 @@ from proxy.relay import Relay
 from proxy.schemas import MAX_DEPTH, too_deep
 from proxy.settings import Settings
 from proxy.store.repository import Repository
+from proxy.throttle import FailedAuth
 from proxy.upstream import Upstreams
 
 
@@ -36,6 +38,8 @@ class Services:
     metrics: Metrics
     relay: Relay
     """Runs and records model calls (``proxy/relay.py``)."""
+    admission: Admission
+    """Backpressure on ``POST /groups`` from the trainers' demand (``proxy/admission.py``)."""
 
 
 def services_of(request: Request) -> Services:
@@ -48,11 +52,28 @@ async def services(request: Request) -> Services:
     return services_of(request)
 
 
+def client_of(request: Request) -> str:
+    """The caller's address as this process sees it (what failed key checks are counted by)."""
+    return request.client.host if request.client is not None else "?"
+
+
+def check_key(request: Request, key: str | None) -> Principal | None:
+    """The key's principal, or None; a wrong key counts against the client, and a client over the
+    limit is refused (429) before its key is looked at (``proxy/throttle.py``)."""
+    failures: FailedAuth = request.app.state.failed_auth
+    client = client_of(request)
+    failures.check(client)
+    found = services_of(request).keys.identify(key)
+    if found is None and key:
+        failures.failed(client)
+    return found
+
+
 def identify(request: Request) -> Principal:
-    """Any valid key (model routes); 401 for a missing or wrong key."""
+    """Any valid key (model routes); 401 for a missing or wrong key, 429 after too many wrong ones."""
     headers = request.headers
     key = bearer(headers.get("authorization"), headers.get("api-key") or headers.get("x-api-key"))
-    found = services_of(request).keys.identify(key)
+    found = check_key(request, key)
     if found is None:
         message = "missing API key (Authorization: Bearer <key>)" if not key else "invalid API key"
         raise AuthenticationFailed(message, code="invalid_api_key")

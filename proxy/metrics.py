@@ -31,10 +31,27 @@ class Metrics:
             "flywheel_store_commit_seconds", "Group commit duration", buckets=LATENCY_BUCKETS, registry=r
         )
         self.queue_depth = Gauge("flywheel_store_queue_depth", "Calls waiting for their commit", registry=r)
+        self.calls_stored = Gauge(
+            "flywheel_store_calls_stored",
+            "Calls this process stored, by layout (delta: new prompt ids and messages only, on an earlier call; "
+            "whole: a first call, a break, or ids and messages that could not be compared exactly)",
+            ["layout"],
+            registry=r,
+        )
+        self.base_reads = Gauge(
+            "flywheel_store_base_reads",
+            "Episodes whose last call was read back from the store (cache misses)",
+            registry=r,
+        )
         self.replicas_healthy = Gauge("flywheel_replicas_healthy", "Healthy vLLM replicas", registry=r)
         self.policy_version = Gauge("flywheel_policy_version", "Current policy version", registry=r)
         self.dropped = Counter(
             "flywheel_dropped_fields", "Request fields dropped to protect the engine", ["field"], registry=r
+        )
+        self.admission_refused = Counter(
+            "flywheel_admission_refused",
+            "POST /groups answered 429 backlog_full: the groups ahead of the trainer filled its staleness window",
+            registry=r,
         )
 
         self.splices = Counter(

@@ -76,6 +76,10 @@ class AuthSettings(_Section):
     """Full access: control API, trainer API, every episode. Required."""
     agent_keys: list[SecretStr] = []
     """Keys that reach the model routes (any episode, and passthrough) but never the control API."""
+    failed_limit: int = Field(30, ge=0)
+    """Wrong keys one client may present within ``failed_window_s`` before every keyed request of
+    its is answered 429 (``proxy/throttle.py``); 0: no limit (e.g. behind a reverse proxy)."""
+    failed_window_s: float = Field(60.0, gt=0)
 
     @field_validator("admin_key")
     @classmethod
@@ -115,6 +119,28 @@ class SpliceSettings(_Section):
     """How many of the episode's newest calls are searched for the one a call continues."""
 
 
+class AdmissionSettings(_Section):
+    """Backpressure on ``POST /groups`` (``proxy/admission.py``): refuse a group (429 with
+    ``Retry-After``) that could only be trained after it went stale."""
+
+    enabled: bool = True
+    """Off: every group is admitted (no trainer's demand is enforced)."""
+    slack: float = Field(default=1.0, gt=0)
+    """Multiplies the derived limit ``(max_staleness + 1) * groups_per_step``. 1.0 admits exactly what
+    the trainer can still take within its staleness bound; above 1 keeps a margin of ready groups
+    (some may go stale), below 1 keeps the data fresher but may leave the trainer waiting."""
+    max_backlog_groups: int | None = Field(default=None, ge=1)
+    """A fixed limit instead of the derived one, enforced from the start (no trainer need be seen);
+    the way to give several proxy replicas one limit (the backlog itself is counted in the store)."""
+    trainer_timeout_s: float = Field(default=900.0, gt=0)
+    """A trainer with no claim or renewal for this long is forgotten (its demand no longer limits
+    admission), so a stopped trainer does not block rollouts forever."""
+    retry_after_s: int = Field(default=5, ge=1)
+    """``Retry-After`` while the trainer's step time is not yet known."""
+    max_retry_after_s: int = Field(default=60, ge=1)
+    """The longest ``Retry-After`` given, however slow the trainer's steps."""
+
+
 class UpstreamTimeouts(_Section):
     connect_s: float = 5.0
     read_s: float = 600.0
@@ -137,6 +163,7 @@ class Settings(_Section):
     timeouts: UpstreamTimeouts = UpstreamTimeouts()
     sampling: SamplingSettings = SamplingSettings()
     splice: SpliceSettings = SpliceSettings()
+    admission: AdmissionSettings = AdmissionSettings()
     max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
     health_interval_s: float = Field(default=2.0, gt=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from proxy.client import Group, ProxyClient, ProxyError
+from proxy.client import Demand, Group, ProxyClient, ProxyError
 from proxy.vocabulary import AckStatus
 from trainer.checkpoint import Checkpoints, CheckpointState, LeaseRecord
 from trainer.config import TrainerConfig
@@ -68,8 +68,11 @@ class LeaseKeeper:
     the final check it counts as lost: a step whose leases cannot be confirmed is not committed.
     """
 
-    def __init__(self, client: ProxyClient, lease_s: float, log: Callable[[str], None]) -> None:
+    def __init__(
+        self, client: ProxyClient, lease_s: float, log: Callable[[str], None], *, trainer_id: str | None = None
+    ) -> None:
         self.client = client
+        self.trainer_id = trainer_id
         self.lease_s = lease_s
         self.interval_s = lease_s / 3
         self.log = log
@@ -99,7 +102,7 @@ class LeaseKeeper:
     def _renew(self, lease: LeaseRecord, *, final: bool) -> None:
         try:
             lease.expires_at = self.client.renew(
-                lease_id=lease.lease_id, group_ids=lease.group_ids, lease_s=self.lease_s
+                lease_id=lease.lease_id, group_ids=lease.group_ids, lease_s=self.lease_s, trainer_id=self.trainer_id
             )
         except ProxyError as exc:
             if exc.status in (404, 409) or final:
@@ -306,6 +309,7 @@ class Trainer:
                     max_groups=self.config.groups_per_step - len(groups),
                     max_staleness=self.config.staleness_bound,
                     lease_id=lease_id,
+                    demand=Demand(self.config.groups_per_step, self.config.mode),
                 )
             except ProxyError as exc:
                 if exc.status not in (0, 502, 503, 504):
@@ -349,7 +353,7 @@ class Trainer:
 
     def run_once(self) -> bool:
         """Claim, train, checkpoint, ack, publish, report. False when stopped before anything was claimed."""
-        keeper = LeaseKeeper(self.client, self.config.lease_s, self.reporter.log)
+        keeper = LeaseKeeper(self.client, self.config.lease_s, self.reporter.log, trainer_id=self.config.trainer_id)
         try:
             return self._run_once(keeper)
         finally:

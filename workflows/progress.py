@@ -29,6 +29,8 @@ class RunProgress:
         self._errors = 0
         self._groups = 0
         self._complete = 0
+        self._judge_retries: int | None = None
+        self._admission_waits = 0
 
     def __enter__(self) -> RunProgress:
         self._progress.start()
@@ -53,6 +55,13 @@ class RunProgress:
     def group(self, result: GroupResult) -> None:
         self._groups += 1
         self._complete += result.status == "complete"
+        if result.judge_attempts is not None:
+            self._judge_retries = (self._judge_retries or 0) + max(0, result.judge_attempts - 1)
+        self._refresh(advance=0)
+
+    def admission_wait(self, seconds: float) -> None:
+        """The proxy refused a group (its backlog ahead of the trainer is full): the runner waits ``seconds``."""
+        self._admission_waits += 1
         self._refresh(advance=0)
 
     def _refresh(self, advance: int) -> None:
@@ -61,4 +70,8 @@ class RunProgress:
             f"mean reward {mean} · abandoned {self._abandoned} · errors {self._errors} · "
             f"groups {self._complete}/{self._groups} complete"
         )
+        if self._admission_waits:  # 429 backlog_full from POST /groups: waited, then asked again
+            line += f" · admission waits {self._admission_waits}"
+        if self._judge_retries is not None:  # requests past the first of each judged group
+            line += f" · judge retries {self._judge_retries}"
         self._progress.update(self._task, advance=advance, line=line)

@@ -7,9 +7,21 @@ episode ends in exactly one of: rewarded (its function returned an ``Outcome``),
 function raised or timed out: the error is the reason; no reward is made up), or ``error`` (the
 proxy refused the reward or abandon, e.g. because its reaper abandoned the episode first).
 
+With ``reward`` ``judge`` or ``mix`` (``workflows/judge``), an episode whose function returned is
+not rewarded at once: once every episode of its group has ended, the judge scores the returned ones
+side by side (one request) and their rewards are posted then; if the judge gives up they are
+abandoned with its reason. Episodes whose function raised are abandoned as ever and not judged.
+
 ``loop`` keeps drawing tasks (cycling through a seeded shuffle, balanced over the workflow's
 strata) until ``stop()``; ``max_pending`` pauses it while the trainer has that many complete
 groups left to claim, so the data it trains on stays close to the current policy.
+
+Admission control: the proxy refuses a group that could only be trained stale (429 ``backlog_full``,
+``proxy/admission.py``). The runner then waits the answer's ``Retry-After`` (at most
+``admission_max_wait_s`` per wait; a stop cuts the wait short) and asks again, for as long as it
+takes: the task is never dropped. Waits and their seconds are counted in the summary
+(``admission_waits``, ``admission_wait_s``); a task whose group was never created because the run
+stopped while it waited is counted in ``groups_not_created``.
 """
 
 from __future__ import annotations
@@ -25,10 +37,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-from proxy.client import AsyncProxyClient, EpisodeKey, ProxyError
-from workflows.base import EPISODE_POOL, Endpoint, Episode, EpisodeFailed, Outcome, Split, Workflow
+from proxy.client import AsyncProxyClient, CreatedGroup, EpisodeKey, ProxyError
+from workflows.base import EPISODE_POOL, INFRASTRUCTURE, Endpoint, Episode, EpisodeFailed, Outcome, Split, Workflow
+from workflows.judge import JUDGE_FAILED, Judge, JudgedGroup, JudgeStats, RewardMode, abandon, reward_group
 
 PENDING_POLL_S = 2.0
+ADMISSION_WAIT_S = 5.0
+"""Wait after a 429 ``backlog_full`` that carries no ``Retry-After``."""
 T = TypeVar("T")
 
 
@@ -52,6 +67,13 @@ class RunConfig:
     max_pending: int | None = None
     passthrough_key: str | None = None
     """Key for ``/passthrough/v1`` (an agent key); default: the admin key."""
+    reward: RewardMode = "verifier"
+    """``verifier``: the workflow's reward; ``judge``: the LLM judge's group-relative score; ``mix``: both."""
+    judge_weight: float = 0.5
+    """The judge's share in ``mix``: ``(1 - w) * verifier + w * judge``."""
+    admission_max_wait_s: float = 60.0
+    """Longest single wait after the proxy refused a group (429 ``backlog_full``); a longer
+    ``Retry-After`` is cut to this, then the runner asks again."""
 
     def __post_init__(self) -> None:
         if self.groups < 1 and not self.loop:
@@ -60,6 +82,12 @@ class RunConfig:
             raise ValueError(f"group_size must be >= 1 (got {self.group_size}); GRPO needs >= 2 to learn")
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1 (got {self.concurrency})")
+        if self.reward not in ("verifier", "judge", "mix"):
+            raise ValueError(f"reward must be verifier, judge or mix (got {self.reward!r})")
+        if not 0.0 <= self.judge_weight <= 1.0:
+            raise ValueError(f"judge_weight must be in [0, 1] (got {self.judge_weight})")
+        if not self.admission_max_wait_s > 0:
+            raise ValueError(f"admission_max_wait_s must be > 0 (got {self.admission_max_wait_s})")
 
 
 def task_order(tasks: list[T], seed: int, stratum: Callable[[T], str | None]) -> list[T]:
@@ -108,12 +136,22 @@ class GroupResult:
     status: str
     """The proxy's view once every episode ended: complete, failed (too few rewarded) or open."""
     episodes: list[EpisodeResult]
+    judge_attempts: int | None = None
+    """Judge requests this group took (None: not judged); its failures are its episodes' errors."""
 
 
 @dataclass
 class RunStats:
     groups: list[GroupResult] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
+    judge: JudgeStats | None = None
+    """The judge's counters (requests, retries, malformed answers, groups given up on, tokens)."""
+    admission_waits: int = 0
+    """Group creations the proxy refused (429 ``backlog_full``), each followed by a wait and a retry."""
+    admission_wait_s: float = 0.0
+    """Seconds spent in those waits."""
+    groups_not_created: int = 0
+    """Tasks whose group was still refused when the run stopped (never created, not lost unseen)."""
 
     @property
     def episodes(self) -> list[EpisodeResult]:
@@ -133,14 +171,14 @@ class RunStats:
             "mean_reward": sum(rewards) / len(rewards) if rewards else None,
             "episode_seconds_mean": (sum(e.seconds for e in episodes) / len(episodes)) if episodes else None,
             "wall_seconds": round(time.monotonic() - self.started, 2),
+            "admission_waits": self.admission_waits,
+            "admission_wait_s": round(self.admission_wait_s, 2),
+            "groups_not_created": self.groups_not_created,
             "errors": [
                 {"episode_id": e.episode_id, "error": (e.error or "")[:300]} for e in episodes if e.status != "rewarded"
             ][:20],
+            **({"judge": self.judge.as_dict()} if self.judge is not None else {}),
         }
-
-
-INFRASTRUCTURE = "infrastructure: "
-"""Prefix of abandon reasons that are not the agent's doing (the trainer never penalizes them)."""
 
 
 def _infrastructure(exc: BaseException) -> bool:
@@ -176,13 +214,19 @@ class Runner:
         *,
         on_episode: Callable[[EpisodeResult], None] | None = None,
         on_group: Callable[[GroupResult], None] | None = None,
+        on_admission_wait: Callable[[float], None] | None = None,
+        judge: Judge | None = None,
     ) -> None:
+        if config.reward != "verifier" and judge is None:
+            raise ValueError(f"reward {config.reward!r} needs a judge")
         self.workflow = workflow
         self.config = config
         self.client = client
-        self.stats = RunStats()
+        self.judge = judge if config.reward != "verifier" else None
+        self.stats = RunStats(judge=self.judge.stats if self.judge is not None else None)
         self._on_episode = on_episode or (lambda _: None)
         self._on_group = on_group or (lambda _: None)
+        self._on_admission_wait = on_admission_wait or (lambda _: None)
         self._episode_slots = asyncio.Semaphore(config.concurrency)
         self._stopping = asyncio.Event()
         self._timeout = config.episode_timeout_s or workflow.episode_timeout_s
@@ -247,35 +291,108 @@ class Runner:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), PENDING_POLL_S)
 
-    async def _group(self, task: Any, pool: ThreadPoolExecutor) -> None:
+    async def _create(self, task: Any, task_id: str) -> CreatedGroup | None:
+        """The task's group, asked for again after each admission refusal; None if the run stopped first."""
         wf, cfg = self.workflow, self.config
-        task_id = wf.task_id(task)
-        created = await self.client.create_group(
-            task_id,
-            cfg.group_size,
-            metadata={
-                "workflow": wf.name,
-                "split": cfg.split,
-                "task": wf.task_metadata(task),
-                "abandoned": wf.abandoned,
-            },
-            episode_metadata=[{"index": i} for i in range(cfg.group_size)],
-        )
-        results = await asyncio.gather(
+        while True:
+            try:
+                return await self.client.create_group(
+                    task_id,
+                    cfg.group_size,
+                    metadata={
+                        "workflow": wf.name,
+                        "split": cfg.split,
+                        "task": wf.task_metadata(task),
+                        "abandoned": wf.abandoned,
+                    },
+                    episode_metadata=[{"index": i} for i in range(cfg.group_size)],
+                )
+            except ProxyError as exc:
+                if exc.status != 429 or exc.code != "backlog_full":
+                    raise
+                wait_s = min(exc.retry_after_s or ADMISSION_WAIT_S, cfg.admission_max_wait_s)
+            self.stats.admission_waits += 1
+            self._on_admission_wait(wait_s)
+            started = time.monotonic()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), wait_s)
+            self.stats.admission_wait_s += time.monotonic() - started
+            if self._stopping.is_set():
+                self.stats.groups_not_created += 1
+                return None
+
+    async def _group(self, task: Any, pool: ThreadPoolExecutor) -> None:
+        task_id = self.workflow.task_id(task)
+        created = await self._create(task, task_id)
+        if created is None:
+            return
+        ended = await asyncio.gather(
             *(self._episode(task, task_id, created.id, key, i, pool) for i, key in enumerate(created.episode_keys))
         )
+        results, attempts = await self._judged(task, task_id, created.id, ended)
         status: str  # the proxy's GroupStatus, or why it is unknown
         try:
             status = (await self.client.group(created.id)).status
         except ProxyError as exc:
             status = f"unknown ({exc.message})"
-        group = GroupResult(group_id=created.id, task_id=task_id, status=status, episodes=list(results))
+        group = GroupResult(
+            group_id=created.id, task_id=task_id, status=status, episodes=results, judge_attempts=attempts
+        )
         self.stats.groups.append(group)
         self._on_group(group)
 
+    async def _judged(
+        self, task: Any, task_id: str, group_id: str, ended: list[EpisodeResult | _Played]
+    ) -> tuple[list[EpisodeResult], int | None]:
+        """The group's results once the judge has scored its played episodes (none to score: as they are)."""
+        played = {p.episode_id: p for p in ended if isinstance(p, _Played)}
+        if self.judge is None or not played:
+            return [r for r in ended if isinstance(r, EpisodeResult)], None
+        try:
+            judged = await reward_group(
+                self.client,
+                self.judge,
+                group_id=group_id,
+                task=self.workflow.describe_task(task),
+                episode_ids=list(played),
+                mode=self.config.reward,
+                weight=self.config.judge_weight,
+                verifier={i: p.outcome.reward for i, p in played.items()},
+                metadata={i: p.outcome.metadata for i, p in played.items()},
+            )
+        except asyncio.CancelledError:
+            for episode_id in played:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(
+                        self.client.abandon(episode_id, "interrupted: the runner stopped mid-judgement")
+                    )
+            raise
+        except Exception as exc:  # a bug or an odd endpoint: the episodes still end, with the reason
+            self.judge.stats.failed += 1
+            reason = JUDGE_FAILED + describe_error(exc)
+            judged = JudgedGroup([await abandon(self.client, e, reason) for e in played], 0)
+        by_id = {s.episode_id: s for s in judged.episodes}
+        results = []
+        for item in ended:
+            if isinstance(item, _Played):
+                s = by_id[item.episode_id]
+                item = EpisodeResult(
+                    episode_id=s.episode_id,
+                    group_id=group_id,
+                    task_id=task_id,
+                    status=s.status,
+                    reward=s.reward,
+                    error=s.error,
+                    seconds=round(time.monotonic() - item.started, 3),
+                    metadata=s.metadata,
+                )
+                self._on_episode(item)
+            results.append(item)
+        return results, judged.attempts
+
     async def _episode(
         self, task: Any, task_id: str, group_id: str, key: EpisodeKey, index: int, pool: ThreadPoolExecutor
-    ) -> EpisodeResult:
+    ) -> EpisodeResult | _Played:
         episode = Episode(
             id=key.id,
             group_id=group_id,
@@ -291,7 +408,7 @@ class Runner:
             token = EPISODE_POOL.set(pool)
             try:
                 outcome = await asyncio.wait_for(self.workflow.run_episode(task, episode), self._timeout)
-                _check_outcome(outcome)
+                _check_outcome(outcome, self.config.reward)
             except asyncio.CancelledError:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(self.client.abandon(key.id, "interrupted: the runner stopped mid-episode"))
@@ -299,6 +416,8 @@ class Runner:
             except Exception as exc:  # the agent failed: abandon with its error, never a made-up reward
                 result = await self._finish(key.id, group_id, task_id, started, None, describe_error(exc))
             else:
+                if self.judge is not None:  # rewarded once the whole group has ended (_judged)
+                    return _Played(key.id, outcome, started)
                 result = await self._finish(key.id, group_id, task_id, started, outcome, None)
             finally:
                 EPISODE_POOL.reset(token)
@@ -309,8 +428,10 @@ class Runner:
         self, episode_id: str, group_id: str, task_id: str, started: float, outcome: Outcome | None, error: str | None
     ) -> EpisodeResult:
         status: Status
+        if outcome is not None and outcome.reward is None:  # _check_outcome lets it through only for the judge
+            outcome, error = None, "no verifier reward and no judge"
         try:
-            if outcome is not None:
+            if outcome is not None and outcome.reward is not None:
                 await self.client.reward(
                     episode_id, outcome.reward, metadata=outcome.metadata or None, call_rewards=outcome.call_rewards
                 )
@@ -332,8 +453,22 @@ class Runner:
         )
 
 
-def _check_outcome(outcome: Any) -> None:
+@dataclass(frozen=True)
+class _Played:
+    """An episode whose function returned, waiting for the judge (reward ``judge`` or ``mix``)."""
+
+    episode_id: str
+    outcome: Outcome
+    started: float
+
+
+def _check_outcome(outcome: Any, reward: RewardMode) -> None:
     if not isinstance(outcome, Outcome):
         raise EpisodeFailed(f"episode function returned {type(outcome).__name__}, not an Outcome")
-    if not math.isfinite(outcome.reward):
+    if outcome.reward is None:
+        if reward != "judge":
+            raise EpisodeFailed(
+                f"the workflow has no verifier reward for this task; run with --reward judge, not {reward}"
+            )
+    elif not math.isfinite(outcome.reward):
         raise EpisodeFailed(f"episode function returned a non-finite reward ({outcome.reward})")

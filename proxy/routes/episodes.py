@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Query, Request
 
 from proxy.deps import AdminDep, ServicesDep
-from proxy.errors import InvalidRequest
+from proxy.errors import BacklogFull, InvalidRequest
 from proxy.gate import canonical_id
 from proxy.schemas import (
     MAX_STORED_INT,
@@ -42,18 +42,30 @@ def _key(svc: ServicesDep, request: Request, episode_id: str) -> EpisodeKey:
     )
 
 
-@router.post("/groups", status_code=201, response_model=CreatedGroup)
+@router.post(
+    "/groups",
+    status_code=201,
+    response_model=CreatedGroup,
+    responses={429: {"description": "backlog_full: the trainer cannot take another group before it goes stale"}},
+)
 async def create_group(body: GroupCreate, svc: ServicesDep, _: AdminDep, request: Request) -> CreatedGroup:
-    """Create a group of ``size`` episodes for one task, each with its own key and base URL."""
+    """Create a group of ``size`` episodes for one task, each with its own key and base URL.
+    Refused with 429 ``backlog_full`` and ``Retry-After`` while the groups ahead of the trainer
+    already fill its staleness window (``proxy/admission.py``)."""
     if body.size > svc.settings.episodes.max_group_size:
         raise InvalidRequest(f"size {body.size} exceeds the limit {svc.settings.episodes.max_group_size}", param="size")
     if body.episode_metadata is not None and len(body.episode_metadata) != body.size:
         raise InvalidRequest(
             f"episode_metadata has {len(body.episode_metadata)} entries; size is {body.size}", param="episode_metadata"
         )
-    group = await svc.repo.create_group(
-        task_id=body.task_id, size=body.size, metadata=body.metadata, episode_metadata=body.episode_metadata
-    )
+    try:
+        async with svc.admission.admit():
+            group = await svc.repo.create_group(
+                task_id=body.task_id, size=body.size, metadata=body.metadata, episode_metadata=body.episode_metadata
+            )
+    except BacklogFull:
+        svc.metrics.admission_refused.inc()
+        raise
     svc.metrics.episodes.labels("created").inc(body.size)
     return CreatedGroup.model_validate(
         {

@@ -30,4 +30,5 @@ async def publish(body: PublishIn, svc: ServicesDep, _: AdminDep) -> PolicyOut:
     """Load the adapter on every replica as ``policy-v{N}``, switch routing to it, unload old ones."""
     record = await svc.policies.publish(adapter_path=body.adapter_path, version=body.version, metadata=body.metadata)
     svc.metrics.policy_version.set(record.version)
+    svc.admission.published()
     return PolicyOut.model_validate(record)

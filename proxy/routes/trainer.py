@@ -15,6 +15,7 @@ from proxy.deps import AdminDep, ServicesDep
 from proxy.schemas import (
     MAX_STORED_INT,
     AckIn,
+    AdmissionOut,
     ClaimIn,
     ClaimOut,
     GroupOut,
@@ -23,6 +24,7 @@ from proxy.schemas import (
     RenewIn,
     RenewOut,
     StepIn,
+    TrainerDemandOut,
 )
 
 router = APIRouter(prefix="/trainer", tags=["trainer"])
@@ -40,6 +42,13 @@ async def claim(body: ClaimIn, svc: ServicesDep, _: AdminDep) -> ClaimOut:
         current_version=current,
         lease_id=body.lease_id,
     )
+    svc.admission.claimed(
+        body.trainer_id,
+        groups_per_step=body.groups_per_step or body.max_groups,
+        max_staleness=body.max_staleness,
+        mode=body.mode,
+        leased=len(result.groups),
+    )
     return ClaimOut(
         lease_id=result.lease_id,
         lease_expires_at=result.lease_expires_at,
@@ -53,6 +62,8 @@ async def claim(body: ClaimIn, svc: ServicesDep, _: AdminDep) -> ClaimOut:
 async def renew(body: RenewIn, svc: ServicesDep, _: AdminDep) -> RenewOut:
     """Extend a lease while its step trains; 409 ``lease_lost`` if any of its groups was claimed again."""
     expires = await svc.repo.renew_lease(lease_id=body.lease_id, group_ids=body.group_ids, lease_s=body.lease_s)
+    if body.trainer_id is not None:
+        svc.admission.renewed(body.trainer_id)
     return RenewOut(lease_id=body.lease_id, lease_expires_at=expires)
 
 
@@ -61,6 +72,7 @@ async def ack(body: AckIn, svc: ServicesDep, _: AdminDep) -> ListOut:
     groups = await svc.repo.ack_groups(
         lease_id=body.lease_id, group_ids=body.group_ids, step=body.step, status=body.status, note=body.note
     )
+    svc.admission.acked(len(groups))
     return ListOut(data=[GroupOut.model_validate(g) for g in groups])
 
 
@@ -85,3 +97,28 @@ async def list_steps(
 ) -> ListOut:
     steps = await svc.repo.list_trainer_steps(since_step=since_step, limit=limit)
     return ListOut(data=[{"step": s.step, "metrics": s.metrics, "created_at": s.created_at} for s in steps])
+
+
+@router.get("/admission", response_model=AdmissionOut)
+async def admission(svc: ServicesDep, _: AdminDep) -> AdmissionOut:
+    """The admission picture: limit, backlog, refusals, the trainers' demand, and every group by outcome."""
+    state = await svc.admission.state()
+    now = svc.admission.clock()
+    return AdmissionOut(
+        enabled=state.enabled,
+        limit=state.limit,
+        backlog=state.backlog,
+        settling=state.settling,
+        refused=state.refused,
+        trainers={
+            name: TrainerDemandOut(
+                groups_per_step=d.groups_per_step,
+                max_staleness=d.max_staleness,
+                mode=d.mode,
+                seconds_per_step=None if d.step_s is None else round(d.step_s, 3),
+                seconds_since_seen=round(now - d.seen, 3),
+            )
+            for name, d in state.trainers.items()
+        },
+        groups=await svc.repo.count_groups(),
+    )

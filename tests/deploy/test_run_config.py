@@ -195,7 +195,7 @@ def test_loop_and_stack_do_not_import_the_launcher() -> None:
 
 
 def test_stack_starts_vllm_and_the_proxy_as_the_config_says(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from deploy.stack import Stack
+    from deploy.stack import Stack, dashboard_hint
 
     monkeypatch.setenv("FLYWHEEL_ADMIN_KEY", "k" * 20)
     config = load_run_config(ROOT / "configs/run-tools.yaml")
@@ -208,6 +208,14 @@ def test_stack_starts_vllm_and_the_proxy_as_the_config_says(tmp_path: Path, monk
     assert f"--chat-template {DEFAULT_TEMPLATE} --enable-auto-tool-choice --tool-call-parser hermes" in command
     assert stack.vllm.env()["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert stack.proxy.env["FLYWHEEL_STORE__URL"].startswith(f"sqlite+aiosqlite:///{tmp_path.resolve()}/")
+
+    hint = dashboard_hint(stack.proxy_url, stack.key_file)
+    assert hint.startswith("dashboard: http://127.0.0.1:8100/ui/") and "$FLYWHEEL_ADMIN_KEY" in hint
+    assert stack.key not in hint
+    monkeypatch.delenv("FLYWHEEL_ADMIN_KEY")
+    own_key = Stack(config, data_dir=tmp_path / "run")
+    hint = dashboard_hint(own_key.proxy_url, own_key.key_file)
+    assert f"the key in {tmp_path / 'run' / 'admin.key'}" in hint and own_key.key not in hint
 
     routed = dataclasses.replace(
         config, proxy_port=8123, engine=EngineSection(url="http://127.0.0.1:9000", model=str(tmp_path))

@@ -74,13 +74,16 @@ def _unload(vllm_url: str, prefix: str) -> None:
 
 
 @pytest.fixture
-def trainer_proxy(vllm_url: str, tmp_path: Path) -> Iterator[TrainerProxy]:
+def trainer_proxy(vllm_url: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[TrainerProxy]:
+    """A proxy for one test. Parametrized indirectly with ``False``, its admission control is off
+    (for a test that makes stale groups on purpose, which admission control exists to prevent)."""
     prefix = f"trainertest{uuid.uuid4().hex[:6]}-v"
+    admission = "true" if getattr(request, "param", True) else "false"
     process = ProxyProcess(
         upstream_url=vllm_url,
         store_url=f"sqlite+aiosqlite:///{tmp_path / 'flywheel.db'}",
         workdir=tmp_path / "proxy",
-        extra_env={"FLYWHEEL_POLICY__ADAPTER_PREFIX": prefix},
+        extra_env={"FLYWHEEL_POLICY__ADAPTER_PREFIX": prefix, "FLYWHEEL_ADMISSION__ENABLED": admission},
     )
     process.start()
     try:

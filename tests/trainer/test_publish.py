@@ -72,6 +72,8 @@ def test_publish_loads_the_adapter_on_vllm_and_switches_the_policy(
         progress=False,
     )
     assert train(config, policy) == 1
+    demand = trainer_proxy.get("/trainer/admission")["trainers"]["trainer"]  # stated with its claims
+    assert (demand["groups_per_step"], demand["max_staleness"], demand["mode"]) == (1, 1, "async")
 
     policy = trainer_proxy.get("/policy")
     adapter_dir = config.out / "adapters" / "v1"
@@ -120,6 +122,7 @@ def test_publish_loads_the_adapter_on_vllm_and_switches_the_policy(
     assert list((config.out / "tensorboard").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.parametrize("trainer_proxy", [False], indirect=True)  # stale on purpose: admission control off
 def test_sync_mode_drops_stale_groups_and_acks_equal_rewards_as_skipped(
     trainer_proxy: TrainerProxy, tmp_path: Path, policy: LoraPolicy, vllm_model_dir: str
 ) -> None:
