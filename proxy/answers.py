@@ -75,20 +75,39 @@ def check_chunk(data: Any, kind: CallKind, source: str) -> dict[str, Any]:
     return data
 
 
+READ_ERRORS = (TypeError, ValueError, KeyError, AttributeError, IndexError)
+"""What a reader raises on an answer that passed the checks but is still not what it expects."""
+
+
+def unreadable(source: str, exc: Exception) -> UpstreamError:
+    """The upstream's 502 for an answer that broke its reader (logged with the traceback)."""
+    log.exception("an upstream answer broke its reader", extra={"replica": source})
+    return malformed(source, f"unreadable ({type(exc).__name__}: {exc})")
+
+
 @contextmanager
 def reading(source: str) -> Iterator[None]:
-    """Turn a reader's failure on an answer that passed the checks into the upstream's 502."""
+    """Turn a reader's failure on an answer that passed the checks into the upstream's 502.
+    (Per stream chunk the relay catches ``READ_ERRORS`` itself: a context manager per chunk costs.)"""
     try:
         yield
-    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
-        log.exception("an upstream answer broke its reader", extra={"replica": source})
-        raise malformed(source, f"unreadable ({type(exc).__name__}: {exc})") from exc
+    except READ_ERRORS as exc:
+        raise unreadable(source, exc) from exc
 
 
 def _check(data: dict[str, Any], kind: CallKind, body_key: str, source: str) -> None:
-    what = _ids(data.get("prompt_token_ids"), "prompt_token_ids") or _usage(data.get("usage"))
+    # Every check returns what is wrong (None if nothing), and the place is named only then: this
+    # runs on every chunk of every stream, where building each field's name up front cost more
+    # than the checks themselves.
+    what = _usage(data.get("usage"))
+    if not _ids(data.get("prompt_token_ids")):
+        what = "prompt_token_ids is not a list of integers"
     for i, choice in enumerate(data.get("choices") or ()):
-        what = what or _choice(choice, kind, body_key, f"choices[{i}]")
+        if what:
+            break
+        wrong = _choice(choice, kind, body_key)
+        if wrong:
+            what = f"choices[{i}]{wrong}"
     if what:
         raise malformed(source, what)
 
@@ -105,76 +124,75 @@ def _usage(usage: Any) -> str | None:
     return None
 
 
-def _ids(ids: Any, where: str) -> str | None:
-    if ids is None or (isinstance(ids, list) and all(type(i) is int for i in ids)):
-        return None
-    return f"{where} is not a list of integers"
+def _ids(ids: Any) -> bool:
+    return ids is None or (type(ids) is list and all(type(i) is int for i in ids))
 
 
-def _choice(choice: Any, kind: CallKind, body_key: str, where: str) -> str | None:
-    if not isinstance(choice, dict):
-        return f"{where} is not an object"
+def _choice(choice: Any, kind: CallKind, body_key: str) -> str | None:
+    """What is wrong with one choice, as a suffix of its place (``.token_ids is ...``)."""
+    if type(choice) is not dict:
+        return " is not an object"
     if "index" in choice and type(choice["index"]) is not int:  # choices are keyed and sorted by it
-        return f"{where}.index is not an integer"
+        return ".index is not an integer"
     if not _optional(choice.get("finish_reason"), str):
-        return f"{where}.finish_reason is not a string"
-    what = (
-        _ids(choice.get("token_ids"), f"{where}.token_ids")
-        or _ids(choice.get("prompt_token_ids"), f"{where}.prompt_token_ids")
-        or _logprobs(choice.get("logprobs"), kind, f"{where}.logprobs")
-    )
-    if what:
-        return what
+        return ".finish_reason is not a string"
+    for key in ("token_ids", "prompt_token_ids"):
+        if not _ids(choice.get(key)):
+            return f".{key} is not a list of integers"
+    wrong = _logprobs(choice.get("logprobs"), kind)
+    if wrong:
+        return f".logprobs{wrong}"
     if kind != "chat":
-        return None if _optional(choice.get("text"), str) else f"{where}.text is not a string"
-    return _message(choice.get(body_key), f"{where}.{body_key}")
+        return None if _optional(choice.get("text"), str) else ".text is not a string"
+    wrong = _message(choice.get(body_key))
+    return f".{body_key}{wrong}" if wrong else None
 
 
-def _logprobs(logprobs: Any, kind: CallKind, where: str) -> str | None:
+def _logprobs(logprobs: Any, kind: CallKind) -> str | None:
     if logprobs is None:
         return None
-    if not isinstance(logprobs, dict):
-        return f"{where} is not an object"
+    if type(logprobs) is not dict:
+        return " is not an object"
     if kind == "chat":
         items = logprobs.get("content")
         if items is None:
             return None
-        if isinstance(items, list) and all(isinstance(x, dict) and _number(x.get("logprob")) for x in items):
+        if type(items) is list and all(type(x) is dict and _number(x.get("logprob")) for x in items):
             return None
-        return f"{where}.content is not a list of {{logprob: number}}"
+        return ".content is not a list of {logprob: number}"
     values = logprobs.get("token_logprobs")
-    if values is None or (isinstance(values, list) and all(x is None or _number(x) for x in values)):
+    if values is None or (type(values) is list and all(x is None or _number(x) for x in values)):
         return None
-    return f"{where}.token_logprobs is not a list of numbers"
+    return ".token_logprobs is not a list of numbers"
 
 
-def _message(message: Any, where: str) -> str | None:
+def _message(message: Any) -> str | None:
     if message is None:
         return None
-    if not isinstance(message, dict):
-        return f"{where} is not an object"
+    if type(message) is not dict:
+        return " is not an object"
     for key in ("content", "reasoning_content", "reasoning"):
         if not _optional(message.get(key), str):
-            return f"{where}.{key} is not a string"
+            return f".{key} is not a string"
     calls = message.get("tool_calls")
     if calls is None:
         return None
-    if not isinstance(calls, list):
-        return f"{where}.tool_calls is not a list"
+    if type(calls) is not list:
+        return ".tool_calls is not a list"
     for j, call in enumerate(calls):
-        function = call.get("function") if isinstance(call, dict) else None
+        function = call.get("function") if type(call) is dict else None
         if (
-            not isinstance(call, dict)
+            type(call) is not dict
             or ("index" in call and type(call["index"]) is not int)
             or not _optional(call.get("id"), str)
             or not (
                 function is None
-                or isinstance(function, dict)
+                or type(function) is dict
                 and _optional(function.get("name"), str)
                 and _optional(function.get("arguments"), str)
             )
         ):
-            return f"{where}.tool_calls[{j}] is not a tool call"
+            return f".tool_calls[{j}] is not a tool call"
     return None
 
 

@@ -15,6 +15,8 @@ as a bare 500 or an empty body.
     ├── Conflict (409 conflict_error)
     │   └── EpisodeClosed (409)             model call on a rewarded or abandoned episode
     ├── PayloadTooLarge (413 invalid_request_error)
+    ├── TooManyRequests (429 rate_limit_error)   too many wrong keys from one client (Retry-After)
+    │   └── BacklogFull (429)               a new group could only be trained stale (``admission.py``)
     ├── ServiceUnavailable (503 service_unavailable)
     │   └── RecordingFailed (503)           the store could not commit the call's record
     └── UpstreamError (502 upstream_error)
@@ -44,6 +46,10 @@ class FlywheelError(Exception):
 
     def json(self) -> bytes:
         return orjson.dumps(self.body())
+
+    def headers(self) -> dict[str, str]:
+        """Response headers the error carries (Retry-After on a 429)."""
+        return {}
 
 
 class InvalidRequest(FlywheelError):
@@ -94,6 +100,22 @@ class EpisodeClosed(Conflict):
 class PayloadTooLarge(FlywheelError):
     status_code = 413
     type = "invalid_request_error"
+
+
+class TooManyRequests(FlywheelError):
+    status_code = 429
+    type = "rate_limit_error"
+
+    def __init__(self, message: str, *, retry_after_s: int, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message, param=param, code=code)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"retry-after": str(self.retry_after_s)}
+
+
+class BacklogFull(TooManyRequests):
+    """``POST /groups`` refused: the groups ahead of the trainer already fill its staleness window."""
 
 
 class ServiceUnavailable(FlywheelError):

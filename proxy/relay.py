@@ -23,7 +23,7 @@ import httpx
 import orjson
 from fastapi.responses import Response, StreamingResponse
 
-from proxy.answers import check_answer, check_chunk, json_object, malformed, reading
+from proxy.answers import READ_ERRORS, check_answer, check_chunk, json_object, malformed, reading, unreadable
 from proxy.capture import (
     Captured,
     StreamCapture,
@@ -487,9 +487,10 @@ class ModelCall:
             )
         self.streamed_choices = self.streamed_choices or bool(chunk.get("choices"))
         try:
-            with reading(self.source):
-                content = capture.feed(chunk) if capture is not None else bool(chunk.get("choices"))
-                translated = self.events.chunk(chunk) if self.events is not None else None
+            content = capture.feed(chunk) if capture is not None else bool(chunk.get("choices"))
+            translated = self.events.chunk(chunk) if self.events is not None else None
+        except READ_ERRORS as exc:
+            return None, False, False, unreadable(self.source, exc)
         except UpstreamError as exc:
             return None, False, False, exc
         if self.events is not None:

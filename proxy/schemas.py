@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
+import orjson
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from proxy.vocabulary import AckStatus, CallApi, CallKind, EpisodeStatus, GroupStatus, TrainStatus
@@ -39,20 +40,36 @@ sends, stores and translates what it takes, and orjson writes at most 254 levels
 would fail after it was accepted)."""
 
 
+def _writable_depth() -> int:
+    """The deepest nesting orjson writes (254 in orjson 3.x), found once by trying, not assumed."""
+    value: Any = 0
+    for depth in range(1, 4096):
+        value = [value]
+        try:
+            orjson.dumps(value)
+        except orjson.JSONEncodeError:
+            return depth - 1
+    return 4095
+
+
+_PAD = _writable_depth() - MAX_DEPTH
+
+
 def too_deep(raw: bytes, value: Any) -> bool:
     """True if ``value``, parsed from ``raw``, nests arrays and objects deeper than ``MAX_DEPTH``.
 
-    Counting brackets is cheap and bounds the depth, so only JSON with many of them is walked (in a
-    loop: no recursion limit)."""
+    Counting brackets is cheap and bounds the depth, so only JSON with many of them is measured,
+    by orjson itself: ``value`` wrapped in ``_PAD`` lists is writable exactly when ``value`` is at
+    most ``MAX_DEPTH`` deep. One C pass: a model answer with log-probs (a few thousand containers)
+    cost 3x its own parse when walked in Python, and the check runs on every body and answer."""
     if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
         return False
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if depth > MAX_DEPTH:
-            return True
-        children = item.values() if isinstance(item, dict) else item
-        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    for _ in range(_PAD):
+        value = [value]
+    try:
+        orjson.dumps(value)
+    except orjson.JSONEncodeError as exc:
+        return "recursion" in str(exc).lower()  # anything else orjson refuses is not this check's to judge
     return False
 
 
@@ -215,6 +232,35 @@ class ClaimIn(_In):
         description="client-chosen lease id: retrying "
         "a claim whose answer was lost returns the same groups instead of leasing more",
     )
+    groups_per_step: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="groups the trainer trains per policy version (default max_groups); with max_staleness it "
+        "sets how many groups POST /groups admits ahead of the trainer",
+    )
+    mode: Literal["sync", "async"] | None = Field(None, description="the trainer's mode (reported by GET /admission)")
+
+
+class TrainerDemandOut(BaseModel):
+    groups_per_step: int
+    max_staleness: int | None
+    mode: Literal["sync", "async"] | None
+    seconds_per_step: float | None
+    seconds_since_seen: float
+
+
+class AdmissionOut(BaseModel):
+    enabled: bool
+    limit: int | None = Field(description="groups admitted ahead of the trainer; null: admission is open")
+    backlog: int = Field(description="open groups plus complete, untrained ones (leased included)")
+    settling: int = Field(description="groups acked since the trainer's last claim, their version not yet published")
+    refused: int = Field(description="groups this proxy process refused with 429 since it started")
+    trainers: dict[str, TrainerDemandOut]
+    groups: dict[str, int] = Field(
+        description="every group in the store by outcome: open, failed, or a complete group's train_status "
+        "(pending, trained, skipped, stale)"
+    )
 
 
 class ReleaseIn(_In):
@@ -232,6 +278,7 @@ class ClaimOut(BaseModel):
 
 class RenewIn(_In):
     lease_id: str = Field(min_length=1)
+    trainer_id: str | None = Field(None, min_length=1, max_length=128, description="keeps its admission demand alive")
     group_ids: list[str] = Field(min_length=1, description="the lease's groups the trainer is still training")
     lease_s: float = Field(600.0, gt=0, le=86400)
 

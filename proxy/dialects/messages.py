@@ -55,6 +55,7 @@ from proxy.errors import (
     PayloadTooLarge,
     PermissionDenied,
     ServiceUnavailable,
+    TooManyRequests,
     UpstreamError,
     UpstreamTimeout,
 )
@@ -750,6 +751,7 @@ _ERROR_TYPES: dict[type[FlywheelError], str] = {
     PayloadTooLarge: "request_too_large",  # Anthropic's documented 413 type
     Conflict: "invalid_request_error",  # Anthropic uses invalid_request_error for unlisted 4xx
     ServiceUnavailable: "overloaded_error",  # retryable: the SDK retries it as it does a 529
+    TooManyRequests: "rate_limit_error",
     UpstreamTimeout: "timeout_error",  # the SDK's GatewayTimeoutErrorObject (504)
 }
 
