@@ -43,17 +43,21 @@ lint: engine
 	$(ENGINE_PY) -m ruff format --check .
 	$(ENGINE_PY) -m mypy proxy trainer deploy workflows bench
 
+# Coverage over the packages named in pyproject's [tool.coverage.run]; spelled out because a bare
+# `--cov` takes the next argument (a test path in PYTEST_ARGS) as its source.
+COV = --cov=proxy --cov=trainer --cov=deploy --cov=workflows
+
 TEST_ENV = FLYWHEEL_ENGINE_PYTHON=$(ENGINE_PY) FLYWHEEL_AGENTS_PYTHON=$(AGENTS_PY) \
 	FLYWHEEL_MODEL_DIR=$$($(ENGINE_PY) -m deploy.model path)
 
 # Both suites on one vLLM (tests/run_suites.py); `make test-engine` / `make test-agents` start their own.
 test: setup lint
 	$(TEST_ENV) $(ENGINE_PY) -m tests.run_suites \
-	  $(ENGINE_PY) -m pytest -m "not agents" --cov $(PYTEST_ARGS) :: \
+	  $(ENGINE_PY) -m pytest -m "not agents" $(COV) $(PYTEST_ARGS) :: \
 	  $(AGENTS_PY) -m pytest -m agents tests/workflows $(PYTEST_ARGS)
 
 test-engine:
-	$(TEST_ENV) $(ENGINE_PY) -m pytest -m "not agents" --cov $(PYTEST_ARGS)
+	$(TEST_ENV) $(ENGINE_PY) -m pytest -m "not agents" $(COV) $(PYTEST_ARGS)
 
 test-agents:
 	$(TEST_ENV) $(AGENTS_PY) -m pytest -m agents tests/workflows $(PYTEST_ARGS)

