@@ -11,16 +11,24 @@ Measured with ``bench/ui_pages.py``: README, Benchmarks. Nothing here writes.
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import func, select, tuple_
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from proxy.store.models import Call, Episode, Group
 from proxy.store.records import CallRecord, EpisodeRecord, GroupRecord
 from proxy.store.rows import call_records, episode_record, group_records
 from proxy.vocabulary import EpisodeStatus, GroupStatus, TrainStatus
+
+COUNTS_TTL_S = 5.0
+"""How long the overview's store counts are reused. Counting is a scan of every table (PostgreSQL,
+100,000 episodes: ~140 ms), and every open dashboard polls the overview every 5 s."""
 
 Cursor = tuple[float, str]
 """A row's (created_at, id): the page that follows starts after it."""
@@ -54,10 +62,16 @@ def _before(created_at: Any, row_id: Any, cursor: Cursor | None) -> Any:
 
 
 class Browse:
-    """The dashboard's reads, on the repository's read engine (one short session per method)."""
+    """The dashboard's reads, on the repository's read engine (one short session per method;
+    ``sessions`` is the repository's, which turns a store failure into ``StoreUnavailable``)."""
 
-    def __init__(self, sessions: async_sessionmaker[AsyncSession]) -> None:
+    def __init__(
+        self, sessions: Callable[[], AbstractAsyncContextManager[AsyncSession]], counts_ttl_s: float = COUNTS_TTL_S
+    ) -> None:
         self._sessions = sessions
+        self._counts_ttl_s = counts_ttl_s
+        self._counted: tuple[float, Counts] | None = None
+        self._counting = asyncio.Lock()  # concurrent polls wait for one count instead of each running it
 
     async def episodes(
         self,
@@ -180,7 +194,15 @@ class Browse:
         return [episode_record(row, calls[row.id]) for row in rows], rewards
 
     async def counts(self) -> Counts:
-        """Episodes by status, groups by train status, and all calls."""
+        """Episodes by status, groups by train status, and all calls; at most ``counts_ttl_s`` old."""
+        async with self._counting:
+            if self._counted is not None and time.monotonic() - self._counted[0] < self._counts_ttl_s:
+                return self._counted[1]
+            counts = await self._count()
+            self._counted = (time.monotonic(), counts)
+            return counts
+
+    async def _count(self) -> Counts:
         async with self._sessions() as session:
             episodes = (await session.execute(select(Episode.status, func.count()).group_by(Episode.status))).all()
             groups = (

@@ -631,3 +631,14 @@ async def test_a_lease_claimed_again_is_lost_for_renewals_and_acks(repo: Reposit
     await repo.renew_lease(lease_id=a.lease_id, group_ids=[second], lease_s=60)
     await repo.ack_groups(lease_id=a.lease_id, group_ids=[second], step=1, status="trained")
     assert [(await repo.get_group(g)).train_status for g in (first, second)] == ["trained", "trained"]
+
+
+async def test_dashboard_counts_are_reused_within_their_ttl_and_recounted_after(repo: Repository) -> None:
+    """The overview's counts scan every table; every open dashboard polls them, so one count serves
+    all polls for ``counts_ttl_s`` (``proxy/store/browse.py``), and a later poll sees new rows."""
+    first = await repo.browse.counts()
+    await repo.create_group(task_id="t", size=2, metadata={})
+    assert await repo.browse.counts() == first  # within the TTL: the same count, not a new scan
+    repo.browse._counted = (repo.browse._counted[0] - 60.0, first) if repo.browse._counted else None  # it ages
+    after = await repo.browse.counts()
+    assert sum(after.episodes.values()) == sum(first.episodes.values()) + 2
