@@ -18,7 +18,9 @@ as a bare 500 or an empty body.
     ├── TooManyRequests (429 rate_limit_error)   too many wrong keys from one client (Retry-After)
     │   └── BacklogFull (429)               a new group could only be trained stale (``admission.py``)
     ├── ServiceUnavailable (503 service_unavailable)
-    │   └── RecordingFailed (503)           the store could not commit the call's record
+    │   ├── RecordingFailed (503, or 507)   the store could not commit the call's record
+    │   └── StoreUnavailable (503)          the store is down, unreachable or timed out (``store/faults.py``)
+    │       └── StoreFull (507)             the store's disk is full
     └── UpstreamError (502 upstream_error)
         ├── UpstreamUnavailable (502)       connect error, or no healthy replica
         └── UpstreamTimeout (504 timeout_error)
@@ -124,7 +126,24 @@ class ServiceUnavailable(FlywheelError):
 
 
 class RecordingFailed(ServiceUnavailable):
-    pass
+    """The call's record did not commit; under the store fault's status and type when there is one
+    (``StoreFull``: 507 ``insufficient_storage``)."""
+
+    def __init__(
+        self, message: str, *, fault: StoreUnavailable | None = None, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message, param=param, code=code or (fault.code if fault else None))
+        if fault is not None:
+            self.status_code, self.type = fault.status_code, fault.type
+
+
+class StoreUnavailable(ServiceUnavailable):
+    """The store failed to answer: down, restarting, unreachable, or no connection within its timeout."""
+
+
+class StoreFull(StoreUnavailable):
+    status_code = 507
+    type = "insufficient_storage"
 
 
 class UpstreamError(FlywheelError):

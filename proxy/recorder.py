@@ -19,11 +19,18 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from proxy.errors import FlywheelError, RecordingFailed
+from proxy.errors import FlywheelError, RecordingFailed, StoreUnavailable
 from proxy.store.records import NewCall
 from proxy.store.repository import Repository
 
 log = logging.getLogger("flywheel.recorder")
+
+
+def _failed(exc: Exception) -> RecordingFailed:
+    """Why a batch did not commit, under the store fault's status and code (503, 507 when full)."""
+    if isinstance(exc, StoreUnavailable):
+        return RecordingFailed(f"the call could not be recorded: {exc.message}", fault=exc)
+    return RecordingFailed(f"the call could not be recorded ({type(exc).__name__}); retry it", code="recording_failed")
 
 
 class Recorder:
@@ -49,7 +56,8 @@ class Recorder:
 
     async def record(self, call: NewCall) -> None:
         """Return once ``call`` is committed. Raises ``EpisodeClosed`` if its episode was finished
-        before the record was written (the call is not stored), ``RecordingFailed`` if the store failed."""
+        before the record was written (the call is not stored), ``RecordingFailed`` if the store failed
+        (507 when it is full, else 503)."""
         # Only a batch loop still running will take the call: one that has ended (or, once closing,
         # never ran) would leave it waiting for ever.
         if self._closing and (self._task is None or self._task.done()):
@@ -77,9 +85,9 @@ class Recorder:
             started = loop.time()
             try:
                 outcomes: list[FlywheelError | None] = await self._repo.insert_calls([call for call, _ in batch])
-            except Exception as exc:  # the store is down or refused: every waiter gets a clear error
+            except Exception as exc:  # the store is down, full or refused: every waiter gets a clear error
                 log.error("recording failed", extra={"calls": len(batch), "error": repr(exc)})
-                error = RecordingFailed(f"the call could not be recorded ({type(exc).__name__}); retry it")
+                error = _failed(exc)
                 for _, future in batch:
                     if not future.done():
                         future.set_exception(error)

@@ -24,17 +24,37 @@ def is_sqlite(url: str) -> bool:
     return make_url(url).get_backend_name() == "sqlite"
 
 
-def make_engine(url: str, *, synchronous: str = "NORMAL", pool_size: int = 10, immediate: bool = False) -> AsyncEngine:
+CONNECT_TIMEOUT_S = 10.0
+"""PostgreSQL: the longest a request waits to connect, or for a pooled connection, before its 503
+``store_unavailable`` (``faults.py``): a server that is down or unreachable never leaves a client hanging."""
+
+
+def make_engine(
+    url: str,
+    *,
+    synchronous: str = "NORMAL",
+    pool_size: int = 10,
+    immediate: bool = False,
+    timeout_s: float = CONNECT_TIMEOUT_S,
+) -> AsyncEngine:
     """Create the async engine, with SQLite pragmas applied to every new connection.
 
     ``immediate`` makes every SQLite transaction ``BEGIN IMMEDIATE``: it takes the write lock up
     front, so a read-then-write transaction waits its turn (busy timeout) instead of failing with
     SQLITE_BUSY when another writer committed after its read. JSON columns are written by
-    ``json_text``, the same text the SQLite fast path writes.
+    ``json_text``, the same text the SQLite fast path writes. On PostgreSQL, ``timeout_s`` bounds a
+    connect and a wait for a pooled connection, and every pooled connection is pinged before use,
+    so after a server restart the pool reconnects by itself instead of failing on dead connections.
     """
     if not is_sqlite(url):
         return create_async_engine(
-            url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True, json_serializer=json_text
+            url,
+            pool_size=pool_size,
+            max_overflow=pool_size,
+            pool_pre_ping=True,
+            pool_timeout=timeout_s,
+            connect_args={"timeout": timeout_s},
+            json_serializer=json_text,
         )
     pool: dict[str, Any] = {}
     if database := sqlite_file(url):

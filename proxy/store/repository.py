@@ -25,8 +25,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, a
 
 from proxy.errors import Conflict, EpisodeClosed, FlywheelError, InvalidRequest, NotFound, RecordingFailed
 from proxy.store.browse import Browse
-from proxy.store.db import is_sqlite, make_engine, sqlite_file
+from proxy.store.db import CONNECT_TIMEOUT_S, is_sqlite, make_engine, sqlite_file
 from proxy.store.delta import Tail, Tails
+from proxy.store.faults import translated
 from proxy.store.models import Call, Episode, Group, PolicyVersion, TrainerStep
 from proxy.store.records import (
     CallRecord,
@@ -98,17 +99,18 @@ class Repository:
         pool_size: int = 10,
         min_rewarded: int = 2,
         sqlite_fast_path: bool = True,
+        timeout_s: float = CONNECT_TIMEOUT_S,
     ) -> None:
         self.url = url
         self.sqlite = is_sqlite(url)
         self.min_rewarded = min_rewarded
-        self._reader = make_engine(url, synchronous=synchronous, pool_size=pool_size)
+        self._reader = make_engine(url, synchronous=synchronous, pool_size=pool_size, timeout_s=timeout_s)
         self._writer: AsyncEngine = (
             make_engine(url, synchronous=synchronous, immediate=True) if self.sqlite else self._reader
         )
         self._read_sessions = async_sessionmaker(self._reader, expire_on_commit=False)
         self._write_sessions = async_sessionmaker(self._writer, expire_on_commit=False)
-        self.browse = Browse(self._read_sessions)
+        self.browse = Browse(self._read)
         """The dashboard's read-only pages and counts (``browse.py``)."""
         # SQLite files: the recorder's group commits and the model routes' episode check each get
         # a plain connection on a thread of their own (see sqlite_fast); the rest uses the engines.
@@ -126,14 +128,16 @@ class Repository:
         if self._writer is not self._reader:
             await self._writer.dispose()
 
+    # Every way into the store passes ``translated``: a store that is down, unreachable or full
+    # leaves here as ``StoreUnavailable`` or ``StoreFull`` (503, 507), never as a driver's error.
     @asynccontextmanager
     async def _write(self) -> AsyncIterator[AsyncSession]:
-        async with self._write_sessions() as session, session.begin():
+        async with translated(), self._write_sessions() as session, session.begin():
             yield session
 
     @asynccontextmanager
     async def _read(self) -> AsyncIterator[AsyncSession]:
-        async with self._read_sessions() as session:
+        async with translated(), self._read_sessions() as session:
             yield session
 
     async def ping(self) -> None:
@@ -214,7 +218,8 @@ class Repository:
     async def episode_state(self, episode_id: str) -> tuple[str, str | None] | None:
         """(status, group_id) of an episode, or None: the model routes' existence check."""
         if self._fast is not None:
-            return await self._fast.episode_state(episode_id)
+            async with translated():
+                return await self._fast.episode_state(episode_id)
         async with self._read() as session:
             row = (
                 await session.execute(select(Episode.status, Episode.group_id).where(Episode.id == episode_id))
@@ -506,10 +511,11 @@ class Repository:
     async def _insert_batch(
         self, calls: Sequence[NewCall], bases: dict[str, Tail | None]
     ) -> tuple[dict[str, str | None], dict[str, Tail], Layout]:
-        if self._fast is not None:
-            return await self._fast.insert_calls(calls, bases)
-        async with self._writer.begin() as conn:
-            return await self._insert(conn, calls, bases)
+        async with translated():
+            if self._fast is not None:
+                return await self._fast.insert_calls(calls, bases)
+            async with self._writer.begin() as conn:
+                return await self._insert(conn, calls, bases)
 
     async def _insert(
         self, conn: AsyncConnection, calls: Sequence[NewCall], bases: dict[str, Tail | None]
