@@ -19,7 +19,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from proxy.admission import Admission
 from proxy.auth import KeyRing
@@ -44,20 +45,63 @@ log = logging.getLogger("flywheel.app")
 
 
 class BodyLimit:
-    """Refuse bodies over ``max_bytes`` with a 413 before reading them (pure ASGI: no overhead)."""
+    """Refuse bodies over ``max_bytes`` with a 413, never holding more than ``max_bytes`` of one.
+
+    A declared ``content-length`` over the limit is refused before any body byte is read (uvicorn
+    holds a request to its declared length). A chunked body has no length: it is counted as it
+    arrives, and past the limit the 413 goes out at once, the app is told the client left
+    (``http.disconnect``, so whatever was reading stops) and what it answers after that is dropped;
+    uvicorn discards the rest of the body as it comes. Pure ASGI; only chunked requests are wrapped.
+    """
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            for name, value in scope["headers"]:
-                if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                    error = PayloadTooLarge(f"request body is {int(value)} bytes; the limit is {self.max_bytes}")
-                    await _error_response(error, scope["path"])(scope, receive, send)
-                    return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        chunked = False
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                error = PayloadTooLarge(f"request body is {int(value)} bytes; the limit is {self.max_bytes}")
+                await _error_response(error, scope["path"])(scope, receive, send)
+                return
+            chunked = chunked or name == b"transfer-encoding"
+        if not chunked:
+            await self.app(scope, receive, send)
+            return
+        received = 0
+        refused = started = False
+
+        async def counted() -> Message:
+            nonlocal received, refused
+            if refused:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    refused = True
+                    if not started:
+                        error = PayloadTooLarge(f"request body exceeds {self.max_bytes} bytes")
+                        await _error_response(error, scope["path"])(scope, receive, send)
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def unless_refused(message: Message) -> None:
+            nonlocal started
+            if refused:
+                return  # the 413 was the answer
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted, unless_refused)
+        except ClientDisconnect:
+            if not refused:
+                raise
 
 
 async def _every(interval_s: float, name: str, job: Any) -> None:
