@@ -28,12 +28,16 @@ ConfigOpt = Annotated[
 
 
 def ensure_admin_key(path: Path) -> None:
-    """Use FLYWHEEL_ADMIN_KEY if set; else read (or create, mode 0600) ``path`` and export it."""
+    """Use FLYWHEEL_ADMIN_KEY if set (a fixed key); else read (or create, mode 0600) ``path`` and
+    point the app at it (FLYWHEEL_ADMIN_KEY_FILE), which re-reads it while serving: the key
+    rotates without a restart (``proxy/keyfile.py``). FLYWHEEL_ADMIN_KEY is set to its current key
+    for this process's own readers; the file wins in the app."""
     if os.environ.get("FLYWHEEL_ADMIN_KEY"):
         return
     if not path.exists() and _create_key(path):
         typer.echo(f"created an admin key in {path} (clients read it from there or FLYWHEEL_ADMIN_KEY)", err=True)
     os.environ["FLYWHEEL_ADMIN_KEY"] = _read_key(path)
+    os.environ["FLYWHEEL_ADMIN_KEY_FILE"] = str(path.resolve())
 
 
 def _create_key(path: Path) -> bool:
@@ -65,12 +69,13 @@ def _create_key(path: Path) -> bool:
 
 
 def _read_key(path: Path) -> str:
-    key = path.read_text().strip()
-    if not key:
-        raise typer.BadParameter(
-            f"the admin key file {path} is empty: delete it (a new key is created) or set FLYWHEEL_ADMIN_KEY"
-        )
-    return key
+    """The file's current key (its first line), or a clear refusal (never the file's content)."""
+    from proxy.keyfile import KeyFileError, read_keys
+
+    try:
+        return read_keys(path)[0]
+    except KeyFileError as exc:
+        raise typer.BadParameter(f"{exc}: delete it (a new key is created) or set FLYWHEEL_ADMIN_KEY") from None
 
 
 @cli.command()
@@ -78,9 +83,9 @@ def serve(
     config: ConfigOpt = None,
     workers: Annotated[int, typer.Option(help="processes; SQLite and PostgreSQL both take several")] = 1,
     migrate: Annotated[bool, typer.Option(help="upgrade the schema before serving")] = True,
-    admin_key_file: Annotated[Path, typer.Option(help="used when FLYWHEEL_ADMIN_KEY is unset")] = Path(
-        "data/admin.key"
-    ),
+    admin_key_file: Annotated[
+        Path, typer.Option(help="used unless FLYWHEEL_ADMIN_KEY, FLYWHEEL_ADMIN_KEY_FILE or auth.admin_key_file is set")
+    ] = Path("data/admin.key"),
 ) -> None:
     """Serve the proxy (uvicorn, uvloop, httptools)."""
     import uvicorn
@@ -88,7 +93,7 @@ def serve(
     from proxy.logs import configure
     from proxy.store.db import migrate as run_migrations
 
-    ensure_admin_key(admin_key_file)
+    ensure_admin_key(Path(os.environ.get("FLYWHEEL_ADMIN_KEY_FILE") or _configured_key_file(config) or admin_key_file))
     settings = load_settings(config)
     configure(settings.log_level, settings.log_format)
     if migrate:
@@ -111,19 +116,30 @@ def serve(
     )
 
 
+def _yaml_section(config: Path | None, name: str) -> dict[str, object]:
+    """One section of the proxy's YAML, read without validating the rest (the key may be missing yet)."""
+    import yaml
+
+    data = yaml.safe_load(config.read_text()) if config else None
+    root = data.get("proxy", data) if isinstance(data, dict) else {}
+    section = root.get(name) if isinstance(root, dict) else None
+    return section if isinstance(section, dict) else {}
+
+
+def _configured_key_file(config: Path | None) -> str | None:
+    """``auth.admin_key_file`` from the YAML, if it names one."""
+    value = _yaml_section(config, "auth").get("admin_key_file")
+    return str(value) if value else None
+
+
 def _store_url(config: Path | None) -> str:
     """The store URL alone (migrating needs no admin key or upstreams): env, then YAML, then default."""
     from_env = os.environ.get("FLYWHEEL_STORE__URL") or os.environ.get("FLYWHEEL_STORE_URL")
     if from_env:
         return from_env
-    import yaml
-
     from proxy.settings import StoreSettings
 
-    data = yaml.safe_load(config.read_text()) if config else None
-    section = data.get("proxy", data) if isinstance(data, dict) else {}
-    store = section.get("store") if isinstance(section, dict) else None
-    return str((store or {}).get("url") or StoreSettings().url)
+    return str(_yaml_section(config, "store").get("url") or StoreSettings().url)
 
 
 @cli.command()

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,6 +29,7 @@ from proxy.deps import Services
 from proxy.dialects.messages import error_body as messages_error_body
 from proxy.errors import FlywheelError, InvalidRequest, NotFound, PayloadTooLarge, RequestRejected
 from proxy.gate import EpisodeGate
+from proxy.keyfile import KeyFile, Reload, initial_keys
 from proxy.metrics import Metrics
 from proxy.policy_table import PolicyTable
 from proxy.recorder import Recorder
@@ -113,6 +115,19 @@ async def _every(interval_s: float, name: str, job: Any) -> None:
         await asyncio.sleep(interval_s)
 
 
+def _key_file(settings: Settings, keys: KeyRing, admin_keys: list[str], metrics: Metrics) -> KeyFile | None:
+    """The watcher of ``auth.admin_key_file`` (rotation without a restart), if one is set."""
+    if settings.auth.admin_key_file is None:
+        return None
+
+    def count(outcome: Reload) -> None:
+        if outcome != "unchanged":
+            metrics.key_reloads.labels(outcome).inc()
+
+    path = Path(settings.auth.admin_key_file)
+    return KeyFile(path, keys, admin_keys, grace_s=settings.auth.rotation_grace_s, on_reload=count)
+
+
 def _speaks_messages(path: str) -> bool:
     """Anthropic Messages routes answer errors in Anthropic's shape, every other route in OpenAI's."""
     return path.endswith(("/v1/messages", "/v1/messages/count_tokens"))
@@ -141,6 +156,8 @@ def create_app(
 ) -> FastAPI:
     """The proxy app. ``transport`` swaps the network to vLLM (tests isolating the proxy only)."""
     sampling = SamplingDefaults.load(settings.sampling.generation_config, settings.sampling.defaults)
+    admin_keys = initial_keys(settings.auth)
+    keys = KeyRing(admin_keys, [k.get_secret_value() for k in settings.auth.agent_keys])
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -169,9 +186,7 @@ def create_app(
             upstreams=upstreams,
             policies=policies,
             recorder=recorder,
-            keys=KeyRing(
-                settings.auth.admin_key.get_secret_value(), [k.get_secret_value() for k in settings.auth.agent_keys]
-            ),
+            keys=keys,
             gate=EpisodeGate(store),
             metrics=metrics,
             relay=relay,
@@ -180,6 +195,9 @@ def create_app(
         log.info("sampling defaults for omitted fields", extra={"defaults": sampling.values, "source": sampling.source})
         app.state.services = svc
         app.state.failed_auth = FailedAuth(settings.auth.failed_limit, settings.auth.failed_window_s)
+        metrics.retiring_keys.set_function(lambda: keys.retiring)
+        key_file = _key_file(settings, keys, admin_keys, metrics)
+        stop_sighup = key_file.on_sighup() if key_file is not None else (lambda: None)
         recorder.start()
         with contextlib.suppress(Exception):
             await policies.refresh()
@@ -195,12 +213,15 @@ def create_app(
                 )
             ),
         ]
+        if key_file is not None and settings.auth.key_reload_s > 0:
+            loops.append(asyncio.create_task(key_file.watch(settings.auth.key_reload_s)))
         log.info(
             "proxy ready", extra={"replicas": [r.name for r in upstreams.replicas], "store": store.url.split("://")[0]}
         )
         try:
             yield
         finally:
+            stop_sighup()
             for task in loops:
                 task.cancel()
             await asyncio.gather(*loops, return_exceptions=True)
@@ -220,7 +241,7 @@ def create_app(
     )
     for module in (chat, responses, messages, episodes, policy, trainer, ops):
         app.include_router(module.router)
-    ui.install(app, settings.auth.admin_key.get_secret_value())
+    ui.install(app, keys.admin_keys)
 
     @app.exception_handler(FlywheelError)
     async def _flywheel_error(request: Request, exc: FlywheelError) -> JSONResponse:

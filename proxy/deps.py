@@ -63,9 +63,12 @@ def check_key(request: Request, key: str | None) -> Principal | None:
     failures: FailedAuth = request.app.state.failed_auth
     client = client_of(request)
     failures.check(client)
-    found = services_of(request).keys.identify(key)
+    svc = services_of(request)
+    found = svc.keys.identify(key)
     if found is None and key:
         failures.failed(client)
+    elif found is not None and found.retiring:
+        svc.metrics.retiring_used.labels(found.role).inc()
     return found
 
 

@@ -53,6 +53,22 @@ class Metrics:
             "POST /groups answered 429 backlog_full: the groups ahead of the trainer filled its staleness window",
             registry=r,
         )
+        self.key_reloads = Counter(
+            "flywheel_admin_key_reloads",
+            "Admin key file reads that changed the keys (rotated) or could not be used (refused)",
+            ["outcome"],
+            registry=r,
+        )
+        self.retiring_used = Counter(
+            "flywheel_auth_retiring_used",
+            "Requests accepted under an admin key in its grace window (or an episode key it signed), by role: "
+            "clients that have not switched to the new key yet",
+            ["role"],
+            registry=r,
+        )
+        self.retiring_keys = Gauge(
+            "flywheel_auth_retiring_keys", "Admin keys out of the key file, still in their grace window", registry=r
+        )
 
         self.splices = Counter(
             "flywheel_splices",

@@ -4,7 +4,7 @@ Built once in the entrypoint (``python -m proxy serve``) and passed to ``create_
 is a module-level global, so a test can build as many apps as it likes.
 
 Environment overrides use ``__`` for nesting: ``FLYWHEEL_STORE__URL=postgresql+asyncpg://...``,
-``FLYWHEEL_AUTH__ADMIN_KEY=...``. ``FLYWHEEL_ADMIN_KEY`` is accepted as a short form.
+``FLYWHEEL_AUTH__ADMIN_KEY=...``. ``FLYWHEEL_ADMIN_KEY`` and ``FLYWHEEL_ADMIN_KEY_FILE`` are accepted as short forms.
 """
 
 from __future__ import annotations
@@ -21,7 +21,13 @@ Penalties = Literal["flag", "reject"]
 """What happens to a recorded call that sets a penalty (``SamplingSettings.penalties``)."""
 Constrained = Literal["train", "exclude", "reject"]
 """What happens to a grammar-constrained recorded call (``SamplingSettings.constrained``)."""
-SHORTCUTS = {"FLYWHEEL_ADMIN_KEY": ("auth", "admin_key"), "FLYWHEEL_STORE_URL": ("store", "url")}
+SHORTCUTS = {
+    "FLYWHEEL_ADMIN_KEY": ("auth", "admin_key"),
+    "FLYWHEEL_ADMIN_KEY_FILE": ("auth", "admin_key_file"),
+    "FLYWHEEL_STORE_URL": ("store", "url"),
+}
+MIN_KEY_CHARS = 16
+"""The shortest admin key accepted, in settings and in the key file."""
 
 
 class _Section(BaseModel):
@@ -72,8 +78,18 @@ class EpisodeSettings(_Section):
 
 
 class AuthSettings(_Section):
-    admin_key: SecretStr
-    """Full access: control API, trainer API, every episode. Required."""
+    admin_key: SecretStr | None = None
+    """Full access: control API, trainer API, every episode. Required unless ``admin_key_file`` is set."""
+    admin_key_file: str | None = None
+    """A file holding the admin key (first line; further lines: earlier keys still accepted). Wins
+    over ``admin_key``, and is read again on SIGHUP and every ``key_reload_s``: the key rotates
+    without a restart (``proxy/keyfile.py``). ``serve`` points it at ``data/admin.key`` unless
+    ``FLYWHEEL_ADMIN_KEY`` is set."""
+    key_reload_s: float = Field(5.0, ge=0)
+    """How often each proxy process re-reads ``admin_key_file``; 0: only on SIGHUP."""
+    rotation_grace_s: float = Field(3600.0, ge=0)
+    """How long a key that left the key file still works (admin, its episode keys, its dashboard
+    sessions) in each process that had it: longer than the episodes running at a rotation last."""
     agent_keys: list[SecretStr] = []
     """Keys that reach the model routes (any episode, and passthrough) but never the control API."""
     failed_limit: int = Field(30, ge=0)
@@ -83,10 +99,16 @@ class AuthSettings(_Section):
 
     @field_validator("admin_key")
     @classmethod
-    def _strong_enough(cls, value: SecretStr) -> SecretStr:
-        if len(value.get_secret_value()) < 16:
-            raise ValueError("admin_key must be at least 16 characters (try: openssl rand -hex 24)")
+    def _strong_enough(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value()) < MIN_KEY_CHARS:
+            raise ValueError(f"admin_key must be at least {MIN_KEY_CHARS} characters (try: openssl rand -hex 24)")
         return value
+
+    @model_validator(mode="after")
+    def _some_admin_key(self) -> AuthSettings:
+        if self.admin_key is None and self.admin_key_file is None:
+            raise ValueError("set auth.admin_key or auth.admin_key_file (env FLYWHEEL_ADMIN_KEY or _FILE)")
+        return self
 
 
 class SamplingSettings(_Section):
@@ -197,7 +219,7 @@ def env_overrides(environ: dict[str, str] | os._Environ[str]) -> dict[str, Any]:
             continue
         if path[0] not in Settings.model_fields:
             continue
-        _set_path(tree, path, yaml.safe_load(raw) if path[-1] not in {"admin_key", "url"} else raw)
+        _set_path(tree, path, yaml.safe_load(raw) if path[-1] not in {"admin_key", "admin_key_file", "url"} else raw)
     return tree
 
 

@@ -9,6 +9,7 @@ only: never from a URL, never written into a page.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import parse_qs, quote
@@ -326,9 +327,10 @@ async def export(
     )
 
 
-def install(app: FastAPI, admin_key: str) -> None:
-    """Mount the dashboard on ``app``: its routes, its static files (no key) and its login redirect."""
-    app.state.ui_pages = Pages(SessionTokens(admin_key))
+def install(app: FastAPI, admin_keys: str | Callable[[], Sequence[str]]) -> None:
+    """Mount the dashboard on ``app``: its routes, its static files (no key) and its login redirect.
+    ``admin_keys``: the key, or the accepted keys now, current first (``KeyRing.admin_keys``)."""
+    app.state.ui_pages = Pages(SessionTokens(admin_keys))
     app.mount("/ui/static", StaticFiles(directory=HERE / "static"), name="ui-static")
     app.include_router(router)
     app.add_exception_handler(LoginRequired, _login_redirect)

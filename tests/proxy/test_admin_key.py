@@ -18,7 +18,10 @@ from proxy.__main__ import ensure_admin_key
 
 @pytest.fixture(autouse=True)
 def no_env_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("FLYWHEEL_ADMIN_KEY", raising=False)
+    """Neither variable set, and both back as they were after the test (``ensure_admin_key`` sets them)."""
+    for name in ("FLYWHEEL_ADMIN_KEY", "FLYWHEEL_ADMIN_KEY_FILE"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
 
 
 def test_key_file_is_0600_from_birth_even_under_umask_0(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
