@@ -78,6 +78,7 @@ __all__ = [
     "ProxyError",
     "ProxyUnreachable",
     "RetryPolicy",
+    "key_file_keys",
 ]
 
 R = TypeVar("R")
@@ -87,6 +88,13 @@ CallRewards = Mapping[int, float] | Mapping[str, float]
 """Per-call rewards keyed by call ordinal (``2`` or ``"2"``), or ``"ordinal:choice"`` for a call with n > 1."""
 UNSENT = (httpx.ConnectError, httpx.ConnectTimeout)
 """Transport errors raised before the request left: no proxy can have acted on it."""
+
+
+def key_file_keys(text: str) -> list[str]:
+    """The keys in an admin key file's text: its lines that are neither blank nor ``#`` comments.
+    The first is the admin key a client sends; later ones are earlier keys the proxy still accepts
+    while a rotation's clients switch (``proxy/keyfile.py``)."""
+    return [key for line in text.splitlines() if (key := line.strip()) and not key.startswith("#")]
 
 
 class ProxyError(Exception):

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Literal
 
 from proxy.auth import KeyRing
+from proxy.client import key_file_keys
 from proxy.settings import MIN_KEY_CHARS, AuthSettings
 
 log = logging.getLogger("flywheel.auth")
@@ -39,12 +40,9 @@ def read_keys(path: Path) -> list[str]:
     except (OSError, UnicodeDecodeError) as exc:
         raise KeyFileError(f"cannot read the admin key file {path}: {type(exc).__name__}") from None
     keys: list[str] = []
-    for number, line in enumerate(text.splitlines(), 1):
-        key = line.strip()
-        if not key or key.startswith("#"):
-            continue
+    for number, key in enumerate(key_file_keys(text), 1):
         if len(key) < MIN_KEY_CHARS:
-            raise KeyFileError(f"the admin key file {path}: line {number} is under {MIN_KEY_CHARS} characters")
+            raise KeyFileError(f"the admin key file {path}: key {number} is under {MIN_KEY_CHARS} characters")
         if key not in keys:
             keys.append(key)
     if not keys:

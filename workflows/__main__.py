@@ -25,7 +25,7 @@ from typing import Annotated, Any, cast
 
 import typer
 
-from proxy.client import AsyncProxyClient, ProxyError
+from proxy.client import AsyncProxyClient, ProxyError, key_file_keys
 from workflows.base import Endpoint, Split, Workflow
 from workflows.judge import REWARD_MODES, Judge, JudgeConfig, RewardMode
 from workflows.options import OptionError, describe, parse_options
@@ -53,9 +53,9 @@ def admin_key(path: Path) -> str:
     if key:
         return key
     if path.exists():
-        key = path.read_text().strip()
-        if key:
-            return key
+        keys = key_file_keys(path.read_text())  # the first; later lines: a rotation's old keys
+        if keys:
+            return keys[0]
     raise typer.BadParameter(
         f"no admin key: set FLYWHEEL_ADMIN_KEY or write it to {path}", param_hint="--admin-key-file"
     )

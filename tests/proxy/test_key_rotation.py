@@ -106,7 +106,7 @@ def test_the_key_file_format_and_what_it_refuses(tmp_path: Path) -> None:
     path.write_text(f"# rotated on Monday\n\n  {NEW}  \n{OLD}\n{NEW}\n")
     assert read_keys(path) == [NEW, OLD]
     short = "short-key-123"
-    for text, why in [("", "holds no key"), ("# only a comment\n", "holds no key"), (f"{NEW}\n{short}\n", "line 2")]:
+    for text, why in [("", "holds no key"), ("# only a comment\n", "holds no key"), (f"{NEW}\n{short}\n", "key 2")]:
         path.write_text(text)
         with pytest.raises(KeyFileError, match=why) as refused:
             read_keys(path)
@@ -130,7 +130,7 @@ def test_a_bad_file_keeps_the_keys_in_use_and_says_why_without_the_key(
         assert watcher.reload() == "refused"  # warned once per distinct problem
     assert ring.identify(OLD) == Principal("admin") and ring.identify(bad) is None
     warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 1 and "line 1" in warnings[0] and bad not in warnings[0]
+    assert len(warnings) == 1 and "key 1" in warnings[0] and bad not in warnings[0]
     path.write_text("")  # a writer that truncates first: read between its two steps
     assert watcher.reload() == "refused" and ring.identify(OLD) == Principal("admin")
     write_key_file(path, NEW)
@@ -266,3 +266,18 @@ async def test_replicas_sharing_the_key_file_follow_it_by_polling(sqlite_url: st
             minted = created.json()["episode_keys"][0]
             assert (await _chat(second, minted)).status_code == 200
             assert await _accepted(second, OLD)  # still in its grace window on both
+
+
+def test_clients_reading_the_key_file_send_its_first_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the old key is listed as a second line, the trainer, the workflows and the launcher
+    read the file too: each sends the current key, not both lines."""
+    from deploy.stack import admin_key as launcher_key
+    from trainer.config import TrainerConfig
+    from workflows.__main__ import admin_key as workflows_key
+
+    monkeypatch.delenv("FLYWHEEL_ADMIN_KEY", raising=False)
+    path = tmp_path / "admin.key"
+    write_key_file(path, "# rotated today", NEW, OLD)
+    assert TrainerConfig(admin_key_file=str(path)).admin_key() == NEW
+    assert workflows_key(path) == NEW
+    assert launcher_key(tmp_path) == NEW
