@@ -188,41 +188,39 @@ def trl_dataset(options: MathOptions) -> Any:
     )
 
 
-def train_trl(shared: Shared, workdir: Path, *, minutes: float, seed: int, threads: int, stop: list[bool]) -> TrlResult:
-    """TRL's GRPOTrainer with its own CPU generation for ``minutes`` of training; saves the adapter."""
-    from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from transformers.trainer_callback import PrinterCallback
-    from trl import GRPOConfig, GRPOTrainer  # type: ignore[attr-defined]
+def trl_tokenizer(model: str) -> Any:
+    """The model's tokenizer with the chat template vLLM renders Flywheel's prompts with."""
+    from transformers import AutoTokenizer
 
-    torch.set_num_threads(threads)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.chat_template = DEFAULT_TEMPLATE.read_text()
+    return tokenizer
+
+
+def trl_lora(config: TrainerConfig) -> Any:
+    """The trainer config's LoRA settings as a PEFT ``LoraConfig`` for GRPOTrainer."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=list(config.lora_target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def trl_args(shared: Shared, output_dir: Path, *, seed: int, max_steps: int = 1_000_000) -> Any:
+    """TRL's ``GRPOConfig`` with the run config's sampling and learner settings (see the module docstring);
+    ``bench.trl_parity`` takes one step with the same one."""
+    from trl import GRPOConfig  # type: ignore[attr-defined]
+
     config, options = shared.trainer, shared.options
     per_step = config.groups_per_step * shared.group_size
     micro = TRL_MICRO_BATCH if per_step % TRL_MICRO_BATCH == 0 else shared.group_size
-    result = TrlResult(adapter=workdir / "trl" / "adapter")
-    budget_s = minutes * 60
-
-    class Budget(TrainerCallback):
-        """Stops training at the first step end past the budget (or on Ctrl-C); logs each step."""
-
-        started = 0.0
-
-        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            self.started = time.monotonic()
-            log(f"trl: training on {torch.get_num_threads()} torch thread(s)")
-
-        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            elapsed = time.monotonic() - self.started
-            result.steps, result.train_seconds = int(state.global_step), elapsed
-            reward = result.step_rewards[-1] if result.step_rewards else float("nan")
-            log(f"trl step {result.steps:>3}  reward {reward:.3f}  {elapsed / 60:5.1f} min  load {load_average()}")
-            if elapsed >= budget_s or stop[0]:
-                control.should_training_stop = True
-
-    tokenizer = AutoTokenizer.from_pretrained(shared.model)
-    tokenizer.chat_template = DEFAULT_TEMPLATE.read_text()  # the template vLLM renders Flywheel's prompts with
-    args = GRPOConfig(
-        output_dir=str(workdir / "trl"),
+    return GRPOConfig(
+        output_dir=str(output_dir),
         use_vllm=False,
         per_device_train_batch_size=micro,
         gradient_accumulation_steps=per_step // micro,
@@ -246,7 +244,7 @@ def train_trl(shared: Shared, workdir: Path, *, minutes: float, seed: int, threa
         scale_rewards=config.scale_rewards,
         importance_sampling_level=config.importance_sampling_level,
         num_iterations=config.num_iterations,
-        max_steps=1_000_000,
+        max_steps=max_steps,
         logging_steps=1_000_000,
         save_strategy="no",
         report_to=[],
@@ -257,6 +255,39 @@ def train_trl(shared: Shared, workdir: Path, *, minutes: float, seed: int, threa
         seed=seed,
         data_seed=seed,
     )
+
+
+def train_trl(shared: Shared, workdir: Path, *, minutes: float, seed: int, threads: int, stop: list[bool]) -> TrlResult:
+    """TRL's GRPOTrainer with its own CPU generation for ``minutes`` of training; saves the adapter."""
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from transformers.trainer_callback import PrinterCallback
+    from trl import GRPOTrainer  # type: ignore[attr-defined]
+
+    torch.set_num_threads(threads)
+    config, options = shared.trainer, shared.options
+    per_step = config.groups_per_step * shared.group_size
+    result = TrlResult(adapter=workdir / "trl" / "adapter")
+    budget_s = minutes * 60
+
+    class Budget(TrainerCallback):
+        """Stops training at the first step end past the budget (or on Ctrl-C); logs each step."""
+
+        started = 0.0
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.started = time.monotonic()
+            log(f"trl: training on {torch.get_num_threads()} torch thread(s)")
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            elapsed = time.monotonic() - self.started
+            result.steps, result.train_seconds = int(state.global_step), elapsed
+            reward = result.step_rewards[-1] if result.step_rewards else float("nan")
+            log(f"trl step {result.steps:>3}  reward {reward:.3f}  {elapsed / 60:5.1f} min  load {load_average()}")
+            if elapsed >= budget_s or stop[0]:
+                control.should_training_stop = True
+
+    tokenizer = trl_tokenizer(shared.model)
+    args = trl_args(shared, workdir / "trl", seed=seed)
     model = AutoModelForCausalLM.from_pretrained(
         shared.model, dtype=resolve_dtype(config.dtype, "cpu"), attn_implementation="sdpa"
     )
@@ -266,21 +297,14 @@ def train_trl(shared: Shared, workdir: Path, *, minutes: float, seed: int, threa
         args=args,
         train_dataset=trl_dataset(options),
         processing_class=tokenizer,
-        peft_config=LoraConfig(
-            r=config.lora_r,
-            lora_alpha=config.lora_alpha,
-            lora_dropout=config.lora_dropout,
-            target_modules=list(config.lora_target_modules),
-            bias="none",
-            task_type="CAUSAL_LM",
-        ),
+        peft_config=trl_lora(config),
         callbacks=[Budget()],
     )
     trainer.remove_callback(PrinterCallback)  # stdout carries only the table and the JSON line
     log(
         f"trl: {per_step} completions per step ({per_step // shared.group_size} groups of {shared.group_size}), "
-        f"micro-batches of {micro}, {threads} thread(s), {args.max_completion_length} tokens at "
-        f"temperature {args.temperature}; training {minutes:g} min"
+        f"micro-batches of {args.per_device_train_batch_size}, {threads} thread(s), "
+        f"{args.max_completion_length} tokens at temperature {args.temperature}; training {minutes:g} min"
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
