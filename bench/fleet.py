@@ -49,6 +49,7 @@ from bench._loadgen import ClientConnection, build_request, connect
 from bench._procs import FakeUpstreamProcess, ProxyUnderTest, cpu_seconds, exit_on_sigterm, load_average
 from bench.capacity import Costs, Episode, plan
 from bench.fake_upstream import Template, canned_text
+from bench.store_growth import pg_admin
 from proxy.client import AsyncProxyClient
 from proxy.store.db import migrate_async
 
@@ -192,16 +193,6 @@ async def store_sizes(engine: AsyncEngine) -> tuple[int, int]:
     return int(row[0]), int(row[1])
 
 
-async def admin(base: str, statement: str) -> None:
-    """CREATE or DROP DATABASE (outside a transaction, as PostgreSQL requires)."""
-    engine = create_async_engine(base, isolation_level="AUTOCOMMIT")
-    try:
-        async with engine.connect() as conn:
-            await conn.execute(text(statement))
-    finally:
-        await engine.dispose()
-
-
 async def drive(args: argparse.Namespace, proxies: list[ProxyUnderTest], store_url: str) -> dict[str, Any]:
     tally = Tally()
     start = time.monotonic()
@@ -286,7 +277,7 @@ def report(args: argparse.Namespace, ep: Episode, m: dict[str, Any]) -> dict[str
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     name = f"flywheel_fleet_{uuid.uuid4().hex[:10]}"
-    await admin(args.pg_url, f'CREATE DATABASE "{name}"')
+    await pg_admin(args.pg_url, f'CREATE DATABASE "{name}"')
     store_url = args.pg_url.rsplit("/", 1)[0] + "/" + name
     upstream: FakeUpstreamProcess | None = None
     proxies: list[ProxyUnderTest] = []
@@ -316,7 +307,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             p.stop()
         if upstream is not None:
             upstream.stop()
-        await admin(args.pg_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await pg_admin(args.pg_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     return report(args, episode_shape(args), measured)
 
 

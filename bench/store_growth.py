@@ -190,7 +190,8 @@ async def _sizes(engine: AsyncEngine, url: str) -> dict[str, int]:
         return {"row_bytes": int(stored), "file_bytes": int(total)}
 
 
-async def _admin(base: str, statement: str) -> None:
+async def pg_admin(base: str, statement: str) -> None:
+    """CREATE or DROP DATABASE (outside a transaction, as PostgreSQL requires)."""
     engine = create_async_engine(base, isolation_level="AUTOCOMMIT")
     try:
         async with engine.connect() as conn:
@@ -204,7 +205,7 @@ async def _fresh(base: str | None, tmp: Path, name: str) -> str:
         url = f"sqlite+aiosqlite:///{tmp / name}.db"
     else:
         db = f"flywheel_growth_{uuid.uuid4().hex[:10]}"
-        await _admin(base, f'CREATE DATABASE "{db}"')
+        await pg_admin(base, f'CREATE DATABASE "{db}"')
         url = base.rsplit("/", 1)[0] + "/" + db
     await migrate_async(url)
     return url
@@ -212,7 +213,7 @@ async def _fresh(base: str | None, tmp: Path, name: str) -> str:
 
 async def _drop(url: str, base: str | None) -> None:
     if base is not None:
-        await _admin(base, f'DROP DATABASE IF EXISTS "{url.rsplit("/", 1)[1]}" WITH (FORCE)')
+        await pg_admin(base, f'DROP DATABASE IF EXISTS "{url.rsplit("/", 1)[1]}" WITH (FORCE)')
 
 
 async def measure(url: str, layout: str, workload: list[list[NewCall]]) -> dict[str, Any]:

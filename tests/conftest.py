@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.services import PG_URL, engine_python, free_port, model_dir
+from tests.support.services import PG_URL, TEST_DTYPE, engine_python, free_port, model_dir
 
 
 @pytest.fixture(scope="session")
@@ -28,6 +28,7 @@ def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         log_path=log,
         cpu_kv_cache_gib=2,
         max_model_len=8192,
+        dtype=TEST_DTYPE,
     )
     server.start()
     try:

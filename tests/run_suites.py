@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from deploy.vllm import VLLMServer
-from tests.support.services import engine_python, free_port, model_dir
+from tests.support.services import TEST_DTYPE, engine_python, free_port, model_dir
 
 
 def main(suites: list[list[str]]) -> int:
@@ -27,6 +27,7 @@ def main(suites: list[list[str]]) -> int:
         log_path=log,
         cpu_kv_cache_gib=2,
         max_model_len=8192,
+        dtype=TEST_DTYPE,
     )
     server.start()
     try:

@@ -19,6 +19,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from proxy.client import key_file_keys
 from proxy.vocabulary import Abandoned
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
@@ -294,7 +295,9 @@ class TrainerConfig:
         if key:
             return key
         if self.admin_key_file and Path(self.admin_key_file).is_file():
-            return Path(self.admin_key_file).read_text().strip()
+            keys = key_file_keys(Path(self.admin_key_file).read_text())  # later lines: a rotation's old keys
+            if keys:
+                return keys[0]
         raise ConfigError(
             f"no admin key: set FLYWHEEL_ADMIN_KEY or admin_key_file (tried {self.admin_key_file!r}; "
             "`python -m proxy serve` creates data/admin.key)"

@@ -24,7 +24,7 @@ import pytest
 from proxy.client import Episode
 from proxy.store.db import migrate_async
 from tests.proxy.conftest import ADMIN, make_settings, running_app
-from tests.support.services import engine_python, free_port
+from tests.support.services import TEST_DTYPE, engine_python, free_port
 from trainer.config import TrainerConfig
 from trainer.data import DataStats, Rules, Sample, build_batch, episode_samples
 from trainer.learner import Learner
@@ -148,6 +148,7 @@ def defaults_engine(vllm_model_dir: str, tmp_path_factory: pytest.TempPathFactor
         python=engine_python(),
         cpu_kv_cache_gib=1,
         max_model_len=2048,
+        dtype=TEST_DTYPE,
         log_path=model.parent / "vllm-defaults.log",
     )
     server.start()

@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 import pytest
 
+from proxy.auth import EPISODE_KEY_PREFIX
 from tests.support.services import ProxyProcess
 
 pytestmark = pytest.mark.vllm
@@ -96,6 +97,7 @@ class Run:
     def secret(self, name: str, value: str, *, pieces: bool = True) -> str:
         """Remember ``value`` as a secret; with ``pieces``, also every run of 17 or more of its
         characters (windows of 12 every 6), so a key cut short or embedded is found too."""
+        assert len(value) >= 16, f"{name}: {len(value)} characters would match by chance"
         self.secrets[name] = value
         if pieces and len(value) >= 24:
             for start in range(0, len(value) - WINDOW + 1, WINDOW // 2):
@@ -106,8 +108,13 @@ class Run:
         keys: list[dict[str, str]] = answer.json()["episode_keys"]
         for i, ep in enumerate(keys):
             self.secret(f"{label} episode {i} key", ep["api_key"], pieces=False)  # it holds the (public) id
-            self.secret(f"{label} episode {i} key's signature", ep["api_key"].rsplit("-", 1)[1])
+            self.secret(f"{label} episode {i} key's signature", signature_of(ep["api_key"]))
         return keys
+
+
+def signature_of(episode_key: str) -> str:
+    """The signature of ``fw-ep-<uuid>-<signature>``: urlsafe base64, which may itself hold a ``-``."""
+    return episode_key[len(EPISODE_KEY_PREFIX) + 36 + 1 :]
 
 
 def write_key(path: Path, key: str) -> None:
@@ -143,7 +150,7 @@ def errors(run: Run, admin: str, eps: list[dict[str, str]]) -> None:
     near = run.secret("the admin key, one character changed", admin[:-1] + ("A" if admin[-1] != "A" else "B"))
     longer = run.secret("the admin key with a character added", admin + "x")
     forged = run.secret("a forged episode key", eps[0]["api_key"][:-2] + "AA", pieces=False)
-    run.secret("a forged episode key's signature", forged.rsplit("-", 1)[1])
+    run.secret("a forged episode key's signature", signature_of(forged))
     run.expect("wrong key on /groups", 401, "GET", "/groups", key=wrong)
     run.expect("near-miss admin key", 401, "GET", "/episodes", key=near)
     run.expect("admin key plus a character", 401, "POST", "/episodes", key=longer, json={"task_id": "x"})

@@ -115,7 +115,9 @@ class Server:
             self._tasks.discard(task)
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        # asyncio's default listen backlog is 100: 200 connects at once would overflow it, and a
+        # dropped SYN is retried after 1 s (then 3 s), past the transport's 2 s connect timeout.
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0, backlog=1024)
         self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
 
     async def stop(self) -> None:

@@ -26,6 +26,11 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN_KEY = "test-admin-key-0123456789"
 PG_URL = os.environ.get("FLYWHEEL_TEST_PG_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test")
+TEST_DTYPE = "float32"
+"""The tests' engines compute in float32 whatever the CPU: on one with native bf16 (AMD Zen 4/5,
+Intel Sapphire Rapids) ``auto`` picks bfloat16, and then vLLM's kernels and transformers' round
+differently (a mean log-prob gap of ~0.03 nats, up to ~0.3 on a token, measured on Zen 5), which
+would hide what the fidelity tests check: the sampling rules reproduced to a hundredth of a nat."""
 
 
 def free_port() -> int:

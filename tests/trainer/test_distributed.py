@@ -52,8 +52,9 @@ def test_two_ranks_take_the_step_one_process_takes(vllm_model_dir: str, tmp_path
         assert follower[key] == lead[key], key
     for name, tensor in one["adapter"].items():
         assert torch.equal(lead["adapter"][name], follower["adapter"][name]), name  # replicas stay identical
-        # equal up to float summation order (Adam can magnify that on a near-zero gradient element)
-        assert float((lead["adapter"][name] - tensor).norm() / tensor.norm()) < 1e-4, name
+        # equal up to float summation order (Adam can magnify that on a near-zero gradient element;
+        # 1.1e-4 seen on an AVX-512 CPU); the statistics above pin the normalisation to 1e-4
+        assert float((lead["adapter"][name] - tensor).norm() / tensor.norm()) < 5e-4, name
     moved = max(float(t.abs().max()) for n, t in one["adapter"].items() if "lora_B" in n)
     assert moved > 1e-3  # lora_B starts at zero: three steps moved it
 
