@@ -5,8 +5,9 @@ publishing for trainers. The trainer, the workflows and users' own scripts all u
 they still talk to the proxy over HTTP only.
 
 Why it lives here: it depends on httpx and pydantic alone. Importing ``proxy.client`` loads
-``proxy/__init__.py`` (a docstring), ``proxy.schemas`` (pydantic) and ``proxy.vocabulary`` (the
-statuses as ``Literal`` aliases), never FastAPI, SQLAlchemy, the store or torch, so it imports in
+``proxy/__init__.py`` (a docstring), ``proxy.schemas`` (pydantic), ``proxy.vocabulary`` (the
+statuses as ``Literal`` aliases) and ``proxy.tokens`` (plain functions), never FastAPI,
+SQLAlchemy, the store or torch, so it imports in
 the engine venv (Python 3.11: the trainer) and the agents venv (3.12: the workflows) alike. The
 request bodies are the proxy's own wire models: a field renamed in ``schemas.py`` is renamed here
 by the type checker, not found missing at run time. Replies are read into this module's lenient
@@ -50,6 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from proxy.schemas import (
     AbandonIn,
     AckIn,
+    CallDeltaOut,
     ClaimIn,
     EpisodeCreate,
     EpisodeKey,
@@ -60,6 +62,7 @@ from proxy.schemas import (
     RewardIn,
     StepIn,
 )
+from proxy.tokens import rejoin_ids, rejoin_messages
 from proxy.vocabulary import AckStatus, CallKind, EpisodeStatus, GroupStatus, TrainStatus
 
 __all__ = [
@@ -188,6 +191,8 @@ class Call(_Reply):
     model_requested: str = ""
     notes: dict[str, Any] | None = None
     """What the proxy decided for the call; ``notes["sampling"]`` is the effective sampling (proxy/sampling.py)."""
+    delta: CallDeltaOut | None = None
+    """Set on a call of a delta claim until ``Episode.rejoined`` makes it whole (always None after it)."""
 
 
 class Episode(_Reply):
@@ -199,6 +204,29 @@ class Episode(_Reply):
     call_rewards: dict[str, float] | None = None
     abandon_reason: str | None = None
     calls: list[Call] | None = None
+
+    def rejoined(self) -> Episode:
+        """This episode with every call of a delta claim made whole, as ``calls: "whole"`` sends it.
+
+        Calls come in ordinal order and a base is always an earlier call, so one pass suffices.
+        """
+        if not self.calls or all(c.delta is None for c in self.calls):
+            return self
+        whole: dict[int, Call] = {}
+        for call in self.calls:
+            d = call.delta
+            if d is not None:
+                base = whole[d.base_ordinal]
+                update: dict[str, Any] = {"delta": None}
+                if d.prompt_choice is not None:
+                    assert base.prompt_token_ids is not None and call.prompt_token_ids is not None
+                    sampled = base.choices[d.prompt_choice]["token_ids"] if d.prompt_choice >= 0 else None
+                    update["prompt_token_ids"] = rejoin_ids(base.prompt_token_ids, sampled, call.prompt_token_ids)
+                if d.messages_from is not None:
+                    update["request"] = rejoin_messages(base.request, d.messages_from, call.request)
+                call = call.model_copy(update=update)
+            whole[call.ordinal] = call
+        return self.model_copy(update={"calls": list(whole.values())})
 
 
 class CreatedEpisode(Episode):
@@ -233,6 +261,15 @@ class Claim(_Reply):
     current_version: int
     stale: int = 0
     groups: list[Group]
+
+    @classmethod
+    def read(cls, reply: Any) -> Claim:
+        """A claim answer with its calls whole (a delta claim's are rejoined here)."""
+        claim = cls.model_validate(reply)
+        for group in claim.groups:
+            if group.episodes:
+                group.episodes = [e.rejoined() for e in group.episodes]
+        return claim
 
 
 class PolicyVersion(_Reply):
@@ -346,8 +383,9 @@ class _Api:
             lease_id=lease_id or str(uuid.uuid4()),
             groups_per_step=demand.groups_per_step if demand else None,
             mode=demand.mode if demand else None,
+            calls="delta",
         )
-        return _Request("POST", "/trainer/claim", "safe", Claim.model_validate, body)
+        return _Request("POST", "/trainer/claim", "safe", Claim.read, body)
 
     @staticmethod
     def renew(lease_id: str, group_ids: list[str], lease_s: float, trainer_id: str | None) -> _Request[float]:

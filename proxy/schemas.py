@@ -116,6 +116,19 @@ class EpisodeKey(BaseModel):
     base_url: str
 
 
+class CallDeltaOut(BaseModel):
+    """How a call of a delta claim joins its base, an earlier call of its episode: its whole prompt
+    ids are the base's prompt ids, then the sampled ``token_ids`` of the base's choice at
+    ``prompt_choice`` (none when -1), then its own ``prompt_token_ids``; its whole messages are the
+    base request's first ``messages_from`` messages, then its own. A null field: that part is whole."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    base_ordinal: int
+    prompt_choice: int | None
+    messages_from: int | None
+
+
 class CallOut(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
@@ -143,6 +156,8 @@ class CallOut(BaseModel):
     api: CallApi = "chat"
     client_request: dict[str, Any] | None = None
     response_id: str | None = None
+    delta: CallDeltaOut | None = None
+    """Only in a claim asked with ``calls: "delta"``: this call's prompt ids and messages follow its base's."""
 
 
 class EpisodeOut(BaseModel):
@@ -240,6 +255,12 @@ class ClaimIn(_In):
         "sets how many groups POST /groups admits ahead of the trainer",
     )
     mode: Literal["sync", "async"] | None = Field(None, description="the trainer's mode (reported by GET /admission)")
+    calls: Literal["whole", "delta"] = Field(
+        "whole",
+        description="delta: a call that continues an earlier call of its episode comes as stored, its prompt ids "
+        "and messages only those that follow (its `delta` says how to rejoin them): claim bytes grow with an "
+        "episode's tokens, not their square",
+    )
 
 
 class TrainerDemandOut(BaseModel):

@@ -4,12 +4,14 @@ The trainer merges an episode's calls into one sample when a call's prompt ids s
 earlier prompt followed by its sampled ids (``trainer/data.py``); the store keeps such a call as a
 delta on the earlier one (``proxy/store/delta.py``). Both ask these functions, so a call the
 trainer merges is a call the store can keep as a delta. They take lists of ids or the same ids
-packed as bytes (both sides in one form).
+packed as bytes (both sides in one form). The ``rejoin_*`` functions undo such a delta: the store
+reads its rows with them and a trainer the calls of a delta claim (``proxy/client.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 
 def extends(ids: Sequence[int], prefix: Sequence[int]) -> bool:
@@ -20,3 +22,14 @@ def extends(ids: Sequence[int], prefix: Sequence[int]) -> bool:
 def continues(ids: Sequence[int], prompt: Sequence[int], completion: Sequence[int]) -> bool:
     """``ids`` starts with ``prompt`` followed by ``completion``: a later prompt continuing a sample."""
     return extends(ids, prompt) and ids[len(prompt) : len(prompt) + len(completion)] == completion
+
+
+def rejoin_ids(prompt: list[int], sampled: list[int] | None, suffix: list[int]) -> list[int]:
+    """A delta call's whole prompt: its base's prompt, the base's sampled ids it continues (None:
+    the base's prompt alone, e.g. a retried call), then its own ids."""
+    return prompt + (sampled or []) + suffix
+
+
+def rejoin_messages(base: dict[str, Any], inherit: int, request: dict[str, Any]) -> dict[str, Any]:
+    """A delta call's whole request: the base request's first ``inherit`` messages, then its own."""
+    return {**request, "messages": base["messages"][:inherit] + request["messages"]}

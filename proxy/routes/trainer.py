@@ -41,6 +41,7 @@ async def claim(body: ClaimIn, svc: ServicesDep, _: AdminDep) -> ClaimOut:
         max_staleness=body.max_staleness,
         current_version=current,
         lease_id=body.lease_id,
+        delta=body.calls == "delta",
     )
     svc.admission.claimed(
         body.trainer_id,

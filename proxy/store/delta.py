@@ -36,7 +36,7 @@ from typing import Any
 
 import orjson
 
-from proxy.tokens import continues, extends
+from proxy.tokens import continues, extends, rejoin_ids, rejoin_messages
 
 COMPACT = 1
 """``calls.encoding`` of rows in this layout (0: the JSON layout before migration 0004)."""
@@ -295,30 +295,34 @@ def _unpack_choices(choices: list[Any], ids: bytes | None, logprobs: bytes | Non
     return out
 
 
+def stored(row: Any) -> Heavy:
+    """A row's large fields as stored, ids and log-probs decoded but deltas not joined: a delta
+    row's prompt ids are those after its base's (``row.prompt_choice``) and its messages those after
+    the base's first ``row.messages_from``. What a delta claim ships (``GET /trainer/claim``)."""
+    if not row.encoding:
+        return Heavy(row.request, row.prompt_token_ids, row.choices)
+    prompt = unpack_ids(row.prompt_ids) if row.prompt_ids is not None else row.prompt_token_ids
+    return Heavy(row.request, prompt, _unpack_choices(row.choices, row.choice_ids, row.choice_logprobs))
+
+
 def unpack(row: Any, bases: Mapping[int, Heavy]) -> Heavy:
     """A stored call's large fields, whole. ``bases``: its episode's earlier calls by ordinal, whole
     (a delta row needs its base; rows of the JSON layout need nothing).
 
     Lists are the record's own; messages inherited from the base are the base's message objects.
     """
-    if not row.encoding:
-        return Heavy(row.request, row.prompt_token_ids, row.choices)
-    base = bases[row.base_ordinal] if row.base_ordinal is not None else None
-    prompt: list[int] | None = row.prompt_token_ids
-    if row.prompt_ids is not None:
-        prompt = unpack_ids(row.prompt_ids)
-        if row.prompt_choice is not None:
-            assert base is not None and base.prompt_token_ids is not None
-            head = base.prompt_token_ids
-            if row.prompt_choice >= 0:
-                head = head + base.choices[row.prompt_choice]["token_ids"]
-            prompt = head + prompt
-    request = row.request
+    own = stored(row)
+    if not row.encoding or row.base_ordinal is None:
+        return own
+    base = bases[row.base_ordinal]
+    prompt, request = own.prompt_token_ids, own.request
+    if row.prompt_choice is not None:
+        assert base.prompt_token_ids is not None and prompt is not None
+        sampled = base.choices[row.prompt_choice]["token_ids"] if row.prompt_choice >= 0 else None
+        prompt = rejoin_ids(base.prompt_token_ids, sampled, prompt)
     if row.messages_from is not None:
-        assert base is not None
-        request = dict(request)
-        request["messages"] = base.request["messages"][: row.messages_from] + request["messages"]
-    return Heavy(request, prompt, _unpack_choices(row.choices, row.choice_ids, row.choice_logprobs))
+        request = rejoin_messages(base.request, row.messages_from, request)
+    return Heavy(request, prompt, own.choices)
 
 
 def tail_of(ordinal: int, heavy: Heavy) -> Tail | None:

@@ -41,12 +41,28 @@ class NewCall:
     """The id the client was given, where the API names answers (``resp_...``, ``msg_...``)."""
 
 
+@dataclass(slots=True, frozen=True)
+class CallDelta:
+    """How a call in delta form joins its base, an earlier call of its episode (``proxy/tokens.py``)."""
+
+    base_ordinal: int
+    prompt_choice: int | None
+    """The base's choice whose sampled ids sit between the base's prompt and this call's
+    ``prompt_token_ids`` (-1: none; None: the prompt ids are whole)."""
+    messages_from: int | None
+    """How many of the base request's messages come before this call's ``request["messages"]``
+    (None: the messages are whole)."""
+
+
 @dataclass(slots=True, kw_only=True)
 class CallRecord(NewCall):
     """A stored call: what was written, plus the row id and the per-episode ordinal (0-based)."""
 
     id: int
     ordinal: int
+    delta: CallDelta | None = None
+    """Set only on a call read in delta form (a trainer's claim): its prompt ids and messages are
+    then what follows its base's."""
 
 
 @dataclass(slots=True)

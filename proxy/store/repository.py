@@ -234,14 +234,16 @@ class Repository:
             calls = await self._calls(session, [episode_id]) if with_calls else None
         return episode_record(row, calls.get(episode_id, []) if calls is not None else None)
 
-    async def _calls(self, session: AsyncSession, episode_ids: list[str]) -> dict[str, list[CallRecord]]:
+    async def _calls(
+        self, session: AsyncSession, episode_ids: list[str], *, delta: bool = False
+    ) -> dict[str, list[CallRecord]]:
         out: dict[str, list[CallRecord]] = {eid: [] for eid in episode_ids}
         if not episode_ids:
             return out
         result = await session.execute(
             select(Call.__table__).where(Call.episode_id.in_(episode_ids)).order_by(Call.episode_id, Call.ordinal)
         )
-        for record in call_records(result.all()):
+        for record in call_records(result.all(), delta=delta):
             out[record.episode_id].append(record)
         return out
 
@@ -598,13 +600,15 @@ class Repository:
         max_staleness: int | None,
         current_version: int,
         lease_id: str | None = None,
+        delta: bool = False,
     ) -> Claim:
         """Lease up to ``max_groups`` completed, untrained groups (oldest first).
 
         Groups whose oldest call is more than ``max_staleness`` versions behind ``current_version``
         are marked ``stale`` and never offered again. A lease that expires offers the group again.
         A claim retried with the same client-chosen ``lease_id`` (its answer was lost) returns the
-        groups that lease already holds, with the lease renewed, instead of leasing more.
+        groups that lease already holds, with the lease renewed, instead of leasing more. With
+        ``delta`` the calls come as stored (``call_records``): linear in an episode's tokens.
         """
         now = time.time()
         if lease_id is not None:
@@ -620,7 +624,7 @@ class Repository:
                 for group in held:
                     group.lease_owner, group.lease_expires_at = owner, now + lease_s
             if held:
-                return await self._claimed(lease_id, now + lease_s, [g.id for g in held], stale=0)
+                return await self._claimed(lease_id, now + lease_s, [g.id for g in held], stale=0, delta=delta)
         lease_id = lease_id or str(uuid.uuid4())
         available = (
             select(Group)
@@ -653,9 +657,11 @@ class Repository:
                         group.lease_id, group.lease_owner, group.lease_expires_at = lease_id, owner, now + lease_s
                         chosen.append(group)
             await session.flush()
-        return await self._claimed(lease_id, now + lease_s, [g.id for g in chosen], stale=stale)
+        return await self._claimed(lease_id, now + lease_s, [g.id for g in chosen], stale=stale, delta=delta)
 
-    async def _claimed(self, lease_id: str, expires_at: float, group_ids: list[str], *, stale: int) -> Claim:
+    async def _claimed(
+        self, lease_id: str, expires_at: float, group_ids: list[str], *, stale: int, delta: bool
+    ) -> Claim:
         """The claim answer: the leased groups with their episodes and calls."""
         async with self._read() as session:
             groups = {g.id: g for g in (await session.scalars(select(Group).where(Group.id.in_(group_ids)))).all()}
@@ -664,7 +670,7 @@ class Repository:
                     select(Episode).where(Episode.group_id.in_(group_ids)).order_by(Episode.group_index, Episode.id)
                 )
             ).all()
-            calls = await self._calls(session, [e.id for e in episodes])
+            calls = await self._calls(session, [e.id for e in episodes], delta=delta)
         by_group: dict[str, list[EpisodeRecord]] = {gid: [] for gid in group_ids}
         for episode in episodes:
             by_group[episode.group_id or ""].append(episode_record(episode, calls[episode.id]))

@@ -20,9 +20,9 @@ import orjson
 from sqlalchemy import JSON, Boolean, Float, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from proxy.store.delta import COMPACT, PACKED_COLUMNS, Heavy, Packed, Tail, pack, tail_of, unpack
+from proxy.store.delta import COMPACT, PACKED_COLUMNS, Heavy, Packed, Tail, pack, stored, tail_of, unpack
 from proxy.store.models import Call, Episode, Group
-from proxy.store.records import CallRecord, EpisodeRecord, GroupRecord, NewCall
+from proxy.store.records import CallDelta, CallRecord, EpisodeRecord, GroupRecord, NewCall
 
 CALL_FIELDS = [f.name for f in fields(NewCall)]
 """The columns a ``NewCall`` fills, in ``NewCall`` order (the store adds ``id`` and ``ordinal``)."""
@@ -200,7 +200,9 @@ def group_record(row: Group, episodes: list[EpisodeRecord] | None = None) -> Gro
     )
 
 
-_LIGHT_COLUMNS = [f.name for f in fields(CallRecord) if f.name not in ("request", "prompt_token_ids", "choices")]
+_LIGHT_COLUMNS = [
+    f.name for f in fields(CallRecord) if f.name not in ("request", "prompt_token_ids", "choices", "delta")
+]
 
 
 def heavies(rows: Iterable[Any]) -> Iterable[tuple[int, Heavy]]:
@@ -213,17 +215,29 @@ def heavies(rows: Iterable[Any]) -> Iterable[tuple[int, Heavy]]:
         yield row.ordinal, heavy
 
 
-def call_records(rows: Sequence[Any]) -> list[CallRecord]:
-    """Rows of whole episodes (or of each episode's first calls), by episode and ordinal, as whole records."""
-    return [
-        CallRecord(
-            **{name: getattr(row, name) for name in _LIGHT_COLUMNS},
-            request=heavy.request,
-            prompt_token_ids=heavy.prompt_token_ids,
-            choices=heavy.choices,
-        )
-        for row, (_, heavy) in zip(rows, heavies(rows), strict=True)
-    ]
+def call_records(rows: Sequence[Any], *, delta: bool = False) -> list[CallRecord]:
+    """Rows of whole episodes (or of each episode's first calls), by episode and ordinal, as whole
+    records; with ``delta``, a row stored as a delta stays one (``CallRecord.delta`` says how it
+    joins its base), so a reader that rejoins them gets the same records for a fraction of the bytes."""
+    if delta:
+        return [_record(row, stored(row), _delta(row)) for row in rows]
+    return [_record(row, heavy, None) for row, (_, heavy) in zip(rows, heavies(rows), strict=True)]
+
+
+def _record(row: Any, heavy: Heavy, delta: CallDelta | None) -> CallRecord:
+    return CallRecord(
+        **{name: getattr(row, name) for name in _LIGHT_COLUMNS},
+        request=heavy.request,
+        prompt_token_ids=heavy.prompt_token_ids,
+        choices=heavy.choices,
+        delta=delta,
+    )
+
+
+def _delta(row: Any) -> CallDelta | None:
+    if not row.encoding or row.base_ordinal is None:
+        return None
+    return CallDelta(row.base_ordinal, row.prompt_choice, row.messages_from)
 
 
 async def group_records(session: AsyncSession, groups: Sequence[Group]) -> list[GroupRecord]:

@@ -23,13 +23,15 @@ from sqlalchemy import MetaData, Table, select
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from proxy.client import Call as WireCall
+from proxy.client import Claim as WireClaim
 from proxy.client import Episode as WireEpisode
+from proxy.schemas import CallOut
 from proxy.store.db import MIGRATIONS, is_sqlite, make_engine, migrate_async
 from proxy.store.delta import unpack_ids
 from proxy.store.models import Call
 from proxy.store.records import CallRecord, NewCall
 from proxy.store.repository import Repository
-from proxy.store.rows import CALL_FIELDS, call_values, json_text
+from proxy.store.rows import CALL_FIELDS, call_records, call_values, json_text
 from tests.conftest import _drop_pg_database, _pg_database
 from trainer.data import DataStats, episode_samples
 
@@ -327,6 +329,84 @@ async def test_written_compactly_every_call_reads_back_as_the_json_layout_did(ur
     assert _samples(new) == _samples(legacy)
 
 
+async def _claimed_calls(url: str, *, delta: bool) -> tuple[dict[str, list[dict[str, Any]]], int]:
+    """Every episode's calls as a claim sends them (``CallOut`` JSON), and the bytes they take."""
+    engine = make_engine(url)
+    try:
+        async with engine.connect() as conn:
+            t = Call.__table__
+            rows = (await conn.execute(select(t).order_by(t.c.episode_id, t.c.ordinal))).all()
+    finally:
+        await engine.dispose()
+    out: dict[str, list[dict[str, Any]]] = {eid: [] for eid in episodes()}
+    size = 0
+    for record in call_records(rows, delta=delta):
+        wire = CallOut.model_validate(record).model_dump(mode="json")
+        size += len(orjson.dumps(wire))
+        out[record.episode_id].append(wire)
+    return out, size
+
+
+def _rejoined(calls: dict[str, list[dict[str, Any]]]) -> dict[str, list[bytes]]:
+    """Each episode's calls as a trainer reads them (``proxy.client``), rejoined, as JSON bytes."""
+    out = {}
+    for eid, wire in calls.items():
+        episode = WireEpisode.model_validate({"id": eid, "status": "rewarded", "calls": wire}).rejoined()
+        out[eid] = [orjson.dumps(c.model_dump(), option=orjson.OPT_SORT_KEYS) for c in episode.calls or []]
+    return out
+
+
+async def test_a_delta_claim_rejoins_to_the_whole_calls_in_fewer_bytes(urls: Any) -> None:
+    """What a trainer's claim ships with ``calls: "delta"``: compact rows as stored (prompt ids and
+    messages after their base's), JSON-layout rows whole. Rejoined by the trainer's client, every
+    call equals the whole claim's byte for byte, key order and float bits included, and the
+    trainer's samples do not change."""
+    legacy_url, new_url = await urls("legacy"), await urls("new")
+    for url in (legacy_url, new_url):
+        await migrate_async(url)
+    await _write_legacy(legacy_url)
+    engine = make_engine(new_url)
+    try:
+        await _write_episode_rows(engine)
+    finally:
+        await engine.dispose()
+    repo = Repository(new_url)
+    try:
+        await repo.insert_calls([c for calls in episodes().values() for c in calls])
+    finally:
+        await repo.close()
+
+    whole, whole_bytes = await _claimed_calls(new_url, delta=False)
+    shipped, delta_bytes = await _claimed_calls(new_url, delta=True)
+    deltas = {eid: sum(c["delta"] is not None for c in calls) for eid, calls in shipped.items()}
+    assert deltas == DELTAS
+    assert all(c["delta"] is None for calls in whole.values() for c in calls)
+    assert delta_bytes < whole_bytes
+    assert _rejoined(shipped) == _rejoined(whole)
+    for eid, calls in whole.items():  # rejoined through the client = whole through the client, exactly
+        want = [WireCall.model_validate(c) for c in calls]
+        got = WireEpisode.model_validate({"id": eid, "status": "rewarded", "calls": shipped[eid]}).rejoined().calls
+        assert got is not None
+        assert [_typed(c.model_dump()) for c in got] == [_typed(c.model_dump()) for c in want]
+        assert [list(c.request) for c in got] == [list(c.request) for c in want]  # key order kept
+
+    def samples(calls: dict[str, list[dict[str, Any]]]) -> str:
+        records = {eid: [WireCall.model_validate(c) for c in cs] for eid, cs in calls.items()}
+        stats = DataStats()
+        out = []
+        for eid, wire in records.items():
+            episode = WireEpisode(id=eid, status="rewarded", reward=1.0, calls=wire).rejoined()
+            made = episode_samples(episode, group_id="g", max_seq_len=4096, stats=stats)
+            out += [dataclasses.asdict(s) for s in made]
+        return repr((out, dataclasses.asdict(stats)))
+
+    assert samples(shipped) == samples(whole)
+
+    legacy, _ = await _claimed_calls(legacy_url, delta=True)  # a store from before 0004: whole calls
+    assert all(c["delta"] is None for calls in legacy.values() for c in calls)
+    assert _rejoined(legacy) == _rejoined(whole)
+
+
 def _load_migration() -> Any:
     spec = importlib.util.spec_from_file_location("m0004", MIGRATIONS / "versions" / "0004_compact_calls.py")
     assert spec is not None and spec.loader is not None
@@ -390,7 +470,7 @@ async def test_the_proxy_counts_calls_stored_as_deltas_and_serves_them_whole(sql
     first = [{"role": "user", "content": "hi"}]
     second = [*first, {"role": "assistant", "content": "answer 0"}, {"role": "user", "content": "again"}]
     async with running_app(make_settings(sqlite_url), transport=fake_upstream()) as client:
-        group = await new_group(client)
+        group = await new_group(client, size=1)
         episode_id = group["episode_keys"][0]["id"]
         for messages in (first, second):
             body = {"model": "policy", "messages": messages, "max_tokens": 2, "temperature": 1.0}
@@ -398,6 +478,21 @@ async def test_the_proxy_counts_calls_stored_as_deltas_and_serves_them_whole(sql
             assert response.status_code == 200, response.text
         stored = (await client.get(f"/episodes/{episode_id}", headers=ADMIN)).json()["calls"]
         metrics = (await client.get("/metrics", headers=ADMIN)).text
+        reward = await client.post(f"/episodes/{episode_id}/reward", json={"reward": 1.0}, headers=ADMIN)
+        assert reward.status_code == 200, reward.text
+        claim = {"trainer_id": "t", "max_groups": 1, "lease_id": "lease-delta", "calls": "delta"}
+        delta = (await client.post("/trainer/claim", json=claim, headers=ADMIN)).json()
+        again = await client.post("/trainer/claim", json={**claim, "calls": "whole"}, headers=ADMIN)  # same lease
+        bad = await client.post("/trainer/claim", json={**claim, "calls": "diff"}, headers=ADMIN)
+    shipped = delta["groups"][0]["episodes"][0]["calls"]
+    assert [c["delta"] for c in shipped] == [None, {"base_ordinal": 0, "prompt_choice": -1, "messages_from": 1}]
+    assert shipped[1]["prompt_token_ids"] == [] and shipped[1]["request"]["messages"] == second[1:]
+    whole = again.json()["groups"][0]["episodes"][0]["calls"]
+    assert [c["delta"] for c in whole] == [None, None] and [c["request"]["messages"] for c in whole] == [first, second]
+    rejoined = WireClaim.read(delta).groups[0].episodes
+    assert rejoined is not None and rejoined[0].calls is not None
+    assert [c.model_dump() for c in rejoined[0].calls] == [WireCall.model_validate(c).model_dump() for c in whole]
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "calls", bad.text
     assert [c["request"]["messages"] for c in stored] == [first, second]
     assert [c["prompt_token_ids"] for c in stored] == [[1, 2, 3], [1, 2, 3]]
     assert [c["choices"][0]["token_ids"] for c in stored] == [[42, 100], [42, 100]]
