@@ -19,8 +19,10 @@ per commit, as a live agent's calls arrive. Sizes, per backend:
 
 Then a least-squares line of store bytes against episode tokens (the final context) over the agent
 episodes, with its R²: "after" must be linear (R² ~ 1, constant bytes per token), "before" is not
-(bytes per token grow with T). The claim's payload (the JSON of a completed group as the trainer
-receives it) is reported too: claims still ship whole calls, so it is the same in both layouts.
+(bytes per token grow with T). The claim's payload is reported too: the JSON of the episodes' calls
+as ``POST /trainer/claim`` serializes them (``CallOut``), whole (``calls: "whole"``, what every
+claim shipped before) and in delta form (``calls: "delta"``, what the trainer asks for now: compact
+rows as stored, so only the "after" layout has deltas to ship), with the same fit.
 
 Run: ``python -m bench.store_growth`` (about a minute; ``--pg-url ''`` skips PostgreSQL). The last
 line is one JSON object.
@@ -41,14 +43,15 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import orjson
-from sqlalchemy import MetaData, Table, text
+from sqlalchemy import MetaData, Table, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from proxy.schemas import CallOut
 from proxy.store.db import make_engine, migrate_async, sqlite_file
+from proxy.store.models import Call
 from proxy.store.records import NewCall
 from proxy.store.repository import Repository
-from proxy.store.rows import CALL_FIELDS, ROW_FIELDS, call_values
+from proxy.store.rows import CALL_FIELDS, ROW_FIELDS, call_records, call_values
 
 VOCAB = 150_000
 WORDS = "the a tool call file line test error value result parser returns input output".split()
@@ -242,20 +245,33 @@ async def measure(url: str, layout: str, workload: list[list[NewCall]]) -> dict[
     repo = Repository(url)
     try:
         read_started = time.perf_counter()
-        read = [await repo.get_episode(eid) for eid in ids]
+        for eid in ids:
+            await repo.get_episode(eid)
         read_s = time.perf_counter() - read_started
     finally:
         await repo.close()
-    claim_bytes = len(orjson.dumps([dataclasses.asdict(e) for e in read], option=orjson.OPT_NON_STR_KEYS))
     count = sum(len(c) for c in workload)
     return {
         "row_bytes": full["row_bytes"] - empty["row_bytes"],
         "file_bytes": full["file_bytes"] - empty["file_bytes"],
         "write_ms_per_call": 1000 * seconds / count,
         "read_ms_per_call": 1000 * read_s / count,
-        "claim_bytes": claim_bytes,
+        "claim_bytes": await claim_bytes(url, delta=False),
+        "claim_delta_bytes": await claim_bytes(url, delta=True),
         "calls": count,
     }
+
+
+async def claim_bytes(url: str, *, delta: bool) -> int:
+    """Bytes of every stored call as a claim serializes it (``CallOut`` JSON), whole or in delta form."""
+    engine = make_engine(url)
+    try:
+        async with engine.connect() as conn:
+            table = Call.__table__
+            rows = (await conn.execute(select(table).order_by(table.c.episode_id, table.c.ordinal))).all()
+    finally:
+        await engine.dispose()
+    return sum(len(CallOut.model_validate(r).model_dump_json()) for r in call_records(rows, delta=delta))
 
 
 def fit(points: list[tuple[float, float]]) -> dict[str, float]:
@@ -276,7 +292,8 @@ def _line(backend: str, key: str, layout: str, m: dict[str, Any]) -> str:
         f"{backend:10} {key:9} {layout:6} tokens {m['episode_tokens']:6d}  calls {m['calls']:4d}  "
         f"store {m['bytes_per_episode'] / 1e3:9.1f} KB/episode ({m['bytes_per_call'] / 1e3:7.2f} KB/call; "
         f"rows {m['row_bytes_per_episode'] / 1e3:9.1f} KB)  write {m['write_ms_per_call']:6.2f} ms/call  "
-        f"read {m['read_ms_per_call']:6.2f} ms/call  claim {m['claim_bytes_per_episode'] / 1e3:8.1f} KB/episode"
+        f"read {m['read_ms_per_call']:6.2f} ms/call  claim {m['claim_bytes_per_episode'] / 1e3:8.1f} KB/episode "
+        f"(delta form {m['claim_delta_bytes_per_episode'] / 1e3:8.1f})"
     )
 
 
@@ -316,20 +333,25 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     m["row_bytes_per_episode"] = m["row_bytes"] / len(eps)
                     m["bytes_per_call"] = m["file_bytes"] / m["calls"]
                     m["claim_bytes_per_episode"] = m["claim_bytes"] / len(eps)
+                    m["claim_delta_bytes_per_episode"] = m["claim_delta_bytes"] / len(eps)
                     results.setdefault(key, {})[layout] = m
                     print(_line(name, key, layout, m), flush=True)
             fits = {}
-            for layout in ("before", "after"):
+            for label, layout, field in (
+                ("before", "before", "row_bytes_per_episode"),
+                ("after", "after", "row_bytes_per_episode"),
+                ("claim whole", "after", "claim_bytes_per_episode"),
+                ("claim delta", "after", "claim_delta_bytes_per_episode"),
+            ):
                 points = [
-                    (r[layout]["episode_tokens"], r[layout]["row_bytes_per_episode"])
+                    (r[layout]["episode_tokens"], r[layout][field])
                     for k, r in results.items()
                     if k.startswith("agent_")
                 ]
-                fits[layout] = fit(points)
-                f = fits[layout]
+                fits[label] = f = fit(points)
                 per_token = ", ".join(f"{x:.0f} tok: {y / x:.1f} B/tok" for x, y in points)
-                line = f"row bytes = {f['intercept']:.0f} + {f['bytes_per_token']:.1f} * tokens  R² {f['r2']:.4f}"
-                print(f"{name:10} fit {layout:6} {line}  ({per_token})", flush=True)
+                line = f"bytes = {f['intercept']:.0f} + {f['bytes_per_token']:.1f} * tokens  R² {f['r2']:.4f}"
+                print(f"{name:10} fit {label:11} {line}  ({per_token})", flush=True)
             out[name] = {"workloads": results, "fit": fits}
     return out
 
