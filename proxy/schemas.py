@@ -120,13 +120,16 @@ class CallDeltaOut(BaseModel):
     """How a call of a delta claim joins its base, an earlier call of its episode: its whole prompt
     ids are the base's prompt ids, then the sampled ``token_ids`` of the base's choice at
     ``prompt_choice`` (none when -1), then its own ``prompt_token_ids``; its whole messages are the
-    base request's first ``messages_from`` messages, then its own. A null field: that part is whole."""
+    base request's first ``messages_from`` messages, then its own; the same for ``client_from`` and
+    ``client_request``'s ``messages`` (Messages API) or ``input`` (Responses API). A null field:
+    that part is whole."""
 
     model_config = ConfigDict(from_attributes=True)
 
     base_ordinal: int
     prompt_choice: int | None
     messages_from: int | None
+    client_from: int | None = None
 
 
 class CallOut(BaseModel):

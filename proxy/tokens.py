@@ -30,6 +30,10 @@ def rejoin_ids(prompt: list[int], sampled: list[int] | None, suffix: list[int]) 
     return prompt + (sampled or []) + suffix
 
 
-def rejoin_messages(base: dict[str, Any], inherit: int, request: dict[str, Any]) -> dict[str, Any]:
-    """A delta call's whole request: the base request's first ``inherit`` messages, then its own."""
-    return {**request, "messages": base["messages"][:inherit] + request["messages"]}
+def rejoin_messages(
+    base: dict[str, Any], inherit: int, request: dict[str, Any], *, key: str = "messages"
+) -> dict[str, Any]:
+    """A delta call's whole request: the base request's first ``inherit`` items of its list at
+    ``key`` (a chat request's messages; a client's Messages ``messages`` or Responses ``input``),
+    then its own. Key order is the request's."""
+    return {**request, key: base[key][:inherit] + request[key]}

@@ -22,14 +22,18 @@ from typing import Any
 import sqlalchemy as sa
 from alembic import op
 
-from proxy.store.delta import COMPACT, PACKED_COLUMNS, Heavy, Tail, pack, tail_of
-from proxy.store.rows import CHAIN_COLUMNS, heavies
+from proxy.store.delta import COMPACT, Heavy, Tail, pack, tail_of
+from proxy.store.rows import heavies
 
 revision = '0004'
 down_revision = '0003'
 branch_labels = None
 depends_on = None
 
+# This revision's columns, frozen: later revisions add layout columns (0006: client_from) that do
+# not exist yet when it runs; rows read here have none, and ``delta.stored`` reads them as absent.
+_PACKED = ("base_ordinal", "prompt_choice", "prompt_ids", "messages_from", "choice_ids", "choice_logprobs")
+_CHAIN = ("episode_id", "ordinal", "request", "prompt_token_ids", "choices", "encoding", *_PACKED)
 _INTEGER = ("encoding", "ordinal", "base_ordinal", "prompt_choice", "messages_from")
 _BINARY = ("prompt_ids", "choice_ids", "choice_logprobs")
 _JSON = ("request", "prompt_token_ids", "choices")
@@ -60,7 +64,7 @@ def convert(bind: Any, *, batch: int, limit: int | None = None) -> int:
     """Convert the calls still in the JSON layout, ``batch`` episodes per transaction; returns how
     many calls it converted. ``limit`` stops after that many batches (the tests' interrupted run)."""
     converted, after, batches = 0, "", 0
-    chain = [_calls.c.id, *(_calls.c[name] for name in CHAIN_COLUMNS)]
+    chain = [_calls.c.id, *(_calls.c[name] for name in _CHAIN)]
     while limit is None or batches < limit:
         bind.exec_driver_sql("BEGIN")
         try:
@@ -101,7 +105,7 @@ def _convert_episode(bind: Any, rows: list[Any]) -> int:
                 "v_request": packed.request,
                 "v_prompt_token_ids": packed.prompt_token_ids,
                 "v_choices": packed.choices,
-                **{f"v_{name}": getattr(packed, name) for name in PACKED_COLUMNS},
+                **{f"v_{name}": getattr(packed, name) for name in _PACKED},
             }
         )
     if updates:

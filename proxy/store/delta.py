@@ -106,6 +106,11 @@ class Tail:
     messages: int | None
     """How many messages its request had (None: no message list a later call can inherit)."""
     digest: bytes | None
+    client: int | None = None
+    """How many items its client's own list had (``client_list``; None: none a later call can inherit)."""
+    client_digest: bytes | None = None
+    client_key: str | None = None
+    """Where that list is (``messages`` or ``input``): a later call inherits only from the same key."""
 
     @property
     def size(self) -> int:
@@ -119,6 +124,7 @@ class Heavy:
     request: dict[str, Any]
     prompt_token_ids: list[int] | None
     choices: list[dict[str, Any]]
+    client_request: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -134,12 +140,14 @@ class Packed:
     messages_from: int | None
     choice_ids: bytes | None
     choice_logprobs: bytes | None
+    client_request: dict[str, Any] | None
+    client_from: int | None
     tail: Tail | None
     """This call as a base for later ones (None: its prompt ids are not packable)."""
 
     @property
     def delta(self) -> bool:
-        return self.prompt_choice is not None or self.messages_from is not None
+        return self.prompt_choice is not None or self.messages_from is not None or self.client_from is not None
 
 
 PACKED_COLUMNS = (
@@ -149,6 +157,7 @@ PACKED_COLUMNS = (
     "messages_from",
     "choice_ids",
     "choice_logprobs",
+    "client_from",
 )
 
 
@@ -172,20 +181,33 @@ def _digest(*texts: bytes) -> Any:
     return hasher
 
 
-def _messages(messages: list[Any], base: Tail | None) -> tuple[int | None, bytes | None]:
-    """(how many messages the call inherits from ``base``, or None; the digest of all of them)."""
-    inherit = base.messages if base is not None and base.digest is not None else None
-    if inherit is not None and inherit <= len(messages):
-        head, rest = _items(messages[:inherit]), _items(messages[inherit:])
+def _inherit(items: list[Any], count: int | None, digest: bytes | None) -> tuple[int | None, bytes | None]:
+    """(how many of ``items`` a call inherits from a base whose list had ``count`` items with
+    ``digest``, or None; the digest of all of ``items``)."""
+    if count is not None and digest is not None and count <= len(items):
+        head, rest = _items(items[:count]), _items(items[count:])
         if head is None or rest is None:
             return None, None
         hasher = _digest(head)
-        same = base is not None and hasher.digest() == base.digest
+        same = hasher.digest() == digest
         if rest:
             hasher.update(b"," + rest)
-        return (inherit if same else None), hasher.digest()
-    items = _items(messages)
-    return None, (_digest(items).digest() if items is not None else None)
+        return (count if same else None), hasher.digest()
+    text = _items(items)
+    return None, (_digest(text).digest() if text is not None else None)
+
+
+def client_list(request: Any) -> str | None:
+    """The key of a client's own conversation in its request, when the client spoke another API
+    than chat (``client_request``): Messages' ``messages``, Responses' ``input`` as a list. A
+    Messages or stateless Responses agent resends it whole each turn, as a chat agent does its
+    messages, so it is kept as a delta the same way."""
+    if type(request) is not dict:
+        return None
+    for key in ("messages", "input"):
+        if type(request.get(key)) is list:
+            return key
+    return None
 
 
 def _floats(value: Any) -> bool:
@@ -252,16 +274,40 @@ def pack(ordinal: int, heavy: Heavy, base: Tail | None) -> Packed:
     messages_from: int | None = None
     digest: bytes | None = None
     if type(messages) is list:
-        messages_from, digest = _messages(messages, base)
+        messages_from, digest = _inherit(messages, *((base.messages, base.digest) if base else (None, None)))
         if messages_from is not None:
             request = dict(request)
             request["messages"] = messages[messages_from:]
+    client = heavy.client_request
+    client_from: int | None = None
+    client_digest: bytes | None = None
+    client_count = 0
+    if (key := client_list(client)) is not None:
+        assert client is not None
+        items = client[key]
+        same_key = base is not None and base.client_key == key
+        client_from, client_digest = _inherit(
+            items, *((base.client, base.client_digest) if base and same_key else (None, None))
+        )
+        client_count = len(items) if client_digest is not None else 0
+        if client_from is not None:
+            client = dict(client)
+            client[key] = items[client_from:]
     stored_choices, choice_ids, choice_logprobs, completions = _pack_choices(choices)
     tail = None
     if prompt is not None:
         count = len(messages) if digest is not None else 0  # a digest is only made of a list
-        tail = Tail(ordinal, prompt, completions, count or None, digest if count else None)
-    delta = prompt_choice is not None or messages_from is not None
+        tail = Tail(
+            ordinal,
+            prompt,
+            completions,
+            count or None,
+            digest if count else None,
+            client_count or None,
+            client_digest if client_count else None,
+            key if client_count else None,
+        )
+    delta = prompt_choice is not None or messages_from is not None or client_from is not None
     return Packed(
         request=request,
         prompt_token_ids=heavy.prompt_token_ids if prompt is None else None,
@@ -272,6 +318,8 @@ def pack(ordinal: int, heavy: Heavy, base: Tail | None) -> Packed:
         messages_from=messages_from,
         choice_ids=choice_ids,
         choice_logprobs=choice_logprobs,
+        client_request=client,
+        client_from=client_from,
         tail=tail,
     )
 
@@ -297,12 +345,18 @@ def _unpack_choices(choices: list[Any], ids: bytes | None, logprobs: bytes | Non
 
 def stored(row: Any) -> Heavy:
     """A row's large fields as stored, ids and log-probs decoded but deltas not joined: a delta
-    row's prompt ids are those after its base's (``row.prompt_choice``) and its messages those after
-    the base's first ``row.messages_from``. What a delta claim ships (``GET /trainer/claim``)."""
+    row's prompt ids are those after its base's (``row.prompt_choice``), its messages those after
+    the base's first ``row.messages_from`` and its client's list those after the base's first
+    ``row.client_from``. What a delta claim ships (``POST /trainer/claim``).
+
+    Rows read by migration 0004, which predates ``client_request`` and ``client_from`` as
+    layout columns, have neither: their client request is whole.
+    """
+    client = getattr(row, "client_request", None)
     if not row.encoding:
-        return Heavy(row.request, row.prompt_token_ids, row.choices)
+        return Heavy(row.request, row.prompt_token_ids, row.choices, client)
     prompt = unpack_ids(row.prompt_ids) if row.prompt_ids is not None else row.prompt_token_ids
-    return Heavy(row.request, prompt, _unpack_choices(row.choices, row.choice_ids, row.choice_logprobs))
+    return Heavy(row.request, prompt, _unpack_choices(row.choices, row.choice_ids, row.choice_logprobs), client)
 
 
 def unpack(row: Any, bases: Mapping[int, Heavy]) -> Heavy:
@@ -315,14 +369,20 @@ def unpack(row: Any, bases: Mapping[int, Heavy]) -> Heavy:
     if not row.encoding or row.base_ordinal is None:
         return own
     base = bases[row.base_ordinal]
-    prompt, request = own.prompt_token_ids, own.request
+    prompt, request, client = own.prompt_token_ids, own.request, own.client_request
     if row.prompt_choice is not None:
         assert base.prompt_token_ids is not None and prompt is not None
         sampled = base.choices[row.prompt_choice]["token_ids"] if row.prompt_choice >= 0 else None
         prompt = rejoin_ids(base.prompt_token_ids, sampled, prompt)
     if row.messages_from is not None:
         request = rejoin_messages(base.request, row.messages_from, request)
-    return Heavy(request, prompt, own.choices)
+    client_from = getattr(row, "client_from", None)
+    if client_from is not None:
+        assert base.client_request is not None and client is not None
+        key = client_list(client)
+        assert key is not None
+        client = rejoin_messages(base.client_request, client_from, client, key=key)
+    return Heavy(request, prompt, own.choices, client)
 
 
 def tail_of(ordinal: int, heavy: Heavy) -> Tail | None:

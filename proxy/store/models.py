@@ -132,6 +132,8 @@ class Call(Base):
     prompt_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
     messages_from: Mapped[int | None]
     """Messages = the base's first ``messages_from`` messages + the stored ones; NULL: stored whole."""
+    client_from: Mapped[int | None]
+    """The same for ``client_request``'s list (``delta.client_list``); NULL: stored whole (migration 0006)."""
     choice_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
     choice_logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)
 

@@ -28,12 +28,23 @@ CALL_FIELDS = [f.name for f in fields(NewCall)]
 """The columns a ``NewCall`` fills, in ``NewCall`` order (the store adds ``id`` and ``ordinal``)."""
 ROW_FIELDS = [*CALL_FIELDS, "encoding", *PACKED_COLUMNS]
 """The columns a writer fills (``CALL_FIELDS``, then the compact layout's), in ``row_values`` order."""
-CHAIN_COLUMNS = ["episode_id", "ordinal", "request", "prompt_token_ids", "choices", "encoding", *PACKED_COLUMNS]
+CHAIN_COLUMNS = [
+    "episode_id",
+    "ordinal",
+    "request",
+    "prompt_token_ids",
+    "choices",
+    "client_request",
+    "encoding",
+    *PACKED_COLUMNS,
+]
 """What rebuilding a call's large fields reads (``heavies``)."""
 
 _COLUMN_TYPES = {c.name: c.type for c in Call.__table__.columns}
 JSON_COLUMNS = frozenset(name for name in ROW_FIELDS if isinstance(_COLUMN_TYPES[name], JSON))
-_HEAVY_AT = {name: CALL_FIELDS.index(name) for name in ("request", "prompt_token_ids", "choices")}
+_HEAVY = ("request", "prompt_token_ids", "choices", "client_request")
+"""The fields the compact layout may store as deltas (``delta.Heavy``)."""
+_HEAVY_AT = {name: CALL_FIELDS.index(name) for name in _HEAVY}
 _FLOAT_AT = [i for i, name in enumerate(CALL_FIELDS) if isinstance(_COLUMN_TYPES[name], Float)]
 _BOOL_AT = [i for i, name in enumerate(CALL_FIELDS) if isinstance(_COLUMN_TYPES[name], Boolean)]
 
@@ -114,11 +125,10 @@ class Layout:
 def row_values(ordinal: int, call: NewCall, base: Tail | None) -> tuple[list[Any], Packed]:
     """The values of ``call``'s row in ``ROW_FIELDS`` order (``ordinal`` apart), deltas against
     ``base`` where exact, and the packed form (its ``tail`` is what the next call may extend)."""
-    packed = pack(ordinal, Heavy(call.request, call.prompt_token_ids, call.choices), base)
+    packed = pack(ordinal, Heavy(call.request, call.prompt_token_ids, call.choices, call.client_request), base)
     values = call_values(call)
-    values[_HEAVY_AT["request"]] = packed.request
-    values[_HEAVY_AT["prompt_token_ids"]] = packed.prompt_token_ids
-    values[_HEAVY_AT["choices"]] = packed.choices
+    for name in _HEAVY:
+        values[_HEAVY_AT[name]] = getattr(packed, name)
     values += [COMPACT, *(getattr(packed, name) for name in PACKED_COLUMNS)]
     return values, packed
 
@@ -200,9 +210,7 @@ def group_record(row: Group, episodes: list[EpisodeRecord] | None = None) -> Gro
     )
 
 
-_LIGHT_COLUMNS = [
-    f.name for f in fields(CallRecord) if f.name not in ("request", "prompt_token_ids", "choices", "delta")
-]
+_LIGHT_COLUMNS = [f.name for f in fields(CallRecord) if f.name not in (*_HEAVY, "delta")]
 
 
 def heavies(rows: Iterable[Any]) -> Iterable[tuple[int, Heavy]]:
@@ -230,6 +238,7 @@ def _record(row: Any, heavy: Heavy, delta: CallDelta | None) -> CallRecord:
         request=heavy.request,
         prompt_token_ids=heavy.prompt_token_ids,
         choices=heavy.choices,
+        client_request=heavy.client_request,
         delta=delta,
     )
 
@@ -237,7 +246,7 @@ def _record(row: Any, heavy: Heavy, delta: CallDelta | None) -> CallRecord:
 def _delta(row: Any) -> CallDelta | None:
     if not row.encoding or row.base_ordinal is None:
         return None
-    return CallDelta(row.base_ordinal, row.prompt_choice, row.messages_from)
+    return CallDelta(row.base_ordinal, row.prompt_choice, row.messages_from, row.client_from)
 
 
 async def group_records(session: AsyncSession, groups: Sequence[Group]) -> list[GroupRecord]:

@@ -231,9 +231,7 @@ def _short_call(episode: dict[str, Any]) -> httpx.Response:
     )
 
 
-def _generating_streams(
-    proxy: Any, attempts: int = 4
-) -> tuple[dict[str, Any], list[Stream], list[threading.Thread]]:
+def _generating_streams(proxy: Any, attempts: int = 4) -> tuple[dict[str, Any], list[Stream], list[threading.Thread]]:
     """A fresh episode with one short answered call, then a chat, a Responses and a Messages
     stream of it, all three still generating.
 

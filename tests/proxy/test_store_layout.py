@@ -151,6 +151,30 @@ def episodes() -> dict[str, list[NewCall]]:
     calls = [new_call(odd_ids, 1, prompt=[1, 2**40], messages=[system], choices=[choice(0, [3, True])])]
     calls.append(new_call(odd_ids, 2, prompt=[1, 2**40, 3, 1, 5], messages=[system], choices=[choice(0, [6])]))
     out[odd_ids] = calls
+
+    # A Messages agent and a stateless Responses agent: each resends its own whole conversation
+    # (``client_request``) every turn, besides the chat request the proxy executed. The Responses
+    # agent's third turn rewrites its first input item: its list is not inherited, its prompt is.
+    for eid, api, key in (
+        ("00000000-0000-4000-8000-000000000005", "messages", "messages"),
+        ("00000000-0000-4000-8000-000000000006", "responses", "input"),
+    ):
+        own: list[dict[str, Any]] = [{"role": "user", "content": [{"type": "text", "text": "list the files"}]}]
+        chat = [system, {"role": "user", "content": "list the files"}]
+        p, calls = [1, 2, 3], []
+        for turn in range(4):
+            if api == "responses" and turn == 2:
+                own = [{**own[0], "content": "list the files, please"}, *own[1:]]
+            sampled = [40 + turn, 41 + turn]
+            client = {"model": "policy", "max_tokens": 64, "system": "be brief", key: list(own), "stream": False}
+            calls.append(
+                new_call(eid, 10 + turn, prompt=list(p), messages=list(chat), choices=[choice(0, sampled)], api=api)
+            )
+            calls[-1] = dataclasses.replace(calls[-1], client_request=client)
+            own = [*own, {"role": "assistant", "content": f"turn {turn}"}, {"role": "user", "content": "ok"}]
+            chat = [*chat, {"role": "assistant", "content": f"turn {turn}"}, {"role": "user", "content": "ok"}]
+            p = [*p, *sampled, 50 + turn]
+        out[eid] = calls
     return out
 
 
@@ -159,6 +183,12 @@ DELTAS = {  # calls stored as deltas (prompt ids, messages or both) per episode
     "00000000-0000-4000-8000-000000000002": 5,  # all but the first and the break
     "00000000-0000-4000-8000-000000000003": 2,
     "00000000-0000-4000-8000-000000000004": 0,  # no packable prompt: no base
+    "00000000-0000-4000-8000-000000000005": 3,  # prompt, messages and the client's list
+    "00000000-0000-4000-8000-000000000006": 3,
+}
+CLIENT_DELTAS = {  # calls whose client_request list is stored as a delta
+    "00000000-0000-4000-8000-000000000005": 3,
+    "00000000-0000-4000-8000-000000000006": 2,  # not the turn whose first item was rewritten
 }
 
 
@@ -266,7 +296,14 @@ async def _compact_columns(url: str) -> list[tuple[Any, ...]]:
             t = Call.__table__.c
             rows = await conn.execute(
                 select(
-                    t.episode_id, t.ordinal, t.encoding, t.base_ordinal, t.prompt_choice, t.prompt_ids, t.messages_from
+                    t.episode_id,
+                    t.ordinal,
+                    t.encoding,
+                    t.base_ordinal,
+                    t.prompt_choice,
+                    t.prompt_ids,
+                    t.messages_from,
+                    t.client_from,
                 ).order_by(t.episode_id, t.ordinal)
             )
             return [tuple(r) for r in rows.all()]
@@ -276,10 +313,14 @@ async def _compact_columns(url: str) -> list[tuple[Any, ...]]:
 
 def _expected_deltas(columns: list[tuple[Any, ...]]) -> None:
     by_episode: dict[str, int] = {}
-    for eid, _, encoding, base, _, _, _ in columns:
+    client: dict[str, int] = {}
+    for eid, _, encoding, base, _, _, _, client_from in columns:
         assert encoding == 1
         by_episode[eid] = by_episode.get(eid, 0) + (base is not None)
+        if client_from is not None:
+            client[eid] = client.get(eid, 0) + 1
     assert by_episode == DELTAS
+    assert client == CLIENT_DELTAS
 
 
 async def test_written_compactly_every_call_reads_back_as_the_json_layout_did(urls: Any) -> None:
@@ -303,19 +344,19 @@ async def test_written_compactly_every_call_reads_back_as_the_json_layout_did(ur
         await repo.insert_calls(everything[:5])
         for c in everything[5:-3]:
             await repo.insert_calls([c])
-        assert repo.layout.base_reads == 0
+        assert repo.layout.base_reads == 1  # the odd-ids episode: none of its calls can be a base to cache
     finally:
         await repo.close()
     cold = Repository(new_url)  # a restarted proxy: the last calls are read back from the store
     try:
-        await cold.insert_calls(everything[-3:])
-        assert cold.layout.base_reads == 1 and cold.layout.calls_delta == 1
+        await cold.insert_calls(everything[-3:])  # the Responses agent's last three turns
+        assert cold.layout.base_reads == 1 and cold.layout.calls_delta == 3
     finally:
         await cold.close()
 
     columns = await _compact_columns(new_url)
     _expected_deltas(columns)
-    prompts = {(eid, o): (choice, ids) for eid, o, _, _, choice, ids, _ in columns}
+    prompts = {(eid, o): (choice, ids) for eid, o, _, _, choice, ids, _, _ in columns}
     # the second multi-turn call stores only the 2 ids after call 0's prompt and completion
     assert prompts[("00000000-0000-4000-8000-000000000002", 1)] == (
         0,
@@ -407,16 +448,16 @@ async def test_a_delta_claim_rejoins_to_the_whole_calls_in_fewer_bytes(urls: Any
     assert _rejoined(legacy) == _rejoined(whole)
 
 
-def _load_migration() -> Any:
-    spec = importlib.util.spec_from_file_location("m0004", MIGRATIONS / "versions" / "0004_compact_calls.py")
+def _load_migration(name: str = "0004_compact_calls") -> Any:
+    spec = importlib.util.spec_from_file_location(f"m{name}", MIGRATIONS / "versions" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-async def _convert(url: str, **kwargs: Any) -> int:
-    convert = _load_migration().convert
+async def _convert(url: str, migration: str = "0004_compact_calls", **kwargs: Any) -> int:
+    convert = _load_migration(migration).convert
     engine = create_async_engine(url, json_serializer=json_text)  # as migrations/env.py makes it
     try:
         async with engine.connect() as conn:
@@ -427,7 +468,7 @@ async def _convert(url: str, **kwargs: Any) -> int:
         await engine.dispose()
 
 
-async def test_migration_0004_converts_in_place_resumably_and_the_samples_do_not_change(urls: Any) -> None:
+async def test_migrations_0004_and_0006_convert_in_place_resumably_and_the_samples_do_not_change(urls: Any) -> None:
     # A store written before 0004, upgraded through Alembic.
     old_url = await urls("old")
     await migrate_async(old_url, "0003")
@@ -458,6 +499,18 @@ async def test_migration_0004_converts_in_place_resumably_and_the_samples_do_not
     resumed = await _read(reference_url)
     assert_same(resumed, reference)
     assert _samples(resumed) == reference_samples
+
+    # Those rows are now what a store at 0005 holds (client lists whole). Migration 0006's
+    # conversion, interrupted after one episode, then resumed: the same again, and then nothing.
+    assert [c[-1] for c in await _compact_columns(reference_url)] == [None] * total
+    client = "0006_client_request_deltas"
+    assert await _convert(reference_url, client, batch=1, limit=1) == 3
+    assert_same(await _read(reference_url), reference)
+    assert await _convert(reference_url, client, batch=1) == 2
+    assert await _convert(reference_url, client, batch=1) == 0
+    resumed = await _read(reference_url)
+    assert_same(resumed, reference)
+    assert _samples(resumed) == reference_samples
     _expected_deltas(await _compact_columns(reference_url))
 
 
@@ -485,7 +538,10 @@ async def test_the_proxy_counts_calls_stored_as_deltas_and_serves_them_whole(sql
         again = await client.post("/trainer/claim", json={**claim, "calls": "whole"}, headers=ADMIN)  # same lease
         bad = await client.post("/trainer/claim", json={**claim, "calls": "diff"}, headers=ADMIN)
     shipped = delta["groups"][0]["episodes"][0]["calls"]
-    assert [c["delta"] for c in shipped] == [None, {"base_ordinal": 0, "prompt_choice": -1, "messages_from": 1}]
+    assert [c["delta"] for c in shipped] == [
+        None,
+        {"base_ordinal": 0, "prompt_choice": -1, "messages_from": 1, "client_from": None},
+    ]
     assert shipped[1]["prompt_token_ids"] == [] and shipped[1]["request"]["messages"] == second[1:]
     whole = again.json()["groups"][0]["episodes"][0]["calls"]
     assert [c["delta"] for c in whole] == [None, None] and [c["request"]["messages"] for c in whole] == [first, second]
@@ -500,6 +556,41 @@ async def test_the_proxy_counts_calls_stored_as_deltas_and_serves_them_whole(sql
     assert 'flywheel_store_calls_stored{layout="delta"} 1.0' in metrics
     assert 'flywheel_store_calls_stored{layout="whole"} 1.0' in metrics
     assert [row[2:] for row in await _compact_columns(sqlite_url)] == [
-        (1, None, None, b"\x01\x00\x00\x00\x02\x00\x00\x00\x03\x00\x00\x00", None),
-        (1, 0, -1, b"", 1),
+        (1, None, None, b"\x01\x00\x00\x00\x02\x00\x00\x00\x03\x00\x00\x00", None, None),
+        (1, 0, -1, b"", 1, None),
     ]
+
+
+async def test_a_messages_agent_resending_its_conversation_is_stored_as_deltas(sqlite_url: str) -> None:
+    """An Anthropic Messages client sends its whole conversation every turn; through the app (the
+    named fake upstream), the second and third calls keep only the new items of both the chat
+    request the proxy executed and the client's own ``messages`` (``client_from``), and every
+    reader gets them whole: ``GET /episodes/<id>`` returns each call's client request as sent."""
+    from tests.proxy.conftest import ADMIN, fake_upstream, make_settings, new_group, running_app
+
+    conversation: list[dict[str, Any]] = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    sent = []
+    async with running_app(make_settings(sqlite_url), transport=fake_upstream()) as client:
+        group = await new_group(client, size=1)
+        episode_id = group["episode_keys"][0]["id"]
+        headers = {"x-api-key": group["episode_keys"][0]["api_key"], "anthropic-version": "2023-06-01"}
+        for turn in range(3):
+            body = {"model": "policy", "max_tokens": 8, "system": "Be brief.", "messages": list(conversation)}
+            response = await client.post("/v1/messages", json=body, headers=headers)
+            assert response.status_code == 200, response.text
+            sent.append(body)
+            conversation += [
+                {"role": "assistant", "content": response.json()["content"]},
+                {"role": "user", "content": f"and {turn}?"},
+            ]
+        stored = (await client.get(f"/episodes/{episode_id}", headers=ADMIN)).json()["calls"]
+    assert [c["client_request"] for c in stored] == sent
+    columns = [row[6:] for row in await _compact_columns(sqlite_url)]  # (messages_from, client_from)
+    assert columns == [(None, None), (2, 1), (4, 3)]
+    engine = make_engine(sqlite_url)
+    try:
+        async with engine.connect() as conn:
+            raw = (await conn.execute(select(Call.__table__.c.client_request).order_by(Call.ordinal))).scalars().all()
+    finally:
+        await engine.dispose()
+    assert [len(r["messages"]) for r in raw] == [1, 2, 2]  # only what each turn added
