@@ -7,6 +7,9 @@ Workloads (token ids drawn at random from a 150k vocabulary, message text ~4 cha
   tokens (a tool call) and the tool answers ~450, so the context grows by ~600 tokens a turn: the
   50-turn episode ends near 30k tokens. Each call's prompt ids extend the previous prompt and
   completion, and its messages extend the previous list, as an agent's do.
+- **messages** (T in ``--messages-turns``): the same episodes from an Anthropic Messages client:
+  each call also keeps the client's own request (``client_request``), its whole conversation as
+  content blocks, resent every turn.
 
 "Before" writes each call whole in the JSON layout every store used before migration 0004 (the
 rows those writers wrote, ``encoding`` 0); "after" goes through ``Repository.insert_calls`` one call
@@ -66,10 +69,18 @@ def _ids(rng: random.Random, n: int) -> list[int]:
 
 
 def _call(
-    episode_id: str, turn: int, prompt: list[int], completion: list[int], messages: list[Any], rng: random.Random
+    episode_id: str,
+    turn: int,
+    prompt: list[int],
+    completion: list[int],
+    messages: list[Any],
+    rng: random.Random,
+    client: dict[str, Any] | None = None,
 ) -> NewCall:
     logprobs = [float(-rng.random() * 3) for _ in completion]
     return NewCall(
+        api="messages" if client is not None else "chat",
+        client_request=client,
         episode_id=episode_id,
         kind="chat",
         stream=False,
@@ -103,22 +114,27 @@ def _call(
     )
 
 
-def episode(episode_id: str, turns: int, *, first: int, answer: int, tool: int, seed: int) -> tuple[list[NewCall], int]:
-    """An episode's calls and its final context in tokens (last prompt + last completion)."""
+def episode(
+    episode_id: str, turns: int, *, first: int, answer: int, tool: int, seed: int, client: bool = False
+) -> tuple[list[NewCall], int]:
+    """An episode's calls and its final context in tokens (last prompt + last completion); with
+    ``client``, as a Messages client sends them (its own conversation in ``client_request``)."""
     rng = random.Random(seed)
     prompt = _ids(rng, first)
-    messages: list[Any] = [
-        {"role": "system", "content": _text(rng, first // 2)},
-        {"role": "user", "content": _text(rng, first - first // 2)},
-    ]
+    system, task = _text(rng, first // 2), _text(rng, first - first // 2)
+    messages: list[Any] = [{"role": "system", "content": system}, {"role": "user", "content": task}]
+    own: list[Any] = [{"role": "user", "content": [{"type": "text", "text": task}]}]
     calls = []
     for turn in range(turns):
         completion = _ids(rng, answer)
-        calls.append(_call(episode_id, turn, list(prompt), completion, list(messages), rng))
-        messages = [
-            *messages,
-            {"role": "assistant", "content": _text(rng, answer)},
-            {"role": "tool", "content": _text(rng, tool)},
+        request = {"model": "policy", "max_tokens": 512, "system": system, "messages": list(own)} if client else None
+        calls.append(_call(episode_id, turn, list(prompt), completion, list(messages), rng, request))
+        said, result = _text(rng, answer), _text(rng, tool)
+        messages = [*messages, {"role": "assistant", "content": said}, {"role": "tool", "content": result}]
+        own = [
+            *own,
+            {"role": "assistant", "content": [{"type": "tool_use", "id": f"t{turn}", "name": "run", "input": said}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{turn}", "content": result}]},
         ]
         prompt = prompt + completion + _ids(rng, tool)
     return calls, len(calls[-1].prompt_token_ids or []) + answer
@@ -289,7 +305,7 @@ def fit(points: list[tuple[float, float]]) -> dict[str, float]:
 
 def _line(backend: str, key: str, layout: str, m: dict[str, Any]) -> str:
     return (
-        f"{backend:10} {key:9} {layout:6} tokens {m['episode_tokens']:6d}  calls {m['calls']:4d}  "
+        f"{backend:10} {key:11} {layout:6} tokens {m['episode_tokens']:6d}  calls {m['calls']:4d}  "
         f"store {m['bytes_per_episode'] / 1e3:9.1f} KB/episode ({m['bytes_per_call'] / 1e3:7.2f} KB/call; "
         f"rows {m['row_bytes_per_episode'] / 1e3:9.1f} KB)  write {m['write_ms_per_call']:6.2f} ms/call  "
         f"read {m['read_ms_per_call']:6.2f} ms/call  claim {m['claim_bytes_per_episode'] / 1e3:8.1f} KB/episode "
@@ -316,6 +332,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     for s in range(args.episodes)
                 ]
                 workloads[f"agent_{turns}"] = ([calls for calls, _ in made], made[0][1])
+            for turns in args.messages_turns:
+                made = [
+                    episode(str(uuid.uuid4()), turns, first=1000, answer=150, tool=450, seed=s, client=True)
+                    for s in range(args.episodes)
+                ]
+                workloads[f"messages_{turns}"] = ([calls for calls, _ in made], made[0][1])
             for key, (eps, tokens) in workloads.items():
                 for layout in ("before", "after"):
                     # the same episodes (fresh ids) in a fresh store
@@ -337,17 +359,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     results.setdefault(key, {})[layout] = m
                     print(_line(name, key, layout, m), flush=True)
             fits = {}
-            for label, layout, field in (
-                ("before", "before", "row_bytes_per_episode"),
-                ("after", "after", "row_bytes_per_episode"),
-                ("claim whole", "after", "claim_bytes_per_episode"),
-                ("claim delta", "after", "claim_delta_bytes_per_episode"),
+            for label, prefix, layout, field in (
+                ("before", "agent_", "before", "row_bytes_per_episode"),
+                ("after", "agent_", "after", "row_bytes_per_episode"),
+                ("claim whole", "agent_", "after", "claim_bytes_per_episode"),
+                ("claim delta", "agent_", "after", "claim_delta_bytes_per_episode"),
+                ("msgs before", "messages_", "before", "row_bytes_per_episode"),
+                ("msgs after", "messages_", "after", "row_bytes_per_episode"),
             ):
                 points = [
-                    (r[layout]["episode_tokens"], r[layout][field])
-                    for k, r in results.items()
-                    if k.startswith("agent_")
+                    (r[layout]["episode_tokens"], r[layout][field]) for k, r in results.items() if k.startswith(prefix)
                 ]
+                if len(points) < 2:
+                    continue
                 fits[label] = f = fit(points)
                 per_token = ", ".join(f"{x:.0f} tok: {y / x:.1f} B/tok" for x, y in points)
                 line = f"bytes = {f['intercept']:.0f} + {f['bytes_per_token']:.1f} * tokens  R² {f['r2']:.4f}"
@@ -359,6 +383,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--turns", type=lambda s: [int(x) for x in s.split(",")], default=[5, 10, 20, 30, 40, 50])
+    parser.add_argument(
+        "--messages-turns", type=lambda s: [int(x) for x in s.split(",") if x], default=[10, 50], help="'' skips"
+    )
     parser.add_argument("--episodes", type=int, default=2, help="episodes per agent workload")
     parser.add_argument("--math-episodes", type=int, default=100, help="one-call episodes of the math workload")
     parser.add_argument(
