@@ -12,7 +12,8 @@ proxies in turn (``proxy/client.py``). An episode is ``--turns`` T calls: a firs
 ``--first-words`` words, then per turn the model's canned answer (``--completion`` tokens) and an
 environment message of ``--added-words`` words (one token each under the toy template); rewards are
 posted when the group's episodes end, and a new group starts. A trainer-like client claims complete
-groups and acks them over HTTP (``--no-trainer`` to leave them), counting the claim's bytes.
+groups as the trainer does (``proxy.client``: delta form, rejoined) and acks them over HTTP
+(``--no-trainer`` to leave them), counting the claim answers' bytes.
 
 Measured over the window after ``--warmup-s``: calls/s, p50/p99 call latency, proxy CPU per call
 (``/proc``), store growth (``pg_database_size`` and ``pg_total_relation_size('calls')`` sampled
@@ -249,10 +250,10 @@ async def drive(args: argparse.Namespace, proxies: list[ProxyUnderTest], store_u
 def report(args: argparse.Namespace, ep: Episode, m: dict[str, Any]) -> dict[str, Any]:
     costs = Costs()
     p = plan(ep, m["calls_per_s"], costs)
-    ceiling = args.proxies * 1000 / costs.proxy_cpu_ms_per_call
+    ceiling = args.proxies * 1000 / p.proxy_cpu_ms_per_call
     rows = [
         ("calls/s (vs the proxies' CPU ceiling)", m["calls_per_s"], ceiling, ""),
-        ("proxy CPU ms per call", m["proxy_cpu_ms_per_call"], costs.proxy_cpu_ms_per_call, ""),
+        ("proxy CPU ms per call", m["proxy_cpu_ms_per_call"], p.proxy_cpu_ms_per_call, ""),
         ("store MB/s, table calls", m["calls_mb_per_s"], p.store_mb_per_s, ""),
         ("store MB/s, whole database", m["db_mb_per_s"], p.store_mb_per_s, "(model: calls only)"),
         ("claim KB per group", m["claim_bytes_per_group"] / 1e3, p.claim_bytes_per_group / 1e3, ""),
