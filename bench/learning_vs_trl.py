@@ -94,6 +94,7 @@ from trainer.lora import resolve_dtype  # noqa: E402
 from workflows.math.reward import check  # noqa: E402
 from workflows.math.run import MathOptions, MathWorkflow  # noqa: E402
 from workflows.options import parse_options  # noqa: E402
+from workflows.runner import task_order  # noqa: E402
 
 RUN_CONFIG = ROOT / "configs" / "run-local.yaml"
 TRL_MICRO_BATCH = 16
@@ -162,30 +163,57 @@ class TrlResult:
     train_seconds: float = 0.0
     completions: int = 0
     step_rewards: list[float] = field(default_factory=list)
+    batches: list[dict[str, float]] = field(default_factory=list)
+    """Per generation batch: groups, groups with equal rewards, mean completion tokens, truncated share."""
 
 
-def make_math_reward(format_weight: float, rewards: list[float]) -> Callable[..., list[float | None]]:
-    """The math workflow's episode reward for TRL's completions; appends each batch's mean to ``rewards``."""
+def make_math_reward(
+    format_weight: float,
+    rewards: list[float],
+    *,
+    group_size: int = 1,
+    max_tokens: int = 0,
+    batches: list[Any] | None = None,
+) -> Callable[..., list[float | None]]:
+    """The math workflow's episode reward for TRL's completions; appends each batch's mean to
+    ``rewards`` and, with ``batches``, what the batch held (TRL repeats each prompt ``group_size``
+    times in a row, so consecutive completions form a group)."""
 
-    def math_reward(completions: list[Any], answer: list[str], **_: Any) -> list[float | None]:
+    def math_reward(
+        completions: list[Any], answer: list[str], completion_ids: list[list[int]] | None = None, **_: Any
+    ) -> list[float | None]:
         scores = []
         for completion, gold in zip(completions, answer, strict=True):
             text = completion[-1]["content"] if isinstance(completion, list) else str(completion)
             scores.append(check(text or "", gold).reward(format_weight))
         rewards.append(sum(scores) / len(scores))
+        if batches is not None:
+            groups = [scores[i : i + group_size] for i in range(0, len(scores), group_size)]
+            lengths = [len(ids) for ids in completion_ids or []]
+            batches.append(
+                {
+                    "groups": len(groups),
+                    "equal_groups": sum(len(set(g)) == 1 for g in groups),
+                    "reward": sum(scores) / len(scores),
+                    "completion_tokens": sum(lengths) / len(lengths) if lengths else float("nan"),
+                    "truncated": sum(n >= max_tokens for n in lengths) / len(lengths) if lengths else float("nan"),
+                }
+            )
         return list(scores)
 
     return math_reward
 
 
-def trl_dataset(options: MathOptions) -> Any:
-    """The train split as TRL conversational prompts (the workflow's system prompt + problem)."""
+def trl_dataset(options: MathOptions, seed: int) -> Any:
+    """The train split as TRL conversational prompts (the workflow's system prompt + problem), in
+    the order Flywheel's runner draws them with the same seed (``workflows.runner.task_order``):
+    with ``shuffle_dataset=False`` both sides meet the same problems in the same order, so a
+    difference after a few steps is not which problems each happened to draw."""
     from datasets import Dataset  # type: ignore[import-untyped]
 
     workflow = MathWorkflow(options)
-    return Dataset.from_list(
-        [{"prompt": workflow.messages(task), "answer": task.answer} for task in workflow.tasks("train")]
-    )
+    ordered = task_order(list(workflow.tasks("train")), seed, workflow.stratum)
+    return Dataset.from_list([{"prompt": workflow.messages(task), "answer": task.answer} for task in ordered])
 
 
 def trl_tokenizer(model: str) -> Any:
@@ -254,6 +282,7 @@ def trl_args(shared: Shared, output_dir: Path, *, seed: int, max_steps: int = 1_
         disable_tqdm=True,
         seed=seed,
         data_seed=seed,
+        shuffle_dataset=False,  # the dataset comes in Flywheel's runner order (trl_dataset)
     )
 
 
@@ -293,9 +322,15 @@ def train_trl(shared: Shared, workdir: Path, *, minutes: float, seed: int, threa
     )
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=make_math_reward(options.format_weight, result.step_rewards),
+        reward_funcs=make_math_reward(
+            options.format_weight,
+            result.step_rewards,
+            group_size=shared.group_size,
+            max_tokens=options.max_tokens,
+            batches=result.batches,
+        ),
         args=args,
-        train_dataset=trl_dataset(options),
+        train_dataset=trl_dataset(options, seed),
         processing_class=tokenizer,
         peft_config=trl_lora(config),
         callbacks=[Budget()],
@@ -442,9 +477,48 @@ def summary(
         "completions_generated": completions,
         "train_reward_first3": mean(rewards[:3]),
         "train_reward_last3": mean(rewards[-3:]),
+        "rewards": [round(r, 4) for r in rewards],
         "by_kind_after": {k: round(v["accuracy"], 3) for k, v in after.get("by_kind", {}).items()},
         "eval_policy_versions": after.get("policy_versions"),
         **extra,
+    }
+
+
+def flywheel_data(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """What Flywheel's steps trained on, from the trainer's step metrics (``GET /trainer/steps``)."""
+    metrics = [s["metrics"] for s in steps]
+    trained = sum(int(m.get("data/groups_trained") or 0) for m in metrics)
+    equal = sum(int(m.get("data/groups_skipped_equal") or 0) for m in metrics)
+    samples = sum(int(m.get("data/samples") or 0) for m in metrics)
+    loss_tokens = sum(int(m.get("data/loss_tokens") or 0) for m in metrics)
+    return {
+        "groups": trained + equal,
+        "equal_groups": equal,
+        "equal_share": round(equal / (trained + equal), 3) if trained + equal else None,
+        "completion_tokens_trained": round(loss_tokens / samples, 1) if samples else None,
+        "stale_groups": int(sum(m.get("proxy/stale_groups") or 0 for m in metrics)),
+        "per_step": [
+            {
+                "trained": int(m.get("data/groups_trained") or 0),
+                "equal": int(m.get("data/groups_skipped_equal") or 0),
+                "reward": m.get("reward/mean"),
+            }
+            for m in metrics
+        ],
+    }
+
+
+def trl_data(batches: list[dict[str, float]]) -> dict[str, Any]:
+    """What TRL's steps trained on (each generation batch is one step here: ``num_iterations`` 1)."""
+    groups = sum(int(b["groups"]) for b in batches)
+    equal = sum(int(b["equal_groups"]) for b in batches)
+    return {
+        "groups": groups,
+        "equal_groups": equal,
+        "equal_share": round(equal / groups, 3) if groups else None,
+        "completion_tokens": round(sum(b["completion_tokens"] for b in batches) / len(batches), 1) if batches else None,
+        "truncated": round(sum(b["truncated"] for b in batches) / len(batches), 3) if batches else None,
+        "per_step": batches,
     }
 
 
@@ -461,6 +535,12 @@ def table(result: dict[str, Any]) -> str:
             f"{side:<10} {r['accuracy_before']:.3f} -> {r['accuracy_after']:.3f}   "
             f"{r['gain_points']:+6.1f}  {r['format_before']:.2f} -> {r['format_after']:.2f}  "
             f"{r['steps']:>5} {r['train_minutes']:>9.1f} {r['completions_generated']:>11}"
+        )
+    for side in ("flywheel", "trl"):
+        d = result[side].get("data") or {}
+        rows.append(
+            f"{side:<10} data: {d.get('groups')} groups trained on or skipped, {d.get('equal_groups')} with equal "
+            f"rewards ({d.get('equal_share')}); rewards per step {[round(x, 2) for x in result[side]['rewards']]}"
         )
     return "\n".join(rows)
 
@@ -528,6 +608,7 @@ def main() -> None:
             completions_trained=int(sum(s["metrics"].get("data/members") or 0 for s in steps)),
             episodes_abandoned=fly["episodes"]["abandoned"],
             engine_restarts=len(fly["restarts"]),
+            data=flywheel_data(steps),
         ),
         "trl": summary(
             fly["before"],
@@ -537,6 +618,7 @@ def main() -> None:
             completions=trl.completions,
             rewards=trl.step_rewards,
             threads=opts.trl_threads,
+            data=trl_data(trl.batches),
         ),
         "flywheel_overrides": flywheel_overrides,
         "group_size": shared.group_size,

@@ -10,6 +10,8 @@ Workloads (token ids drawn at random from a 150k vocabulary, message text ~4 cha
 - **messages** (T in ``--messages-turns``): the same episodes from an Anthropic Messages client:
   each call also keeps the client's own request (``client_request``), its whole conversation as
   content blocks, resent every turn.
+- **recorded** (``--from-store URL``): every episode of an existing store (real agent episodes,
+  e.g. tau2's), re-stored in both layouts.
 
 "Before" writes each call whole in the JSON layout every store used before migration 0004 (the
 rows those writers wrote, ``encoding`` 0); "after" goes through ``Repository.insert_calls`` one call
@@ -313,6 +315,29 @@ def _line(backend: str, key: str, layout: str, m: dict[str, Any]) -> str:
     )
 
 
+async def recorded(url: str) -> tuple[list[list[NewCall]], int]:
+    """Every episode with calls in the store at ``url`` (e.g. a run's ``proxy.db`` after real tau2
+    or OpenHands episodes), whole, as a workload; and the mean final context in tokens."""
+    engine = make_engine(url)
+    try:
+        async with engine.connect() as conn:
+            table = Call.__table__
+            rows = (await conn.execute(select(table).order_by(table.c.episode_id, table.c.ordinal))).all()
+    finally:
+        await engine.dispose()
+    episodes: dict[str, list[NewCall]] = {}
+    for record in call_records(rows):
+        whole = {f.name: getattr(record, f.name) for f in dataclasses.fields(NewCall)}
+        episodes.setdefault(record.episode_id, []).append(NewCall(**whole))
+    if not episodes:
+        raise SystemExit(f"no recorded calls in {url}")
+    contexts = [
+        len(calls[-1].prompt_token_ids or []) + len((calls[-1].choices or [{}])[0].get("token_ids") or [])
+        for calls in episodes.values()
+    ]
+    return list(episodes.values()), round(sum(contexts) / len(contexts))
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     backends: list[str | None] = [None] + ([args.pg_url] if args.pg_url else [])
     out: dict[str, Any] = {}
@@ -326,6 +351,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 for s in range(args.math_episodes)
             ]
             workloads["math"] = (math_eps, 450)
+            if args.from_store:
+                workloads["recorded"] = await recorded(args.from_store)
             for turns in args.turns:
                 made = [
                     episode(str(uuid.uuid4()), turns, first=1000, answer=150, tool=450, seed=s)
@@ -388,6 +415,9 @@ def main() -> None:
     )
     parser.add_argument("--episodes", type=int, default=2, help="episodes per agent workload")
     parser.add_argument("--math-episodes", type=int, default=100, help="one-call episodes of the math workload")
+    parser.add_argument(
+        "--from-store", default="", help="also a 'recorded' workload: every episode of this store URL (real episodes)"
+    )
     parser.add_argument(
         "--pg-url", default="postgresql+asyncpg://postgres@127.0.0.1:5432/test", help="'' skips PostgreSQL"
     )
