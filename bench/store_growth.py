@@ -280,15 +280,20 @@ async def measure(url: str, layout: str, workload: list[list[NewCall]]) -> dict[
     }
 
 
-async def claim_bytes(url: str, *, delta: bool) -> int:
-    """Bytes of every stored call as a claim serializes it (``CallOut`` JSON), whole or in delta form."""
+async def _call_rows(url: str) -> list[Any]:
+    """Every stored call row, by episode and ordinal (the order ``call_records`` rebuilds in)."""
     engine = make_engine(url)
     try:
         async with engine.connect() as conn:
             table = Call.__table__
-            rows = (await conn.execute(select(table).order_by(table.c.episode_id, table.c.ordinal))).all()
+            return list((await conn.execute(select(table).order_by(table.c.episode_id, table.c.ordinal))).all())
     finally:
         await engine.dispose()
+
+
+async def claim_bytes(url: str, *, delta: bool) -> int:
+    """Bytes of every stored call as a claim serializes it (``CallOut`` JSON), whole or in delta form."""
+    rows = await _call_rows(url)
     return sum(len(CallOut.model_validate(r).model_dump_json()) for r in call_records(rows, delta=delta))
 
 
@@ -318,13 +323,7 @@ def _line(backend: str, key: str, layout: str, m: dict[str, Any]) -> str:
 async def recorded(url: str) -> tuple[list[list[NewCall]], int]:
     """Every episode with calls in the store at ``url`` (e.g. a run's ``proxy.db`` after real tau2
     or OpenHands episodes), whole, as a workload; and the mean final context in tokens."""
-    engine = make_engine(url)
-    try:
-        async with engine.connect() as conn:
-            table = Call.__table__
-            rows = (await conn.execute(select(table).order_by(table.c.episode_id, table.c.ordinal))).all()
-    finally:
-        await engine.dispose()
+    rows = await _call_rows(url)
     episodes: dict[str, list[NewCall]] = {}
     for record in call_records(rows):
         whole = {f.name: getattr(record, f.name) for f in dataclasses.fields(NewCall)}

@@ -279,12 +279,14 @@ def assert_same(got: dict[str, list[CallRecord]], want: dict[str, list[CallRecor
             assert list(g.request) == list(w.request) and [list(c) for c in g.choices] == [list(c) for c in w.choices]
 
 
-def _samples(records: dict[str, list[CallRecord]]) -> str:
+def _samples(records: dict[str, list[CallRecord]] | dict[str, list[dict[str, Any]]]) -> str:
+    """The trainer's samples of the episodes, from store records or from claim JSON (a delta
+    claim's calls are rejoined first, as ``proxy.client`` does)."""
     stats = DataStats()
     out = []
     for eid, calls in records.items():
-        wire = [WireCall.model_validate(dataclasses.asdict(c)) for c in calls]
-        episode = WireEpisode(id=eid, status="rewarded", reward=1.0, calls=wire)
+        wire = [WireCall.model_validate(c if isinstance(c, dict) else dataclasses.asdict(c)) for c in calls]
+        episode = WireEpisode(id=eid, status="rewarded", reward=1.0, calls=wire).rejoined()
         out += [dataclasses.asdict(s) for s in episode_samples(episode, group_id="g", max_seq_len=4096, stats=stats)]
     return repr((out, dataclasses.asdict(stats)))  # repr: NaN log-probs compare equal
 
@@ -431,17 +433,7 @@ async def test_a_delta_claim_rejoins_to_the_whole_calls_in_fewer_bytes(urls: Any
         assert [_typed(c.model_dump()) for c in got] == [_typed(c.model_dump()) for c in want]
         assert [list(c.request) for c in got] == [list(c.request) for c in want]  # key order kept
 
-    def samples(calls: dict[str, list[dict[str, Any]]]) -> str:
-        records = {eid: [WireCall.model_validate(c) for c in cs] for eid, cs in calls.items()}
-        stats = DataStats()
-        out = []
-        for eid, wire in records.items():
-            episode = WireEpisode(id=eid, status="rewarded", reward=1.0, calls=wire).rejoined()
-            made = episode_samples(episode, group_id="g", max_seq_len=4096, stats=stats)
-            out += [dataclasses.asdict(s) for s in made]
-        return repr((out, dataclasses.asdict(stats)))
-
-    assert samples(shipped) == samples(whole)
+    assert _samples(shipped) == _samples(whole)
 
     legacy, _ = await _claimed_calls(legacy_url, delta=True)  # a store from before 0004: whole calls
     assert all(c["delta"] is None for calls in legacy.values() for c in calls)
