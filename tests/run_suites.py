@@ -2,8 +2,9 @@
 
 Each suite would otherwise start its own engine (about a minute on 2 cores, plus the model's
 warm-up). The engine is the session fixture's (``tests/conftest.py``: same model, flags and
-cache size); each run reaches it through ``FLYWHEEL_TEST_VLLM_URL``. Tests that need an engine
-with other flags still start their own. The exit status is the first failing suite's.
+cache size); each run reaches it through ``FLYWHEEL_TEST_VLLM_URL`` (its log:
+``FLYWHEEL_TEST_VLLM_LOG``). Tests that need an engine with other flags still start their own. The
+exit status is the first failing suite's.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def main(suites: list[list[str]]) -> int:
     server.start()
     try:
         server.wait_healthy(timeout=600)
-        env = dict(os.environ, FLYWHEEL_TEST_VLLM_URL=server.url)
+        env = dict(os.environ, FLYWHEEL_TEST_VLLM_URL=server.url, FLYWHEEL_TEST_VLLM_LOG=str(log))
         status = 0
         for command in suites:
             print(f"\n=== {' '.join(command)}  (shared vLLM at {server.url}, log {log})", flush=True)
