@@ -95,6 +95,16 @@ def _wait_restart(engine: Engine, before: int) -> None:
     assert len(engine.restarts) > before, "the supervisor did not restart the dead engine"
 
 
+def _wait_synced(proxy: Any, timeout_s: float = 120) -> None:
+    """Until the proxy's own probe has seen the restarted replica and reloaded its adapters
+    (``/healthz`` 200). Before that, with one replica down, the proxy forwards anyway and the new
+    engine answers 404 for an adapter it does not hold yet."""
+    deadline = time.monotonic() + timeout_s
+    while httpx.get(f"{proxy.url}/healthz", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, f"the proxy did not take the restarted replica back in {timeout_s:g} s"
+        time.sleep(0.5)
+
+
 def _until_ok(call: Callable[[], httpx.Response], timeout_s: float = 120) -> httpx.Response:
     """``call`` again until it answers 200 (the proxy re-syncs a replica that came back before routing to it)."""
     deadline = time.monotonic() + timeout_s
@@ -309,6 +319,7 @@ def test_engine_killed_mid_stream_fails_the_calls_and_the_episode_goes_on(engine
 
     t_ended = time.monotonic()
     _wait_restart(engine, restarts_before)
+    _wait_synced(proxy)
     after = _until_ok(functools.partial(_short_call, episode))
     assert after.status_code == 200, after.text
     stored = episode_record(proxy, episode["id"])

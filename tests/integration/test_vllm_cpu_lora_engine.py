@@ -92,6 +92,21 @@ async def sample(
     return body["prompt_token_ids"], choice["token_ids"], [t["logprob"] for t in choice["logprobs"]["content"]]
 
 
+async def until_running(client: httpx.AsyncClient, url: str, count: int, timeout_s: float = 120.0) -> None:
+    """Wait until the engine reports ``count`` requests running (its Prometheus gauge)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        text = (await client.get(f"{url}/metrics", timeout=30)).text
+        gauges = [line for line in text.splitlines() if line.startswith("vllm:num_requests_running")]
+        running = sum(float(line.rsplit(" ", 1)[1]) for line in gauges)
+        if running >= count:
+            return
+        assert asyncio.get_running_loop().time() < deadline, (
+            f"{running:g} of {count} requests running after {timeout_s:g} s"
+        )
+        await asyncio.sleep(0.05)
+
+
 def scored(model: Any, prompt: list[int], completion: list[int]) -> list[float]:
     """transformers' log-prob of each completion token after the prompt (the adapter as currently set)."""
     ids = torch.tensor([prompt + completion])
@@ -124,7 +139,7 @@ async def test_a_base_request_batched_with_every_slot_in_use_gets_no_adapter(
     async with httpx.AsyncClient() as client:
         # Every slot busy for the whole base request: each adapter generates 4x as long.
         running = [asyncio.create_task(sample(client, vllm_url, name, 96)) for name in adapters]
-        await asyncio.sleep(1.0)
+        await until_running(client, vllm_url, SLOTS)
         prompt, completion, engine = await sample(client, vllm_url, "policy-base", 24)
         assert not any(task.done() for task in running), "an adapter request ended first: the batch was not mixed"
         await asyncio.gather(*running)
