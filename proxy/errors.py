@@ -23,6 +23,7 @@ as a bare 500 or an empty body.
     │       └── StoreFull (507)             the store's disk is full
     └── UpstreamError (502 upstream_error)
         ├── UpstreamUnavailable (502)       connect error, or no healthy replica
+        │   └── UpstreamNotSynced (503 service_unavailable)   a restarted replica without its adapters yet
         └── UpstreamTimeout (504 timeout_error)
 """
 
@@ -153,6 +154,13 @@ class UpstreamError(FlywheelError):
 
 class UpstreamUnavailable(UpstreamError):
     pass
+
+
+class UpstreamNotSynced(UpstreamUnavailable):
+    """A restarted replica answers again but has not got the published adapters back yet: retry shortly."""
+
+    status_code = 503
+    type = "service_unavailable"
 
 
 class UpstreamTimeout(UpstreamError):

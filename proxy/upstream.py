@@ -18,7 +18,15 @@ import httpx
 import orjson
 
 from proxy.answers import json_object, malformed
-from proxy.errors import FlywheelError, NotFound, RequestRejected, UpstreamError, UpstreamTimeout, UpstreamUnavailable
+from proxy.errors import (
+    FlywheelError,
+    NotFound,
+    RequestRejected,
+    UpstreamError,
+    UpstreamNotSynced,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
 from proxy.settings import Settings, UpstreamSettings
 from proxy.transport import Http1Transport
 
@@ -61,6 +69,8 @@ def map_transport_error(exc: httpx.TransportError, replica: Replica) -> Upstream
 def answer_error(status: int, text: bytes, replica: Replica | None) -> FlywheelError:
     """Turn a vLLM error answer into ours: 4xx keep their status (the request's fault), 5xx become 502.
 
+    A 404 from a replica the proxy holds unhealthy is a 503: a restarted engine without its adapters.
+
     A 401 is the proxy's fault, not the client's: the replica refused the key the proxy sent it
     (``upstreams[].api_key``), so the client gets a 502, not a 401 that would blame its own key.
     """
@@ -70,6 +80,14 @@ def answer_error(status: int, text: bytes, replica: Replica | None) -> FlywheelE
     except (orjson.JSONDecodeError, AttributeError):
         message = text[:500].decode(errors="replace")
     message = message or f"upstream answered {status}"
+    if status == 404 and replica is not None and not replica.healthy:
+        # Chosen while every replica was down (``pick``): it answers again, but the health loop has
+        # not reloaded its adapters yet, so the missing model is the proxy's state, not the client's.
+        return UpstreamNotSynced(
+            f"upstream {replica.name} is restarting and has not reloaded the published adapters yet; "
+            f"retry shortly ({message})",
+            code="upstream_not_synced",
+        )
     if status == 404:
         return NotFound(message, param="model", code="model_not_found")
     name = replica.name if replica else "?"

@@ -57,6 +57,7 @@ from proxy.errors import (
     ServiceUnavailable,
     TooManyRequests,
     UpstreamError,
+    UpstreamNotSynced,
     UpstreamTimeout,
 )
 from proxy.vocabulary import CallApi
@@ -751,6 +752,7 @@ _ERROR_TYPES: dict[type[FlywheelError], str] = {
     PayloadTooLarge: "request_too_large",  # Anthropic's documented 413 type
     Conflict: "invalid_request_error",  # Anthropic uses invalid_request_error for unlisted 4xx
     ServiceUnavailable: "overloaded_error",  # retryable: the SDK retries it as it does a 529
+    UpstreamNotSynced: "overloaded_error",  # a 503 too: retry once the replica has its adapters back
     TooManyRequests: "rate_limit_error",
     UpstreamTimeout: "timeout_error",  # the SDK's GatewayTimeoutErrorObject (504)
 }

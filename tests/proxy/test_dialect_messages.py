@@ -38,6 +38,7 @@ from proxy.errors import (
     ServiceUnavailable,
     UnsafeRequest,
     UpstreamError,
+    UpstreamNotSynced,
     UpstreamTimeout,
     UpstreamUnavailable,
 )
@@ -1160,6 +1161,7 @@ def test_a_stream_error_event() -> None:
         (RecordingFailed("x"), "overloaded_error"),
         (UpstreamError("x"), "api_error"),
         (UpstreamUnavailable("x"), "api_error"),
+        (UpstreamNotSynced("x"), "overloaded_error"),
         (UpstreamTimeout("x"), "timeout_error"),
         (FlywheelError("x"), "api_error"),
     ],

@@ -272,6 +272,43 @@ async def test_a_restarted_replica_gets_the_kept_adapters_back(sqlite_url: str) 
         assert replica.healthy and engine == {"policy-v2": "/a/2", "policy-v3": "/a/3"}
 
 
+async def test_a_restarted_replica_without_its_adapters_answers_503_until_synced(sqlite_url: str) -> None:
+    """The only replica is down, so the proxy tries it anyway; back up but not yet given its adapters,
+    its 404 for the published version is the proxy's state, not the client's bad model: a retryable 503."""
+    engine: dict[str, str] = {}
+
+    def missing_adapter(request: httpx.Request, body: dict[str, Any]) -> httpx.Response | None:
+        if request.url.path == "/v1/chat/completions" and body["model"] not in {"policy-base", *engine}:
+            return httpx.Response(404, json={"error": {"message": f"The model `{body['model']}` does not exist."}})
+        return None
+
+    async with running_app(
+        make_settings(sqlite_url), transport=fake_upstream(respond=missing_adapter, adapters=engine)
+    ) as client:
+        group = await new_group(client)
+        await client.post("/policy/publish", json={"adapter_path": "/a/1"}, headers=ADMIN)
+        engine.clear()  # the engine restarted
+        services = client.app.state.services  # type: ignore[attr-defined]
+        replica = services.upstreams.replicas[0]
+        replica.healthy = False
+        error = assert_error(
+            await client.post("/v1/chat/completions", json=CHAT, headers=episode_auth(group)),
+            503,
+            "service_unavailable",
+            "upstream_not_synced",
+        )
+        assert "retry" in error["message"]
+        await services.upstreams.check_all(services.policies.sync_replica)
+        response = await client.post("/v1/chat/completions", json=CHAT, headers=episode_auth(group))
+        assert response.status_code == 200 and response.headers["x-policy-version"] == "1"
+        # A healthy replica's 404 stays the client's: a model nobody published.
+        assert_error(
+            await client.post("/v1/chat/completions", json={**CHAT, "model": "policy-v7"}, headers=episode_auth(group)),
+            404,
+            "not_found_error",
+        )
+
+
 async def test_a_stale_adapter_under_a_published_name_is_replaced(sqlite_url: str) -> None:
     engine = {"policy-v1": "/old/run/adapter"}  # left over from another run on a shared engine
     async with running_app(make_settings(sqlite_url), transport=fake_upstream(adapters=engine)) as client:
