@@ -331,7 +331,14 @@ class _Api:
 
     @staticmethod
     def pending_groups() -> _Request[int]:
-        params: dict[str, str | int] = {"status": "complete", "train_status": "pending", "limit": 1000}
+        # Not leased: groups a trainer holds are being trained, not waiting (counting them kept the
+        # runner from generating during a step: generation and training took turns).
+        params: dict[str, str | int] = {
+            "status": "complete",
+            "train_status": "pending",
+            "leased": "false",
+            "limit": 1000,
+        }
         return _Request("GET", "/groups", "safe", lambda reply: len(reply["data"]), params=params)
 
     @staticmethod

@@ -82,11 +82,12 @@ async def list_groups(
     status: GroupStatus | None = None,
     task_id: str | None = None,
     train_status: TrainStatus | None = None,
+    leased: bool | None = None,  # true: under a trainer's live lease; false: not (what the runner waits on)
     limit: Limit = 100,
     offset: int = Query(0, ge=0, le=MAX_STORED_INT),
 ) -> ListOut:
     groups = await svc.repo.list_groups(
-        status=status, task_id=task_id, train_status=train_status, limit=limit, offset=offset
+        status=status, task_id=task_id, train_status=train_status, leased=leased, limit=limit, offset=offset
     )
     return ListOut(data=[GroupOut.model_validate(g) for g in groups])
 

@@ -313,9 +313,11 @@ class Repository:
         status: GroupStatus | None = None,
         task_id: str | None = None,
         train_status: TrainStatus | None = None,
+        leased: bool | None = None,
         limit: int = 100,
         offset: int = 0,
     ) -> list[GroupRecord]:
+        """Newest first; ``leased`` keeps the groups under a live trainer lease (True) or the others (False)."""
         query = select(Group).order_by(Group.created_at.desc(), Group.id).limit(limit).offset(offset)
         if status:
             query = query.where(Group.status == status)
@@ -323,6 +325,9 @@ class Repository:
             query = query.where(Group.task_id == task_id)
         if train_status:
             query = query.where(Group.train_status == train_status)
+        if leased is not None:
+            live = Group.lease_id.is_not(None) & (Group.lease_expires_at >= time.time())
+            query = query.where(live if leased else ~live)
         async with self._read() as session:
             return await group_records(session, (await session.scalars(query)).all())
 

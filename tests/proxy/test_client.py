@@ -263,6 +263,7 @@ async def test_a_repeated_claim_or_ack_changes_nothing(proxy: Callable[..., Asyn
         for _ in range(2)
     ]
     assert [g.id for g in claims[0].groups] == [g.id for g in claims[1].groups] == [group.id]
+    assert await client.pending_groups() == 0  # leased: being trained, no longer waiting for the trainer
     acks = [await client.ack(lease_id=lease, group_ids=[group.id], step=1, status="trained") for _ in range(2)]
     assert [(g.train_status, g.trained_step) for ack in acks for g in ack] == [("trained", 1)] * 2
     with pytest.raises(ProxyError) as other_step:
