@@ -55,7 +55,7 @@ removed at the end unless ``--keep`` or the run failed. ``--flywheel-override KE
 one trainer setting on Flywheel's side only (TRL keeps the shared one), to measure a difference
 apart: ``--flywheel-override mode=sync`` trains each group on the policy that sampled it, as TRL does;
 ``--trl-override KEY=VALUE`` does the same on TRL's side (e.g. each side at the learning rate that
-suits its step count). ``--skip-trl`` runs Flywheel's side alone (about 15 minutes), to tune it
+suits its step count). ``--skip-trl`` runs Flywheel's side alone (about 12 minutes), to tune it
 before a full run; its JSON then has ``"trl": null``.
 """
 
@@ -583,11 +583,7 @@ def main() -> None:
     shared = shared_settings(seed, model)
     trl_shared = shared_settings(seed, model, trl_overrides)
     # Flywheel's trainer config as its side will load it: a bad override fails now, not after TRL's minutes.
-    flywheel_trainer = load_config(
-        shared.run_config.trainer_config_path,
-        [f"model={model}", f"seed={seed}", *(f"{k}={v}" for k, v in shared.run_config.trainer.overrides.items())]
-        + [f"{k}={v}" for k, v in flywheel_overrides.items()],
-    )
+    flywheel_trainer = shared_settings(seed, model, flywheel_overrides).trainer
     stop = [False]
 
     def interrupt(*_: Any) -> None:
