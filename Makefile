@@ -71,7 +71,7 @@ serve: setup
 	FLYWHEEL_AGENTS_PYTHON=$(AGENTS_PY) $(ENGINE_PY) -m deploy.local serve --config $(RUN_CONFIG)
 
 run: setup
-	FLYWHEEL_AGENTS_PYTHON=$(AGENTS_PY) $(ENGINE_PY) -m deploy.local run --config $(RUN_CONFIG) $(if $(SEED),--seed $(SEED))
+	FLYWHEEL_AGENTS_PYTHON=$(AGENTS_PY) $(ENGINE_PY) -m deploy.local run --config $(RUN_CONFIG) $(if $(SEED),--seed $(SEED)) $(if $(STEPS),--budget-steps $(STEPS))
 
 bench: setup
 	$(ENGINE_PY) -m bench.proxy_overhead

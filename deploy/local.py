@@ -53,9 +53,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("command", choices=["serve", "run"])
     parser.add_argument("--config", default="configs/run-local.yaml", help="the run config (configs/run-*.yaml)")
     parser.add_argument("--seed", type=int, help="override the config's seed (run: a new run with this seed)")
+    parser.add_argument("--budget-steps", type=int, help="override the config's budget_steps (train this many steps)")
     args = parser.parse_args(argv)
     try:
-        config = load_run_config(args.config).with_seed(args.seed)
+        config = load_run_config(args.config).with_seed(args.seed).with_budget_steps(args.budget_steps)
     except RunConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

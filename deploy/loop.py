@@ -115,6 +115,8 @@ def _train(stack: Stack, config: RunConfig, run_dir: Path, deadline: float, stop
         "seed": config.seed,
         **config.trainer.overrides,
     }
+    if config.budget_steps is not None:  # the trainer stops itself there; the launcher then evaluates
+        overrides["max_steps"] = config.budget_steps
     trainer = Child(
         "trainer",
         [
@@ -250,7 +252,8 @@ def run(config: RunConfig) -> None:
     run_dir, resumed = _run_dir(config)
     started = time.time()
     budget_s = config.budget_minutes * 60
-    log(f"{'resuming' if resumed else 'starting'} run {run_dir.name} (budget {budget_s / 60:.0f} min)")
+    budget = f"{config.budget_steps} steps" if config.budget_steps is not None else f"{budget_s / 60:.0f} min"
+    log(f"{'resuming' if resumed else 'starting'} run {run_dir.name} (budget {budget})")
     stop = [False]
 
     def _interrupt(*_: Any) -> None:
@@ -274,7 +277,10 @@ def run(config: RunConfig) -> None:
         # base model, and a trained policy may answer at greater length: measured 1.4x to 5x here.
         deadline = started + budget_s - eval_s * config.eval_after_slowdown - 30
         floor_s = config.min_train_minutes * 60
-        if deadline - time.time() < floor_s:  # a slow machine must not end up with a run that never trains
+        if config.budget_steps is not None:
+            log(f"training {config.budget_steps} steps (budget_steps), however long they take")
+            deadline = float("inf")
+        elif deadline - time.time() < floor_s:  # a slow machine must not end up with a run that never trains
             log(
                 f"[warning] the budget leaves {max(deadline - time.time(), 0) / 60:.1f} min of training after a "
                 f"{eval_s / 60:.1f}-min evaluation; training {floor_s / 60:.0f} min (min_train_minutes) instead, "
@@ -288,6 +294,7 @@ def run(config: RunConfig) -> None:
             "run": run_dir.name,
             "model": config.model_name,
             "seed": config.seed,
+            "budget_steps": config.budget_steps,
             "eval_before": before.get("accuracy"),
             "eval_after": after.get("accuracy"),
             "format_before": before.get("format_rate"),

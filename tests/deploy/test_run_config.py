@@ -25,6 +25,7 @@ LAUNCHER_DEFAULTS = {
     "model_name": "SmolLM2-135M-Instruct",
     "seed": 0,
     "budget_minutes": 30.0,
+    "budget_steps": None,
     "eval_after_slowdown": 5.0,
     "min_train_minutes": 10.0,
     "resume": True,
@@ -133,6 +134,8 @@ def test_unknown_keys_are_refused_with_a_did_you_mean_naming_the_file(
         ({"data_dir": 3}, "data_dir: expected a string, got 3"),
         ({"engine": {"max_loras": 0}}, "engine.max_loras must be >= 1"),
         ({"budget_minutes": 0}, "budget_minutes must be > 0"),
+        ({"budget_steps": 0}, "budget_steps must be >= 1 (or null)"),
+        ({"budget_steps": 2.5}, "budget_steps: expected an integer, got 2.5"),
         ("- a list", "the run config: expected a mapping of settings"),
     ],
 )
@@ -162,6 +165,15 @@ def test_yaml_shapes_the_launcher_accepted_keep_their_meaning(tmp_path: Path) ->
     assert config.workflow.args == ("--group-size", "8", "-o", "temperature=0.7")
     assert config.trainer.overrides == {"learning_rate": 2.0e-4, "max_steps": 2}
     assert config.budget_minutes == 12.0 and config.eval_after_slowdown == 2.5
+
+
+def test_budget_steps_from_the_file_or_the_command_line(tmp_path: Path) -> None:
+    config = load_run_config(write(tmp_path, {"budget_steps": 50, "seed": 2}))
+    assert config.budget_steps == 50
+    assert config.with_budget_steps(None) is config
+    assert config.with_budget_steps(7).budget_steps == 7 and config.with_budget_steps(7).seed == 2
+    with pytest.raises(RunConfigError, match="--budget-steps: invalid run config"):
+        config.with_budget_steps(0)
 
 
 def test_missing_file_is_refused(tmp_path: Path) -> None:

@@ -56,11 +56,11 @@ def test_two_short_steps_publish_an_adapter_that_serves_later_episodes(
         "engine": {"url": vllm_url, "model": vllm_model_dir},
         "seed": 3,
         "budget_minutes": 12,
+        "budget_steps": 2,  # the launcher passes it to the trainer as max_steps and waits for it
         "resume": False,
         "trainer": {
             "config": "configs/trainer-local.yaml",
             "overrides": {
-                "max_steps": 2,
                 "groups_per_step": 1,
                 "batch_wait_s": 1,
                 "learning_rate": 1e-3,
@@ -85,7 +85,8 @@ def test_two_short_steps_publish_an_adapter_that_serves_later_episodes(
     assert done.returncode == 0, done.stderr[-4000:]
     [run_dir] = (tmp_path / "runs").iterdir()
     report = json.loads((run_dir / "report.json").read_text())
-    assert report["steps"] == 2 and report["seed"] == 3 and report["model"] == "SmolLM2-135M-Instruct"
+    assert report["steps"] == 2 and report["budget_steps"] == 2
+    assert report["seed"] == 3 and report["model"] == "SmolLM2-135M-Instruct"
     assert 0 <= report["eval_before"] <= 1 and 0 <= report["eval_after"] <= 1
     assert report["eval_n"] == (8 if workflow == "math" else 4)
     assert (run_dir / "learning_curve.png").stat().st_size > 10_000
