@@ -151,10 +151,9 @@ def _train(stack: Stack, config: RunConfig, run_dir: Path, deadline: float, stop
     )
     stack.spawn(trainer)
     stack.spawn(workflow)
-    log(
-        f"training until {time.strftime('%H:%M:%S', time.localtime(deadline))} "
-        f"(logs: {trainer.log_path}, {workflow.log_path})"
-    )
+    steps = f"{config.budget_steps} steps"
+    until = steps if deadline == float("inf") else time.strftime("%H:%M:%S", time.localtime(deadline))
+    log(f"training until {until} (logs: {trainer.log_path}, {workflow.log_path})")
     last = -1
     try:
         while time.time() < deadline and not stop[0]:
