@@ -481,7 +481,7 @@ class Trainer:
     def _sleep(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
         while not self.stop_requested and time.monotonic() < deadline:
-            time.sleep(min(0.2, deadline - time.monotonic()))
+            time.sleep(max(0.0, min(0.2, deadline - time.monotonic())))  # the clock moves between the two reads
 
     @staticmethod
     def _fault(point: str, step: int) -> None:
