@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -27,6 +28,7 @@ from typing import Any
 import httpx
 
 from deploy.groups import admission_state, group_counts, workflow_summary
+from deploy.guard import Guard
 from deploy.run_config import RunConfig
 from deploy.stack import Child, Stack, log
 from deploy.vllm import ROOT
@@ -52,7 +54,10 @@ def _run_dir(config: RunConfig) -> tuple[Path, bool]:
     return run, False
 
 
-def _evaluate(stack: Stack, config: RunConfig, run_dir: Path, label: str) -> dict[str, Any]:
+def _evaluate(
+    stack: Stack, config: RunConfig, run_dir: Path, label: str, args: tuple[str, ...] | None = None
+) -> dict[str, Any]:
+    """``python -m workflows eval`` on the current policy (``args``: the config's eval arguments)."""
     out = run_dir / f"eval_{label}.json"
     if out.exists():  # resumed run: the evaluation already happened
         return dict(json.loads(out.read_text()))
@@ -66,9 +71,9 @@ def _evaluate(stack: Stack, config: RunConfig, run_dir: Path, label: str) -> dic
         stack.proxy_url,
         "--output",
         str(out),
-        *config.eval.args,
+        *(config.eval.args if args is None else args),
     ]
-    log(f"evaluating the {label} policy on the held-out split")
+    log(f"evaluating the {label} policy on the {'held-out' if args is None else 'probe'} split")
     child = stack.spawn(Child(f"eval-{label}", argv, stack.logs / f"eval_{label}.log", _child_env(stack, config)))
     assert child.proc is not None
     if child.proc.wait() != 0 or not out.exists():
@@ -106,8 +111,61 @@ def _steps(stack: Stack, since: int) -> list[dict[str, Any]]:
         return []
 
 
-def _train(stack: Stack, config: RunConfig, run_dir: Path, deadline: float, stop: list[bool]) -> int:
-    """Run trainer and workflow until the deadline or the trainer's own end; return the last step."""
+def _probe(stack: Stack, config: RunConfig, run_dir: Path, step: int, guard: Guard) -> None:
+    """Score the current adapter on the probe split (``guard.probe_args``) and tell the guard; the
+    adapter of a new best probe is copied aside, so a rollback finds it after the trainer pruned it."""
+    result = _evaluate(stack, config, run_dir, f"probe-{step}", config.guard.probe_args)
+    versions = [int(v) for v in result.get("policy_versions") or []]
+    version = max(versions) if versions else None
+    guard.observe_probe(step, version, float(result.get("accuracy") or 0.0))
+    best = guard.verdict.best
+    source = run_dir / "trainer" / "adapters" / f"v{version}"
+    if best is not None and best.step == step and version and source.is_dir():
+        shutil.copytree(source, run_dir / "guard" / f"v{version}", dirs_exist_ok=True)
+
+
+def _rollback(stack: Stack, run_dir: Path, guard: Guard) -> int | None:
+    """Publish the best probed adapter again as the newest version; the version it got, or None."""
+    best = guard.verdict.best
+    if best is None or not best.version:
+        return None
+    kept = run_dir / "guard" / f"v{best.version}"
+    if not kept.is_dir():
+        log(f"[guard] cannot roll back: adapter v{best.version} was not kept")
+        return None
+    response = httpx.post(
+        f"{stack.proxy_url}/policy/publish",
+        headers={"authorization": f"Bearer {stack.key}"},
+        json={"adapter_path": str(kept), "metadata": {"rollback_of": best.version, "probe": best.score}},
+        timeout=120,
+    )
+    if response.status_code != 201:
+        log(f"[guard] rollback refused ({response.status_code}): {response.text[:200]}")
+        return None
+    version = int(response.json()["version"])
+    log(f"[guard] rolled back: v{version} serves the adapter of v{best.version} (probe {best.score:.3f})")
+    return version
+
+
+def _finish_guard(stack: Stack, config: RunConfig, run_dir: Path, guard: Guard, last: int) -> int | None:
+    """After training: probe the last adapter, let the guard compare it with the best probe, and roll
+    back when configured; the version rolled back to, or None."""
+    if config.guard.action == "off" or config.guard.probe_every == 0 or last < 1:
+        return None
+    if guard.verdict.last is None or guard.verdict.last.step != last:
+        _probe(stack, config, run_dir, last, guard)
+    guard.final_check(last)
+    verdict = guard.verdict
+    if verdict.collapsed:
+        log(f"[guard] collapse: {'; '.join(verdict.reasons)}")
+    if verdict.warnings:
+        log(f"[guard] warnings: {'; '.join(verdict.warnings)}")
+    return _rollback(stack, run_dir, guard) if verdict.collapsed and config.guard.action == "rollback" else None
+
+
+def _train(stack: Stack, config: RunConfig, run_dir: Path, deadline: float, stop: list[bool], guard: Guard) -> int:
+    """Run trainer and workflow until the deadline, the trainer's own end or a collapse the guard acts
+    on; return the last step."""
     env = _child_env(stack, config)
     overrides = {
         "proxy_url": stack.proxy_url,
@@ -155,17 +213,29 @@ def _train(stack: Stack, config: RunConfig, run_dir: Path, deadline: float, stop
     until = steps if deadline == float("inf") else time.strftime("%H:%M:%S", time.localtime(deadline))
     log(f"training until {until} (logs: {trainer.log_path}, {workflow.log_path})")
     last = -1
+    for done in sorted(run_dir.glob("eval_probe-*.json"), key=lambda p: int(p.stem.split("-")[-1])):
+        _probe(stack, config, run_dir, int(done.stem.split("-")[-1]), guard)  # a resumed run's probes
+    announced = False
     try:
         while time.time() < deadline and not stop[0]:
             time.sleep(5)
             for step in _steps(stack, last):
                 last = step["step"]
                 m = step["metrics"]
+                guard.observe_step(last, m)
                 log(
                     f"step {last:>3}  reward {m.get('reward/mean', float('nan')):.3f}  "
                     f"pass {m.get('reward/pass_rate', float('nan')):.2f}  loss {m.get('loss/total', float('nan')):+.4f}"
                     f"  policy v{m.get('proxy/published_version', '?')}  {m.get('perf/tokens_per_s', 0):.0f} tok/s"
                 )
+            if guard.probe_due(last):
+                _probe(stack, config, run_dir, last, guard)
+            if guard.verdict.collapsed and not announced:
+                announced = True
+                log(f"[guard] collapse at step {guard.verdict.at_step}: {'; '.join(guard.verdict.reasons)}")
+                if config.guard.action in ("stop", "rollback"):
+                    log(f"[guard] ending training (guard.action: {config.guard.action})")
+                    break
             if not trainer.alive():
                 code = trainer.proc.returncode if trainer.proc else "?"
                 if code != 0:
@@ -286,7 +356,9 @@ def run(config: RunConfig) -> None:
                 "so this run exceeds budget_minutes"
             )
             deadline = time.time() + floor_s
-        last = _train(stack, config, run_dir, deadline, stop) if not stop[0] else -1
+        guard = Guard(config.guard)
+        last = _train(stack, config, run_dir, deadline, stop, guard) if not stop[0] else -1
+        rolled_back = _finish_guard(stack, config, run_dir, guard, last)
         after = _evaluate(stack, config, run_dir, "after")
         steps = _steps(stack, -1)
         report: dict[str, Any] = {
@@ -306,6 +378,7 @@ def run(config: RunConfig) -> None:
             "engine_restarts": stack.restarts,
             "reward_first_steps": [s["metrics"].get("reward/mean") for s in steps[:5]],
             "reward_last_steps": [s["metrics"].get("reward/mean") for s in steps[-5:]],
+            "guard": {"action": config.guard.action, "rolled_back_to": rolled_back, **guard.verdict.as_dict()},
             "multi_turn": _multi_turn(stack, steps, before, after),
             "groups": group_counts(
                 admission_state(stack.proxy_url, stack.key), steps, workflow_summary(stack.logs / "workflow.log")

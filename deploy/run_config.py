@@ -25,6 +25,7 @@ from deploy.vllm import DEFAULT_TEMPLATE, ROOT
 from trainer.config import TrainerConfig, coerce_number
 
 Device = Literal["cpu", "gpu"]
+GuardAction = Literal["off", "warn", "stop", "rollback"]
 SeedPolicy = Literal["pass", "drop", "refuse"]
 
 
@@ -118,6 +119,39 @@ class EvalSection:
 
 
 @dataclass(frozen=True)
+class GuardSection:
+    """The collapse guard (``deploy/guard.py``): when the launcher probes, and what it does about a collapse."""
+
+    action: GuardAction = "rollback"
+    """``off``: no probes, no verdict. ``warn``: log and report a collapse, train on. ``stop``: end
+    training at a collapse. ``rollback``: end training and serve (and evaluate) the best probed
+    adapter instead of the last."""
+    probe_every: int = 10
+    """Trainer steps between probes (0: signals only)."""
+    probe_args: tuple[str, ...] = ("--split", "val", "--limit", "40", "--concurrency", "16")
+    """``python -m workflows eval`` arguments of a probe: held-out train tasks, never the test split."""
+    max_drop: float = 0.10
+    """A probe this far (absolute score) below the best probe counts as a fall."""
+    max_cut_fraction: float = 0.5
+    """A window whose answers are cut at the token limit more often than this (and twice as often
+    as at the start) counts as a collapse signal."""
+    window: int = 5
+    """Steps averaged per signal."""
+    patience: int = 2
+    """Consecutive falling probes (or collapsing signal windows) that make a collapse."""
+
+    def __post_init__(self) -> None:
+        _require(
+            [
+                (self.probe_every >= 0, "guard.probe_every must be >= 0 (0: signals only)"),
+                (self.window >= 1 and self.patience >= 1, "guard.window and guard.patience must be >= 1"),
+                (0 < self.max_drop <= 1, "guard.max_drop must be in (0, 1]"),
+                (0 < self.max_cut_fraction <= 1, "guard.max_cut_fraction must be in (0, 1]"),
+            ]
+        )
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """One ``make run`` / ``make serve``: paths, budget, seed and the sections above."""
 
@@ -154,6 +188,7 @@ class RunConfig:
     trainer: TrainerSection = field(default_factory=TrainerSection)
     workflow: WorkflowSection = field(default_factory=WorkflowSection)
     eval: EvalSection = field(default_factory=EvalSection)
+    guard: GuardSection = field(default_factory=GuardSection)
 
     def __post_init__(self) -> None:
         _require(

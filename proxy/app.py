@@ -29,6 +29,7 @@ from proxy.deps import Services
 from proxy.dialects.messages import error_body as messages_error_body
 from proxy.errors import FlywheelError, InvalidRequest, NotFound, PayloadTooLarge, RequestRejected
 from proxy.gate import EpisodeGate
+from proxy.grammar import Grammars
 from proxy.keyfile import KeyFile, Reload, initial_keys
 from proxy.metrics import Metrics
 from proxy.policy_table import PolicyTable
@@ -179,6 +180,7 @@ def create_app(
             sampling=sampling,
             sampling_rules=settings.sampling,
             splicer=Splicer(upstreams, store, depth=settings.splice.depth) if settings.splice.enabled else None,
+            grammars=Grammars(upstreams),
         )
         svc = Services(
             settings=settings,

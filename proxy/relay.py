@@ -43,10 +43,11 @@ from proxy.errors import (
     UpstreamError,
     UpstreamUnavailable,
 )
+from proxy.grammar import Grammars
 from proxy.metrics import Metrics
 from proxy.policy_table import PolicyTable
 from proxy.recorder import Recorder
-from proxy.sampling import SamplingDefaults
+from proxy.sampling import SamplingDefaults, settle_grammar
 from proxy.sampling import resolve as resolve_sampling
 from proxy.settings import SamplingSettings
 from proxy.splice import Plan, Splicer, SpliceUnavailable
@@ -75,6 +76,8 @@ class Relay:
     """What the proxy does about penalties and constrained decoding (``settings.sampling``)."""
     splicer: Splicer | None = None
     """Token-in-token-out follow-up calls; None when ``splice.enabled`` is off."""
+    grammars: Grammars | None = None
+    """The engine's grammar for constrained calls (``grammar.py``); None: the request-based rule alone."""
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     """Tasks that outlive their request (recording a disconnected stream); drained on shutdown."""
 
@@ -240,9 +243,20 @@ class ModelCall:
 
     async def respond(self) -> Response:
         """The answer: a stream when the (chat) body asks for one, else one JSON body."""
+        await self._grammar()
         if self.body.get("stream"):
             return await self.open_stream()
         return await self.complete()
+
+    async def _grammar(self) -> None:
+        """Record the grammar vLLM will sample this call under, as the engine itself renders it, so
+        the trainer can score its tokens under the same mask (``grammar.py``)."""
+        grammars = self.relay.grammars
+        if self.sampling is None or grammars is None:
+            return
+        replica = self.relay.upstreams.pick(self.episode_id)
+        found = await grammars.lookup(replica, self.kind, self.upstream_body)
+        settle_grammar(self.sampling, found, constrained=self.relay.sampling_rules.constrained)
 
     # -- non-streamed ------------------------------------------------------------------------
 

@@ -20,13 +20,16 @@ The rules, per deployment (``sampling`` in the proxy settings):
   on and marks the call ``penalized`` (its tokens stay as context, never in the loss, and the
   trainer counts them); ``penalties: reject`` answers 400.
 - Grammar constraints (``tool_choice`` ``required`` or a named function, ``response_format``
-  ``json_object``/``json_schema``/``structural_tag``, ``structured_outputs``, legacy ``guided_*``):
-  vLLM samples under a token mask the trainer cannot rebuild, and its processed log-probs are those
-  of the masked distribution. ``constrained: train`` (default) trains on them with the unmasked
-  policy's log-probs, the importance weight pi_trainer / pi_engine correcting for the mask's
-  renormalisation, and drops tokens the grammar forced (engine log-prob 0) from the loss;
-  ``exclude`` keeps them as context only; ``reject`` answers 400. The trainer reports the
-  engine/trainer log-prob gap of constrained tokens apart from the rest.
+  ``json_object``/``json_schema``/``structural_tag``, ``structured_outputs``, legacy ``guided_*``,
+  and in vLLM 0.32 any ``strict`` tool): vLLM samples under a token mask, and its processed
+  log-probs are those of the masked distribution. Which grammar it applies is the engine's own
+  decision, so the proxy asks the engine (``grammar.py``) and records it with the call
+  (``grammar``); ``settle_grammar`` then makes the engine's answer decide the mode. The trainer
+  replays that grammar over the sampled ids and scores each token under the same mask
+  (``trainer/grammar.py``); tokens the grammar forced (one allowed token, engine log-prob 0) carry
+  no decision and stay out of the loss. ``constrained: train`` (default) trains such calls,
+  ``exclude`` keeps them as context only, ``reject`` answers 400. A constrained call whose grammar
+  the engine could not be asked for is kept as context by the trainer (counted).
 - A temperature below vLLM's sampling epsilon (1e-5) is greedy: not a sample from the policy,
   kept as context only.
 """
@@ -40,6 +43,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from proxy.errors import InvalidRequest
+from proxy.grammar import UNKNOWN
 from proxy.settings import Constrained, Penalties
 
 log = logging.getLogger("flywheel.sampling")
@@ -197,3 +201,31 @@ def resolve(
     if set_penalties:
         record["penalties"] = set_penalties
     return record
+
+
+def settle_grammar(record: dict[str, Any], grammar: Any, *, constrained: Constrained) -> None:
+    """Let the grammar the engine reported (``grammar.py``: a spec, None, or ``UNKNOWN``) decide the
+    call's mode in ``record`` (``resolve``'s), and record it. ``UNKNOWN`` keeps the request-based rule."""
+    mode = record["mode"]
+    if grammar is UNKNOWN:
+        if mode == "constrained":
+            record["grammar"] = None  # constrained, but not how: the trainer keeps it as context
+        return
+    if grammar is None:
+        if mode == "constrained":  # the engine samples it unconstrained (its tool parser extracts calls)
+            truncated = record["top_p"] < 1.0 or record["top_k"] > 0 or record["min_p"] > 0.0
+            record["mode"] = "truncated" if truncated else "sampled"
+            record["constraint_ignored"] = record.pop("constraint", None)
+            record.pop("constrained", None)
+        return
+    if mode in ("greedy", "penalized"):  # context only either way
+        return
+    constraint = record.get("constraint") or f"engine:{next(iter(grammar))}"
+    if constrained == "reject":
+        raise InvalidRequest(
+            f"{constraint} samples under a grammar mask; this deployment refuses constrained decoding "
+            "on recorded routes (sampling.constrained: reject)",
+            param="tools" if constraint.startswith("engine:") else constraint.split("=")[0],
+            code="unsupported_sampling",
+        )
+    record.update(mode="constrained", constraint=constraint, constrained=constrained, grammar=grammar)

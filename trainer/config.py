@@ -137,6 +137,11 @@ class TrainerConfig:
     that served them (one no-grad pass per version), so the engine mismatch is measured on stale
     samples too; tokens of the current version are compared for free. 0 checks current-version
     tokens only."""
+    grammar_mask: bool = True
+    """Score grammar-constrained tokens under the token mask the engine sampled them under, rebuilt
+    from the grammar the proxy recorded (``trainer/grammar.py``), so their log-probs equal vLLM's.
+    False scores them unmasked, as before issue 28, where the calc agent collapsed after ~20 steps:
+    for ablations only."""
     max_completion_length: int = 1024
     """Dr. GRPO's constant normaliser (tokens): dr_grpo divides the summed loss by
     sequences * this. Used by no other loss type."""

@@ -11,9 +11,11 @@ silently: every rule has a counter in ``DataStats``.
 Which tokens are trained is decided by the call's *effective* sampling, which the proxy records
 (``notes.sampling``, see proxy/sampling.py): ``sampled`` and ``truncated`` calls are reproduced
 exactly (temperature, top-k, top-p, min-p go to the log-prob computation); ``constrained`` calls
-(grammar mask) are trained unless the proxy marked them ``exclude``, with tokens the grammar forced
-(engine log-prob exactly 0) out of the loss; ``penalized`` and ``greedy`` calls, and calls recorded
-without their effective sampling, stay in the sequence as context with mask 0.
+(grammar mask) are trained under the mask the engine applied, rebuilt from the recorded grammar
+(``grammar.py``: ``masks`` per token), unless the proxy marked them ``exclude`` or the mask cannot
+be rebuilt (both context only, counted), with tokens the grammar forced (engine log-prob exactly
+0) out of the loss; ``penalized`` and ``greedy`` calls, and calls recorded without their effective
+sampling, stay in the sequence as context with mask 0.
 
 A call with n > 1 choices: in a multi-turn episode the choice that the next call continues is the
 one merged (the others are counted as unused). A single-call episode whose choices each carry a
@@ -59,6 +61,9 @@ NOT_THE_AGENTS_DOING = ("no reward within", "interrupted:", "infrastructure: ")
 runner stopped mid-episode, and model calls the proxy or engine failed (workflows/runner.py)."""
 Retokenizer = Callable[[Call], tuple[list[int], list[int]] | None]
 """(prompt ids, completion ids) rebuilt from a call's messages and reply text, or None."""
+Masker = Callable[[dict[str, Any] | None, Sequence[int], Sequence[int]], "torch.Tensor | str"]
+"""(recorded grammar, sampled ids, request stop ids) -> the (n, words) int32 bitmask each sampled id
+was drawn under, or why it cannot be rebuilt (``trainer.grammar.GrammarMasks``)."""
 
 
 @dataclass
@@ -81,6 +86,9 @@ class Sample:
     """Serving policy version per token (-1 where not sampled)."""
     modes: list[int] | None = None
     """Index into ``MODES`` per token (-1 where not sampled)."""
+    allowed: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Position -> the (words,) int32 grammar bitmask the token there was sampled under (constrained
+    calls only; ``grammar.py``'s layout). Absent positions were sampled without a mask."""
     turns: list[int] | None = None
     """Turn index within the member per token (-1 where not sampled): per-turn advantages."""
     advantages: list[float] | None = None
@@ -129,9 +137,12 @@ class DataStats:
     calls_penalized: int = 0
     """Calls with penalties or token biases the trainer cannot reproduce: context only."""
     calls_constrained: int = 0
-    """Grammar-constrained calls trained (unmasked log-probs, importance-weighted)."""
+    """Grammar-constrained calls trained, scored under the engine's rebuilt token mask."""
     calls_constrained_excluded: int = 0
     """Grammar-constrained calls the proxy marked ``exclude``: context only."""
+    calls_constrained_unmasked: int = 0
+    """Grammar-constrained calls whose mask could not be rebuilt (no grammar recorded, another backend,
+    a token the grammar refuses): context only, never scored without the mask."""
     calls_sampling_unrecorded: int = 0
     """Calls stored without their effective sampling (written before the proxy recorded it): context only."""
     calls_truncated_sampling: int = 0
@@ -216,6 +227,8 @@ class _Turn:
     version: int | None
     ordinal: int
     choice: int
+    masks: torch.Tensor | None = None
+    """(len(completion), words) grammar bitmask of a trained constrained turn."""
 
 
 def _sampling(call: Call, stats: DataStats) -> tuple[dict[str, Any], int]:
@@ -270,8 +283,29 @@ def _continued(prompt: list[int], choices: list[tuple[int, list[int]]], later: S
     return None
 
 
+def _masks(call: Call, turn: _Turn, masker: Masker | None, stats: DataStats) -> None:
+    """Rebuild the grammar mask of a trained constrained turn; one that cannot be rebuilt becomes context."""
+    if turn.mode != MODES.index("constrained"):
+        return
+    found = (
+        masker(turn.sampling.get("grammar"), turn.completion, call.request.get("stop_token_ids") or [])
+        if masker is not None
+        else "the trainer has no grammar masker (xgrammar is not installed)"
+    )
+    if isinstance(found, str):
+        stats.calls_constrained -= 1
+        stats.calls_constrained_unmasked += 1
+        turn.mode = -1
+        return
+    turn.masks = found
+
+
 def _turns(
-    calls: Sequence[Call], retokenize: Retokenizer | None, stats: DataStats, force_choice: int | None = None
+    calls: Sequence[Call],
+    retokenize: Retokenizer | None,
+    stats: DataStats,
+    force_choice: int | None = None,
+    masker: Masker | None = None,
 ) -> list[_Turn]:
     """Usable calls of one episode, in order, as token turns (failed, foreign and inexact ones out)."""
     ordered = sorted(calls, key=lambda c: c.ordinal)
@@ -310,7 +344,9 @@ def _turns(
             stats.calls_logprobs_missing += 1
         if len(logprobs) != len(completion):
             logprobs = [NAN] * len(completion)
-        turns.append(_Turn(prompt, completion, logprobs, sampling, mode, call.policy_version, call.ordinal, index))
+        turn = _Turn(prompt, completion, logprobs, sampling, mode, call.policy_version, call.ordinal, index)
+        _masks(call, turn, masker, stats)
+        turns.append(turn)
     # Retries: a prompt that appears again later was answered again; keep the last answer only.
     last = {tuple(t.prompt): i for i, t in enumerate(turns)}
     kept = [t for i, t in enumerate(turns) if last[tuple(t.prompt)] == i]
@@ -360,6 +396,9 @@ def _append(sample: Sample, gap: list[int], turn: _Turn, turn_index: int, stats:
     sample.top_k += [0] * len(gap) + [int(s.get("top_k", 0)) if trained else 0] * n
     sample.top_p += [1.0] * len(gap) + [float(s.get("top_p", 1.0)) if trained else 1.0] * n
     sample.min_p += [0.0] * len(gap) + [float(s.get("min_p", 0.0)) if trained else 0.0] * n
+    if trained and turn.masks is not None:
+        start = len(sample.input_ids) - n
+        sample.allowed.update((start + k, turn.masks[k]) for k in range(n))
     version = turn.version if turn.version is not None else -1
     sample.versions += [-1] * len(gap) + [version if trained else -1] * n
     sample.modes += [-1] * len(gap) + [turn.mode] * n
@@ -373,6 +412,7 @@ def _truncate(sample: Sample, max_seq_len: int) -> None:
         value = getattr(sample, name)
         if value is not None:
             setattr(sample, name, value[:max_seq_len])
+    sample.allowed = {j: row for j, row in sample.allowed.items() if j < max_seq_len}
 
 
 def member_turns(
@@ -381,9 +421,10 @@ def member_turns(
     retokenize: Retokenizer | None = None,
     stats: DataStats | None = None,
     choice: int | None = None,
+    masker: Masker | None = None,
 ) -> list[_Turn]:
     """The usable turns of an episode (``choice`` forces the choice of n > 1 calls)."""
-    return _turns(episode.calls or [], retokenize, stats if stats is not None else DataStats(), choice)
+    return _turns(episode.calls or [], retokenize, stats if stats is not None else DataStats(), choice, masker)
 
 
 def episode_samples(
@@ -395,12 +436,13 @@ def episode_samples(
     stats: DataStats | None = None,
     choice: int | None = None,
     turns: list[_Turn] | None = None,
+    masker: Masker | None = None,
 ) -> list[Sample]:
     """Merge an episode's calls into as few samples as their exact token ids allow."""
     stats = stats if stats is not None else DataStats()
     member = episode.id if choice is None else f"{episode.id}#{choice}"
     if turns is None:
-        turns = _turns(episode.calls or [], retokenize, stats, choice)
+        turns = _turns(episode.calls or [], retokenize, stats, choice, masker)
     samples: list[Sample] = []
     current: Sample | None = None
     for index, turn in enumerate(turns):
@@ -467,7 +509,9 @@ def _abandon_rule(group: Group, rules: Rules) -> Abandoned:
     return "penalize" if chosen == "penalize" else "skip"
 
 
-def _members(group: Group, rules: Rules, retokenize: Retokenizer | None, stats: DataStats) -> list[_Member]:
+def _members(
+    group: Group, rules: Rules, retokenize: Retokenizer | None, masker: Masker | None, stats: DataStats
+) -> list[_Member]:
     members: list[_Member] = []
     abandon = _abandon_rule(group, rules)
     for episode in group.episodes or []:
@@ -486,7 +530,7 @@ def _members(group: Group, rules: Rules, retokenize: Retokenizer | None, stats: 
         if per_choice is not None:
             for n, (choice, choice_reward) in enumerate(sorted(per_choice.items())):
                 choice_stats = DataStats()
-                turns = member_turns(episode, retokenize=retokenize, stats=choice_stats, choice=choice)
+                turns = member_turns(episode, retokenize=retokenize, stats=choice_stats, choice=choice, masker=masker)
                 samples = episode_samples(
                     episode,
                     group_id=group.id,
@@ -503,7 +547,7 @@ def _members(group: Group, rules: Rules, retokenize: Retokenizer | None, stats: 
                 stats.call_rewards_used += 1
                 members.append(_Member(f"{episode.id}#{choice}", choice_reward, samples, [0.0] * len(turns)))
             continue
-        turns = member_turns(episode, retokenize=retokenize, stats=stats)
+        turns = member_turns(episode, retokenize=retokenize, stats=stats, masker=masker)
         samples = episode_samples(episode, group_id=group.id, max_seq_len=rules.max_seq_len, stats=stats, turns=turns)
         members.append(_Member(episode.id, reward, samples, _turn_rewards(episode, turns, rules, stats)))
     return members
@@ -568,6 +612,7 @@ def build_batch(
     scale_rewards: ScaleRewards | None = None,
     retokenize: Retokenizer | None = None,
     rules: Rules | None = None,
+    masker: Masker | None = None,
 ) -> Batch:
     """Samples with advantages for the groups that carry a learning signal; the rest are skipped.
 
@@ -586,7 +631,7 @@ def build_batch(
     compared: list[float] = []
     for group in groups:
         stats = DataStats()
-        members = _members(group, rules, retokenize, stats)
+        members = _members(group, rules, retokenize, masker, stats)
         batch.stats.add(stats)
         if len(members) < rules.min_rewarded:
             batch.skipped[group.id] = (

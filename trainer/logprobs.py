@@ -8,6 +8,10 @@ log-probability of y under the distribution vLLM sampled from, and that distribu
 What vLLM does (vLLM v1 sampler, ``vllm/v1/sample/sampler.py`` ``Sampler.sample``, with
 ``--logprobs-mode processed_logprobs``), and so what this module reproduces, in this order:
 
+0. Under a grammar (``tool_choice`` required or named, JSON formats, structural tags), the logit of
+   every token the grammar forbids at that position is -inf (vLLM applies xgrammar's bitmask to
+   the logits before the sampler, ``vllm/v1/structured_output``), so everything below runs on the
+   allowed tokens only. The bitmask of each such row comes from ``trainer/grammar.py``.
 1. Logits in float32, divided by the temperature. A temperature below 1e-5 is greedy: vLLM then
    divides by 1.0 and its request parameters reset top-k/top-p/min-p to off
    (``vllm/sampling_params.py``); we do the same, so such a row gets the plain log-softmax.
@@ -47,6 +51,8 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+
+from trainer.grammar import unpack
 
 Tensor = torch.Tensor
 GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it are greedy
@@ -128,6 +134,7 @@ class _SelectedLogProbs(torch.autograd.Function):
         top_k: Tensor | None,
         top_p: Tensor | None,
         min_p: Tensor | None,
+        allowed: Tensor | None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         n = hidden.shape[0]
         logps = hidden.new_empty(n, dtype=torch.float32)  # (N,)
@@ -141,6 +148,8 @@ class _SelectedLogProbs(torch.autograd.Function):
             if truncated:
                 assert top_k is not None and top_p is not None and min_p is not None
                 z_y = z.gather(1, y)  # (n, 1)
+                if allowed is not None:  # the grammar's mask first, as vLLM applies it before sampling
+                    z.masked_fill_(~unpack(allowed[sel], z.shape[1]), float("-inf"))
                 _truncate_(z, top_k[sel], top_p[sel], min_p[sel])
                 outside[sel] = z.gather(1, y).squeeze(1) == float("-inf")
                 z.scatter_(1, y, z_y)  # the target is always in the kept set
@@ -164,7 +173,7 @@ class _SelectedLogProbs(torch.autograd.Function):
         ctx: Any, grad_logps: Tensor, _grad_entropy: Tensor, _grad_outside: Tensor
     ) -> tuple[Tensor | None, ...]:
         (dlogp_dh,) = ctx.saved_tensors
-        return (dlogp_dh * grad_logps[:, None].to(dlogp_dh.dtype),) + (None,) * 8
+        return (dlogp_dh * grad_logps[:, None].to(dlogp_dh.dtype),) + (None,) * 9
 
 
 def selected_logprobs(
@@ -174,10 +183,13 @@ def selected_logprobs(
     temperature: Tensor,
     rows: int = 512,
     truncation: Truncation | None = None,
+    allowed: Tensor | None = None,
 ) -> LogProbs:
     """Log-probs (N,) with grad to ``hidden``, entropies (N,) and ``outside`` flags (N,) of ``targets``
     under vLLM's sampling distribution: ``softmax(hidden @ weight.T / temperature)`` restricted to the
-    tokens min-p, top-k and top-p keep (``truncation``; None = all off), ``rows`` positions at a time."""
+    tokens a grammar allows (``allowed``: (N, words) int32 bitmask rows, -1 = no mask; None = no row
+    masked) and that min-p, top-k and top-p keep (``truncation``; None = all off), ``rows`` positions
+    at a time."""
     if weight.requires_grad:
         raise ValueError("selected_logprobs treats the output embedding as frozen; do not train lm_head")
     n, device, vocab = hidden.shape[0], hidden.device, weight.shape[0]
@@ -186,6 +198,8 @@ def selected_logprobs(
     inv_temp = 1.0 / torch.where(greedy, 1.0, temperature)  # (N,)
     targets = targets.to(device)
     active = top_k = top_p = min_p = None
+    if truncation is None and allowed is not None:  # a mask alone: the filters are off on every row
+        truncation = Truncation(top_k=torch.zeros(n, dtype=torch.int64), top_p=torch.ones(n), min_p=torch.zeros(n))
     if truncation is not None:
         top_k = truncation.top_k.to(device=device, dtype=torch.int64)
         top_p = truncation.top_p.to(device=device, dtype=torch.float32)
@@ -193,6 +207,11 @@ def selected_logprobs(
         if not top_k.shape == top_p.shape == min_p.shape == (n,):
             raise ValueError(f"truncation tensors must have shape ({n},): {top_k.shape}, {top_p.shape}, {min_p.shape}")
         active = (_top_k_on(top_k, vocab) | (top_p < 1.0) | (min_p > 0)) & ~greedy  # (N,)
+        if allowed is not None:
+            allowed = allowed.to(device)
+            if allowed.shape[0] != n:
+                raise ValueError(f"allowed must have {n} rows, got {tuple(allowed.shape)}")
+            active |= (allowed != -1).any(dim=1)
         if not bool(active.any()):
             active = None  # the fast path, exactly as without truncation
     if n == 0:
@@ -200,6 +219,6 @@ def selected_logprobs(
         # keeps the graph connected for an empty micro-batch
         return LogProbs(empty + hidden.sum() * 0, empty, torch.zeros(0, dtype=torch.bool, device=device))
     logps, entropy, outside = _SelectedLogProbs.apply(  # type: ignore[no-untyped-call]
-        hidden, weight, targets, inv_temp, rows, active, top_k, top_p, min_p
+        hidden, weight, targets, inv_temp, rows, active, top_k, top_p, min_p, allowed
     )
     return LogProbs(logps, entropy, outside)

@@ -43,6 +43,7 @@ from trainer.checkpoint import Checkpoints, CheckpointState, LeaseRecord
 from trainer.config import TrainerConfig
 from trainer.data import Batch, ChatRetokenizer, Rules, Sample, build_batch, staleness
 from trainer.distributed import World
+from trainer.grammar import masks_for, unmasked
 from trainer.learner import Learner, StepStats
 from trainer.lora import LoraPolicy
 from trainer.publish import Publisher
@@ -144,6 +145,8 @@ class Trainer:
         self.checkpoints = Checkpoints(config.out, config.keep_checkpoints)
         self.publisher = Publisher(client, config.out, config.keep_adapters)
         self.retokenize = ChatRetokenizer(policy.tokenizer, _template(config)) if config.retokenize_inexact else None
+        vocab = int(policy.output_weight.shape[0])
+        self.masker = masks_for(config.model_dir, policy.tokenizer, vocab) if config.grammar_mask else unmasked(vocab)
         self.step = 0
         self.version_base = 0
         self.stop_requested = False
@@ -366,7 +369,7 @@ class Trainer:
             return False
         wait_s = time.perf_counter() - wait_started
         cfg = self.config
-        batch = build_batch(groups, rules=data_rules(cfg), retokenize=self.retokenize)
+        batch = build_batch(groups, rules=data_rules(cfg), retokenize=self.retokenize, masker=self.masker)
         step = self.step + 1
         for lease in leases:
             lease.trained = [g for g in lease.group_ids if g in batch.trained]
@@ -609,4 +612,33 @@ def step_metrics(
     }
     metrics.update({f"data/{k}": v for k, v in batch.stats.as_dict().items()})
     metrics.update(stats.engine)
+    metrics.update(collapse_signals(groups))
     return metrics
+
+
+def collapse_signals(groups: list[Group]) -> dict[str, float | None]:
+    """What a collapsing policy shows first in its own samples (issue 28: whitespace-filled tool calls
+    cut at ``max_tokens``), over the answered choices of the step's groups; None: nothing to count.
+
+    ``signals/cut_fraction``: choices that ended at the token limit (``finish_reason: length``);
+    ``signals/tool_call_missing``: choices of calls that required a tool call (``tool_choice``
+    required or named) and carry none, the agent's call validity as the proxy sees it.
+    """
+    choices = cut = required = missing = 0
+    for group in groups:
+        for episode in group.episodes or []:
+            for call in episode.calls or []:
+                if call.status_code != 200:
+                    continue
+                forced = call.request.get("tool_choice") == "required" or isinstance(
+                    call.request.get("tool_choice"), dict
+                )
+                for choice in call.choices:
+                    choices += 1
+                    cut += choice.get("finish_reason") == "length"
+                    required += forced
+                    missing += forced and not choice.get("tool_calls")
+    return {
+        "signals/cut_fraction": cut / choices if choices else None,
+        "signals/tool_call_missing": missing / required if required else None,
+    }

@@ -282,6 +282,7 @@ class LoraPolicy:
             mb.temperatures,
             rows=self.config.logprob_chunk_rows,
             truncation=truncation,
+            allowed=mb.allowed,
         )
         return LogProbs(out.logps.cpu(), out.entropy.cpu(), out.outside.cpu())
 

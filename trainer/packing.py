@@ -55,6 +55,7 @@ class MicroBatch:
     versions: Tensor  # (N,) int64 serving policy version, -1 unknown
     modes: Tensor  # (N,) int64 index into trainer.data.MODES
     seq_tokens: Tensor  # (B,) loss tokens the per-sequence mean divides by (the member's, per-episode)
+    allowed: Tensor | None = None  # (N, words) int32 grammar bitmask per loss token (-1: no mask); None: none masked
 
     @property
     def num_tokens(self) -> int:
@@ -68,6 +69,11 @@ class MicroBatch:
     def truncated(self) -> bool:
         """Any token sampled with top-k, top-p or min-p (the log-prob pass then applies them)."""
         return bool(((self.top_k > 0) | (self.top_p < 1.0) | (self.min_p > 0.0)).any())
+
+    @property
+    def masked(self) -> Tensor | None:
+        """(N,) bool: loss tokens sampled under a grammar mask (None: none)."""
+        return None if self.allowed is None else (self.allowed != -1).any(dim=1)
 
     def table(self, flat: Tensor) -> Tensor:
         """Scatter per-selected-token values (N,) into the (B, T) loss table (0 elsewhere)."""
@@ -91,6 +97,7 @@ def collate(samples: Sequence[Sample]) -> MicroBatch:
     rows: list[int] = []
     cols: list[int] = []
     seq_tokens: list[int] = []
+    masked: dict[int, Tensor] = {}  # loss-token index -> its grammar bitmask
     for b, sample in enumerate(samples):
         offset = len(ids)
         ids += sample.input_ids
@@ -110,6 +117,8 @@ def collate(samples: Sequence[Sample]) -> MicroBatch:
         slot = 0
         for j in range(1, len(sample)):
             if sample.loss_mask[j]:
+                if j in sample.allowed:
+                    masked[len(select)] = sample.allowed[j]
                 select.append(offset + j - 1)
                 for key, values in columns.items():
                     flat[key].append(values[j])
@@ -130,6 +139,13 @@ def collate(samples: Sequence[Sample]) -> MicroBatch:
     def longs(values: list[float]) -> Tensor:
         return torch.tensor([int(v) for v in values], dtype=torch.long)
 
+    allowed = None
+    if masked:
+        words = next(iter(masked.values())).shape[0]
+        allowed = torch.full((len(select), words), -1, dtype=torch.int32)  # -1: every bit set, nothing masked
+        index = torch.tensor(list(masked), dtype=torch.long)
+        allowed[index] = torch.stack(list(masked.values()))
+
     return MicroBatch(
         samples=list(samples),
         input_ids=torch.tensor([ids], dtype=torch.long),
@@ -149,6 +165,7 @@ def collate(samples: Sequence[Sample]) -> MicroBatch:
         versions=longs(flat["versions"]),
         modes=longs(flat["modes"]),
         seq_tokens=torch.tensor(seq_tokens, dtype=torch.float32),
+        allowed=allowed,
     )
 
 

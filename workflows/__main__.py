@@ -21,7 +21,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Annotated, Any, cast
+from typing import Annotated, Any, cast, get_args
 
 import typer
 
@@ -40,7 +40,7 @@ KeyFileOpt = Annotated[Path, typer.Option("--admin-key-file", help="used when FL
 OptionsOpt = Annotated[
     list[str] | None, typer.Option("--option", "-o", help="workflow option key=value (see `python -m workflows list`)")
 ]
-SplitOpt = Annotated[str, typer.Option("--split", help="train or test")]
+SplitOpt = Annotated[str, typer.Option("--split", help="train, val (held out of train) or test")]
 REWARD_HELP = (
     "verifier (the workflow's check), judge (an LLM judge scores each finished group side by side) or mix; "
     "the judge is the proxy's /passthrough/v1 with policy-base unless FLYWHEEL_JUDGE_BASE_URL, "
@@ -88,9 +88,10 @@ def check_reward(reward: str) -> RewardMode:
 
 
 def check_split(split: str) -> Split:
-    if split not in ("train", "test"):
-        raise typer.BadParameter(f"split must be train or test, got {split!r}", param_hint="--split")
-    return "train" if split == "train" else "test"
+    for known in get_args(Split):
+        if split == known:
+            return cast(Split, known)
+    raise typer.BadParameter(f"split must be train, val or test, got {split!r}", param_hint="--split")
 
 
 @cli.command()

@@ -30,6 +30,7 @@ error as its reason, and never invents a reward for it.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -40,10 +41,22 @@ from typing import Any, ClassVar, Generic, Literal, TypeVar
 
 from proxy.vocabulary import Abandoned
 
-Split = Literal["train", "test"]
+Split = Literal["train", "val", "test"]
+"""``val``: a fixed share of the train tasks (``VAL_EVERY``) held out of training, for probes while a
+run trains (``deploy/guard.py``); ``train`` is the rest. ``test`` is the final evaluation's."""
+Source = Literal["train", "test"]
+"""The task lists a workflow provides (``Workflow.tasks``); ``split_tasks`` carves ``val`` out of train."""
+VAL_EVERY = 20
+"""One train task in this many (by a stable hash of its id) is held out as ``val``: 48 of math's 960,
+about 100 of calc's 2000."""
 T = TypeVar("T")
 O = TypeVar("O")  # noqa: E741 - the workflow's options dataclass
 R = TypeVar("R")
+
+
+def in_val(task_id: str) -> bool:
+    """Whether a train task is held out as ``val``: a stable hash of its id, the same on every machine."""
+    return int(hashlib.sha256(task_id.encode()).hexdigest()[:8], 16) % VAL_EVERY == 0
 
 
 @dataclass(frozen=True)
@@ -117,8 +130,15 @@ class Workflow(ABC, Generic[T, O]):
         self.options = options
 
     @abstractmethod
-    def tasks(self, split: Split) -> Sequence[T]:
+    def tasks(self, split: Source) -> Sequence[T]:
         """The split's tasks in a fixed order (the runner shuffles with its own seed)."""
+
+    def split_tasks(self, split: Split) -> list[T]:
+        """The tasks a run uses for ``split``: ``test`` as ``tasks`` gives them; ``train`` without, and
+        ``val`` only, the held-out share (``in_val``), so a probe never scores a task trained on."""
+        if split == "test":
+            return list(self.tasks("test"))
+        return [t for t in self.tasks("train") if in_val(self.task_id(t)) == (split == "val")]
 
     @abstractmethod
     def task_id(self, task: T) -> str:

@@ -241,7 +241,7 @@ class Runner:
         self._stopping.set()
 
     async def run(self) -> RunStats:
-        tasks = list(self.workflow.tasks(self.config.split))
+        tasks = self.workflow.split_tasks(self.config.split)
         if not tasks:
             raise ValueError(f"workflow {self.workflow.name!r} has no {self.config.split} tasks")
         tasks = task_order(tasks, self.config.seed, self.workflow.stratum)

@@ -48,6 +48,15 @@ LAUNCHER_DEFAULTS = {
     "trainer": {"config": "configs/trainer-local.yaml", "overrides": {}},
     "workflow": {"name": "math", "args": []},
     "eval": {"args": []},
+    "guard": {
+        "action": "rollback",
+        "probe_every": 10,
+        "probe_args": ["--split", "val", "--limit", "40", "--concurrency", "16"],
+        "max_drop": 0.1,
+        "max_cut_fraction": 0.5,
+        "window": 5,
+        "patience": 2,
+    },
 }
 
 

@@ -27,6 +27,7 @@ from tests.proxy.conftest import ADMIN, make_settings, running_app
 from tests.support.services import TEST_DTYPE, engine_python, free_port
 from trainer.config import TrainerConfig
 from trainer.data import DataStats, Rules, Sample, build_batch, episode_samples
+from trainer.grammar import masks_for
 from trainer.learner import Learner
 from trainer.lora import LoraPolicy
 
@@ -300,48 +301,74 @@ async def test_n_choices_become_group_members_or_follow_the_continued_choice(vll
     assert (stats.merged, stats.breaks, stats.choices_unused) == (1, 0, 1)
 
 
-async def test_grammar_constrained_calls_are_reported_apart_with_forced_tokens_out(
-    vllm_url: str, policy: LoraPolicy, tmp_path: Path
-) -> None:
-    tool = {
-        "type": "function",
-        "function": {
-            "name": "add",
-            "parameters": {
-                "type": "object",
-                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                "required": ["a", "b"],
-                "additionalProperties": False,
-            },
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "strict": True,
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+            "additionalProperties": False,
         },
-    }
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "constraint"),
+    [
+        ({"type": "function", "function": {"name": "add"}}, "tool_choice=function:add"),
+        ("auto", "engine:structural_tag"),
+    ],
+)
+async def test_grammar_constrained_calls_are_scored_under_the_engines_mask(
+    vllm_url: str, policy: LoraPolicy, tmp_path: Path, tool_choice: Any, constraint: str
+) -> None:
+    """A named tool call, and ``tool_choice: auto`` with a strict tool (vLLM 0.32 constrains it too,
+    with a structural tag the request alone does not reveal): the proxy records the grammar the
+    engine reports, the trainer rebuilds its mask and its log-probs equal vLLM's to float precision.
+    Scored without the mask (the rule before issue 28), the named call's tokens are far off (measured
+    here: 1.5e-6 nats mean with the mask, 0.27 mean and 2.2 max without)."""
     bodies = [
         {
             "model": "policy",
-            "messages": [{"role": "user", "content": f"Add {i} and {i + 3}."}],
+            "messages": [{"role": "user", "content": f"Add {i} and {i + 3}. Call the add tool."}],
             "max_tokens": 40,
             "temperature": 1.0,
-            "tools": [tool],
-            "tool_choice": {"type": "function", "function": {"name": "add"}},
+            "tools": [TOOL],
+            "tool_choice": tool_choice,
         }
-        for i in range(4)
+        for i in range(6)
     ]
     episodes = await record(vllm_url, tmp_path, bodies)
     recorded = episodes[0].calls[0].notes["sampling"]  # type: ignore[index]
-    assert (recorded["mode"], recorded["constraint"]) == ("constrained", "tool_choice=function:add")
-    stats = DataStats()
-    samples = [s for e in episodes for s in episode_samples(e, group_id="g", max_seq_len=4096, stats=stats)]
-    assert stats.calls_constrained == 4 and stats.tokens_forced > 0  # the grammar forced some tokens
-    gap = engine_gap(policy, samples)
+    assert (recorded["mode"], recorded["constraint"]) == ("constrained", constraint)
+    assert "structural_tag" in recorded["grammar"]  # vLLM 0.32's hermes parser: a tag around the schema
+    masker = masks_for(policy.config.model_dir, policy.tokenizer, int(policy.output_weight.shape[0]))
+    stats, unmasked_stats = DataStats(), DataStats()
+    masked = [
+        s for e in episodes for s in episode_samples(e, group_id="g", max_seq_len=4096, stats=stats, masker=masker)
+    ]
+    assert stats.calls_constrained == 6 and stats.calls_constrained_unmasked == 0
+    assert all(s.allowed for s in masked)
+    gap = engine_gap(policy, masked)
+    for sample in masked:  # the same tokens, scored as before issue 28: without the grammar's mask
+        sample.allowed = {}
+    before = engine_gap(policy, masked)
     print(
-        "constrained (named tool_choice): engine |logp gap| mean",
-        gap["policy/engine_logp_diff_mean_constrained"],
-        "max",
-        gap["policy/engine_logp_diff_max_constrained"],
-        "tokens",
-        gap["policy/engine_logp_tokens_constrained"],
-        "forced tokens out of the loss",
-        stats.tokens_forced,
+        f"constrained ({constraint}): engine |logp gap| mean {gap['policy/engine_logp_diff_mean_constrained']:.2e} "
+        f"max {gap['policy/engine_logp_diff_max_constrained']:.2e} over "
+        f"{gap['policy/engine_logp_tokens_constrained']:.0f} tokens; unmasked "
+        f"{before['policy/engine_logp_diff_mean_constrained']:.3f} max "
+        f"{before['policy/engine_logp_diff_max_constrained']:.3f}; forced tokens out of the loss {stats.tokens_forced}"
     )
     assert gap["policy/engine_logp_tokens_constrained"] > 0
+    assert gap["policy/engine_logp_diff_mean_constrained"] < 1e-4
+    if tool_choice != "auto":  # under auto SmolLM2 answers in text: the grammar never reaches its tool tag
+        assert before["policy/engine_logp_diff_mean_constrained"] > 0.05
     assert gap["policy/engine_logp_diff_mean_sampled"] is None  # nothing else mixed into the free-sampling figure
+    # Without a masker (xgrammar absent) the calls are context only, counted, never scored unmasked.
+    episode_samples(episodes[0], group_id="g", max_seq_len=4096, stats=unmasked_stats)
+    assert (unmasked_stats.calls_constrained, unmasked_stats.calls_constrained_unmasked) == (0, 1)

@@ -69,6 +69,8 @@ def test_two_short_steps_publish_an_adapter_that_serves_later_episodes(
         },
         "workflow": {"name": workflow, "args": WORKFLOWS[workflow]},
         "eval": {"args": ["--split", "test", "--limit", "8" if workflow == "math" else "4", "--concurrency", "8"]},
+        # a probe after every step on held-out train tasks (deploy/guard.py), and the last adapter's
+        "guard": {"probe_every": 1, "probe_args": ["--split", "val", "--limit", "4", "--concurrency", "4"]},
     }
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -90,6 +92,12 @@ def test_two_short_steps_publish_an_adapter_that_serves_later_episodes(
     assert 0 <= report["eval_before"] <= 1 and 0 <= report["eval_after"] <= 1
     assert report["eval_n"] == (8 if workflow == "math" else 4)
     assert (run_dir / "learning_curve.png").stat().st_size > 10_000
+    guard = report["guard"]
+    assert guard["action"] == "rollback" and guard["best_probe"] is not None and guard["last_probe"]["step"] == 2
+    assert sorted(p.name for p in run_dir.glob("eval_probe-*.json")) == ["eval_probe-1.json", "eval_probe-2.json"]
+    assert json.loads((run_dir / "eval_probe-1.json").read_text())["split"] == "val"
+    if guard["rolled_back_to"] is not None:  # two steps cannot show a collapse, but a fall of 0.1 on 4 tasks can
+        assert guard["collapsed"] and guard["best_probe"]["version"] < guard["rolled_back_to"]
     with sqlite3.connect(run_dir / "flywheel.db") as db:
         published = [v for (v,) in db.execute("select version from policy_versions order by version")]
         served = {v for (v,) in db.execute("select distinct policy_version from calls where status_code = 200")}

@@ -232,6 +232,18 @@ def test_retokenizer_rebuilds_prompt_and_completion_with_the_chat_template(vllm_
 # -- effective sampling, n > 1, credit, weighting, abandons (issue: training-signal fidelity) ------------------
 
 
+GRAMMAR = {"structural_tag": '{"type": "structural_tag"}'}
+"""A recorded grammar (the masker under test never compiles it)."""
+
+
+def masker(grammar: dict[str, Any] | None, completion: Any, stops: Any) -> torch.Tensor | str:
+    """A grammar masker seam: one distinct bitmask row per sampled token for the recorded grammar,
+    else why not (trainer/grammar.py rebuilds real ones; tests/integration/test_fidelity.py checks them)."""
+    if grammar != GRAMMAR:
+        return "no grammar recorded"
+    return torch.tensor([[1 << k, -1] for k in range(len(completion))], dtype=torch.int32)
+
+
 def test_recorded_sampling_decides_what_is_trained_and_with_which_filters() -> None:
     calls = [
         call(0, SYSTEM, [10, EOS], recorded=sampling(0.7, top_k=20, top_p=0.8, min_p=0.05)),
@@ -246,7 +258,9 @@ def test_recorded_sampling_decides_what_is_trained_and_with_which_filters() -> N
             SYSTEM + [10, EOS, 5, 11, EOS, 6],
             [12, 13, EOS],
             logprobs=[-0.3, 0.0, -0.2],
-            recorded=sampling(1.0, mode="constrained", constraint="tool_choice=required", constrained="train"),
+            recorded=sampling(
+                1.0, mode="constrained", constraint="tool_choice=required", constrained="train", grammar=GRAMMAR
+            ),
         ),
         call(
             3,
@@ -254,8 +268,14 @@ def test_recorded_sampling_decides_what_is_trained_and_with_which_filters() -> N
             [14, EOS],
             recorded=sampling(1.0, mode="constrained", constraint="response_format=json_object", constrained="exclude"),
         ),
+        call(  # constrained, but the engine could not be asked for its grammar: never scored unmasked
+            4,
+            SYSTEM + [10, EOS, 5, 11, EOS, 6, 12, 13, EOS, 7, 14, EOS, 8],
+            [16, EOS],
+            recorded=sampling(1.0, mode="constrained", constraint="tool_choice=required", constrained="train"),
+        ),
     ]
-    unrecorded = call(4, SYSTEM + [10, EOS, 5, 11, EOS, 6, 12, 13, EOS, 7, 14, EOS, 8], [15, EOS])
+    unrecorded = call(5, SYSTEM + [10, EOS, 5, 11, EOS, 6, 12, 13, EOS, 7, 14, EOS, 8, 16, EOS, 9], [15, EOS])
     unrecorded.notes = None  # stored before the proxy recorded effective sampling
     stats = DataStats()
     (sample,) = episode_samples(
@@ -263,6 +283,7 @@ def test_recorded_sampling_decides_what_is_trained_and_with_which_filters() -> N
         group_id="g",
         max_seq_len=64,
         stats=stats,
+        masker=masker,
     )
     n = len(SYSTEM)
     assert sample.loss_mask[n : n + 2] == [1, 1] and sample.top_k is not None and sample.top_p is not None
@@ -274,16 +295,26 @@ def test_recorded_sampling_decides_what_is_trained_and_with_which_filters() -> N
     constrained = slice(n + 6, n + 9)
     assert sample.loss_mask[constrained] == [1, 0, 1]  # the grammar forced the middle token (engine log-prob 0)
     assert sample.modes[n + 6] == 2
+    # each sampled token of the constrained call carries the mask it was drawn under, and only those
+    assert sorted(sample.allowed) == [n + 6, n + 7, n + 8]
+    assert [int(sample.allowed[n + 6 + k][0]) for k in range(3)] == [1, 2, 4]
     assert sample.loss_mask[n + 10 : n + 12] == [0, 0]  # excluded by the deployment's policy
+    assert sample.loss_mask[n + 13 : n + 15] == [0, 0]  # no grammar to rebuild: context only
     assert sample.loss_mask[-2:] == [0, 0]  # no recorded sampling: context only
     assert (
         stats.calls_truncated_sampling,
         stats.calls_penalized,
         stats.calls_constrained,
         stats.calls_constrained_excluded,
+        stats.calls_constrained_unmasked,
         stats.calls_sampling_unrecorded,
         stats.tokens_forced,
-    ) == (1,) * 6
+    ) == (1,) * 7
+    # packed, the masks follow their tokens: one row per loss token, -1 (no mask) for the others
+    micro = collate([sample])
+    assert micro.allowed is not None and micro.masked is not None
+    assert micro.masked.tolist() == [False, False, True, True]
+    assert micro.allowed[2:, 0].tolist() == [1, 4] and micro.allowed[:2].eq(-1).all()
 
 
 def test_n_gt_1_merges_the_choice_the_next_call_continues() -> None:

@@ -17,7 +17,7 @@ N, H, V = 96, 32, 1000
 
 def kept_set(z: Tensor, top_k: int, top_p: float, min_p: float) -> Tensor:
     """vLLM's kept tokens (V,) bool for one row of tempered logits: min-p, then top-k, then top-p."""
-    kept = torch.ones(z.shape[0], dtype=torch.bool)
+    kept = z > float("-inf")  # a grammar's mask has already removed some tokens
     if min_p > 0:
         probs = z.softmax(-1)
         kept &= probs >= probs.max() * min_p
@@ -34,11 +34,19 @@ def kept_set(z: Tensor, top_k: int, top_p: float, min_p: float) -> Tensor:
 
 
 def reference(
-    hidden: Tensor, weight: Tensor, targets: Tensor, temperature: Tensor, truncation: Truncation
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    temperature: Tensor,
+    truncation: Truncation,
+    grammar: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(log-probs, entropies, outside) row by row on full float64 logits, in vLLM's order: temperature,
-    min-p, top-k, top-p, log-softmax of the masked logits; an excluded target is put back."""
+    """(log-probs, entropies, outside) row by row on full float64 logits, in vLLM's order: the grammar's
+    mask (``grammar``: (N, V) bool, True = allowed), temperature, min-p, top-k, top-p, log-softmax of the
+    masked logits; an excluded target is put back."""
     z = hidden.double() @ weight.double().T / temperature.double()[:, None]  # (N, V)
+    if grammar is not None:
+        z = z.masked_fill(~grammar, float("-inf"))
     logps, entropies, outside = [], [], []
     for i in range(z.shape[0]):
         kept = kept_set(z[i].detach(), int(truncation.top_k[i]), float(truncation.top_p[i]), float(truncation.min_p[i]))
@@ -137,6 +145,50 @@ def test_a_target_outside_the_kept_set_is_flagged_and_stays_finite() -> None:
     # The top-k row's target joins the 5 kept tokens: 6 tokens share the mass.
     top6 = torch.cat([logits[0].topk(5).values, logits[0, targets[0]].view(1)])
     assert abs(float(out.logps[0]) - float(logits[0, targets[0]] - top6.logsumexp(0))) < 1e-5
+
+
+def pack_bits(allowed: Tensor) -> Tensor:
+    """(n, V) bool to xgrammar's (n, ceil(V / 32)) int32 bitmask: token t is bit t % 32 of word t // 32."""
+    n, vocab = allowed.shape
+    padded = torch.zeros(n, (vocab + 31) // 32 * 32, dtype=torch.int64)
+    padded[:, :vocab] = allowed.long()
+    words = (padded.view(n, -1, 32) << torch.arange(32)).sum(-1)  # (n, words) as unsigned 32-bit values
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def test_grammar_masks_score_the_allowed_tokens_only(
+    problem: tuple[Tensor, Tensor, Tensor, Tensor, Truncation],
+) -> None:
+    """Rows sampled under a grammar: the forbidden tokens are out of the softmax before temperature and
+    the filters, exactly as vLLM applies its bitmask; other rows are untouched; the gradient follows."""
+    hidden, weight, targets, temperature, truncation = problem
+    gen = torch.Generator().manual_seed(5)
+    grammar = torch.rand(N, V, generator=gen) < 0.3  # 30% of the vocabulary allowed
+    grammar[torch.arange(N) % 3 == 0] = True  # every third row sampled without a grammar
+    grammar[torch.arange(N), targets] = True  # the sampled token was allowed
+    allowed = pack_bits(grammar)
+    h = hidden.clone().requires_grad_(True)
+    out = selected_logprobs(h, weight, targets, temperature, rows=16, truncation=truncation, allowed=allowed)
+    ref_logps, ref_entropy, ref_outside = reference(hidden, weight, targets, temperature, truncation, grammar)
+    torch.testing.assert_close(out.logps.double(), ref_logps, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.entropy.double(), ref_entropy, atol=1e-5, rtol=0)
+    assert torch.equal(out.outside, ref_outside)
+    unmasked = selected_logprobs(hidden, weight, targets, temperature, rows=16, truncation=truncation)
+    free = torch.arange(N) % 3 == 0
+    assert torch.equal(out.logps[free], unmasked.logps[free])
+    assert (out.logps - unmasked.logps)[~free].gt(1e-3).float().mean() > 0.9  # the mask lifts every other row
+    upstream = torch.randn(N, generator=gen)
+    (out.logps * upstream).sum().backward()
+    h64 = hidden.double().requires_grad_(True)
+    (reference(h64, weight, targets, temperature, truncation, grammar)[0] * upstream.double()).sum().backward()
+    assert h.grad is not None and h64.grad is not None
+    torch.testing.assert_close(h.grad.double(), h64.grad, atol=1e-5, rtol=1e-4)
+    # a mask alone (no top-k/top-p/min-p anywhere) takes the same path
+    off = Truncation(torch.zeros(N, dtype=torch.int64), torch.ones(N), torch.zeros(N))
+    alone = selected_logprobs(hidden, weight, targets, temperature, rows=16, allowed=allowed)
+    torch.testing.assert_close(
+        alone.logps.double(), reference(hidden, weight, targets, temperature, off, grammar)[0], atol=1e-5, rtol=0
+    )
 
 
 def counting_sort(monkeypatch: pytest.MonkeyPatch) -> list[int]:

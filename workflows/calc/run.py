@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 from openai import AsyncOpenAI
 
-from workflows.base import Endpoint, Episode, Outcome, Split, Workflow
+from workflows.base import Endpoint, Episode, Outcome, Source, Split, Workflow
 from workflows.calc.env import CALCULATOR, SUBMIT, TOOLS, CalcEnv, named
 from workflows.calc.reward import Score, call_rewards, score
 from workflows.calc.tasks import MIXES, CalcTask, generate
@@ -174,7 +174,7 @@ class CalcWorkflow(Workflow[CalcTask, CalcOptions]):
     abandoned = "penalize"
     """An agent workflow: an episode that crashes or times out is the agent's failure."""
 
-    def tasks(self, split: Split) -> Sequence[CalcTask]:
+    def tasks(self, split: Source) -> Sequence[CalcTask]:
         return generate(split, mix=self.options.mix, size=self.options.size, seed=self.options.seed)
 
     def task_id(self, task: CalcTask) -> str:
@@ -225,7 +225,7 @@ class CalcWorkflow(Workflow[CalcTask, CalcOptions]):
         there and not in ``accuracy``. A request that fails after the client's retries fails the
         evaluation: a report never silently drops tasks.
         """
-        tasks = list(self.tasks(split))[:limit]
+        tasks = self.split_tasks(split)[:limit]
         if not tasks:
             raise ValueError(f"no {split} tasks to evaluate")
         slots = asyncio.Semaphore(concurrency)

@@ -17,7 +17,7 @@ from typing import Any
 
 from openai import AsyncOpenAI
 
-from workflows.base import Endpoint, Episode, Outcome, Split, Workflow
+from workflows.base import Endpoint, Episode, Outcome, Source, Split, Workflow
 from workflows.math.reward import check
 from workflows.math.tasks import MIXES, MathProblem, generate, load_jsonl
 
@@ -66,7 +66,7 @@ class MathWorkflow(Workflow[MathProblem, MathOptions]):
     abandoned = "skip"
     """One chat call per episode: it can only fail on the proxy or the engine, never by the agent's doing."""
 
-    def tasks(self, split: Split) -> Sequence[MathProblem]:
+    def tasks(self, split: Source) -> Sequence[MathProblem]:
         path = self.options.train_jsonl if split == "train" else self.options.test_jsonl
         problems = load_jsonl(path, split) if path is not None else generate(split, mix=self.options.mix)
         return problems[: self.options.size] if self.options.size is not None else problems
@@ -114,7 +114,7 @@ class MathWorkflow(Workflow[MathProblem, MathOptions]):
         A request that still fails after the client's retries fails the evaluation: a report
         never silently drops problems.
         """
-        problems = list(self.tasks(split))[:limit]
+        problems = self.split_tasks(split)[:limit]
         if not problems:
             raise ValueError(f"no {split} problems to evaluate")
         slots = asyncio.Semaphore(concurrency)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from workflows.base import Endpoint, Episode, Outcome, Split, Workflow, in_thread
+from workflows.base import Endpoint, Episode, Outcome, Source, Workflow, in_thread
 from workflows.tac.agent import AgentConfig, run_agent
 from workflows.tac.runtime import DockerRuntime, LocalRuntime, Runtime
 from workflows.tac.scoring import score
@@ -60,7 +60,7 @@ class TACWorkflow(Workflow[TACTask, TACOptions]):
     requires = ("openhands", "litellm")
     episode_timeout_s = 1800.0
 
-    def tasks(self, split: Split) -> Sequence[TACTask]:
+    def tasks(self, split: Source) -> Sequence[TACTask]:
         tasks = load_tasks(self.options.tasks_dir, split)
         if self.options.tasks:
             unknown = set(self.options.tasks) - {t.name for t in tasks}

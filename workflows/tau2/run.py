@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from workflows.base import Endpoint, Episode, Outcome, Split, Workflow, in_thread
+from workflows.base import Endpoint, Episode, Outcome, Source, Workflow, in_thread
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm must never fetch its price list
 
@@ -116,7 +116,7 @@ class Tau2Workflow(Workflow[Any, Tau2Options]):
     requires = ("tau2", "loguru", "litellm")
     episode_timeout_s = 1800.0
 
-    def tasks(self, split: Split) -> Sequence[Any]:
+    def tasks(self, split: Source) -> Sequence[Any]:
         from tau2.run import get_tasks
 
         tasks: list[Any] = list(get_tasks(self.options.domain, task_split_name=split))

@@ -1,0 +1,97 @@
+"""The collapse guard on metrics: probes that fall, answers cut at the token limit, warnings, and when it probes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from deploy.guard import Guard
+from deploy.run_config import GuardSection, RunConfigError
+
+SECTION = GuardSection(probe_every=5, max_drop=0.1, patience=2, window=3, max_cut_fraction=0.5)
+
+
+def healthy(step: int) -> dict[str, float]:
+    return {"signals/cut_fraction": 0.05, "policy/entropy": 0.5, "reward/mean": 0.3 + 0.01 * step}
+
+
+def test_probes_are_due_once_per_multiple_of_probe_every() -> None:
+    guard = Guard(SECTION)
+    assert [s for s in range(12) if guard.probe_due(s)] == [5, 6, 7, 8, 9, 10, 11]  # nothing probed yet
+    guard.observe_probe(5, 3, 0.3)
+    assert [s for s in range(5, 16) if guard.probe_due(s)] == [10, 11, 12, 13, 14, 15]
+    guard.observe_probe(11, 6, 0.3)  # a late probe still counts for its multiple
+    assert not guard.probe_due(14) and guard.probe_due(15)
+    assert not Guard(dataclasses.replace(SECTION, action="off")).probe_due(10)
+    assert not Guard(dataclasses.replace(SECTION, probe_every=0)).probe_due(10)
+
+
+def test_a_probe_fall_is_a_collapse_only_after_patience_probes() -> None:
+    guard = Guard(SECTION)
+    for step, score in ((5, 0.30), (10, 0.42), (15, 0.28)):
+        guard.observe_probe(step, step, score)
+    assert not guard.verdict.collapsed  # one fall of 0.14: not yet
+    guard.observe_probe(20, 20, 0.35)
+    assert not guard.verdict.collapsed  # within max_drop of the best: the streak is broken
+    guard.observe_probe(25, 25, 0.20)
+    guard.observe_probe(30, 30, 0.18)
+    verdict = guard.verdict
+    assert verdict.collapsed and verdict.at_step == 30
+    assert verdict.best is not None and (verdict.best.step, verdict.best.version, verdict.best.score) == (10, 10, 0.42)
+    assert verdict.reasons == ["held-out probe fell from 0.420 (step 10) to 0.200 (step 25), 0.180 (step 30)"]
+    guard.observe_probe(35, 35, 0.5)  # a collapse once declared stays declared; the new best is still noted
+    assert guard.verdict.collapsed and guard.verdict.best is not None and guard.verdict.best.step == 35
+
+
+def test_the_last_adapter_below_the_best_is_a_collapse_at_the_end() -> None:
+    guard = Guard(SECTION)
+    guard.observe_probe(10, 10, 0.42)
+    guard.observe_probe(12, 12, 0.25)
+    guard.final_check(12)
+    assert guard.verdict.collapsed and guard.verdict.reasons[-1].endswith("to 0.250 at the end")
+    steady = Guard(SECTION)
+    steady.observe_probe(10, 10, 0.42)
+    steady.observe_probe(12, 12, 0.35)
+    steady.final_check(12)
+    assert not steady.verdict.collapsed
+
+
+def test_answers_cut_at_the_token_limit_make_a_collapse_after_patience_windows() -> None:
+    guard = Guard(SECTION)
+    for step in range(1, 7):
+        guard.observe_step(step, healthy(step))
+    cut = {"signals/cut_fraction": 0.9, "policy/entropy": 1.2, "reward/mean": 0.05, "signals/tool_call_missing": 0.4}
+    for step in range(7, 12):
+        guard.observe_step(step, cut)
+    verdict = guard.verdict
+    assert verdict.collapsed and verdict.at_step is not None and 7 < verdict.at_step <= 11
+    assert verdict.reasons[0].startswith("answers cut at the token limit: ")
+    assert [w.split(" ")[0] for w in verdict.warnings] == ["sampling", "train"]  # entropy up, reward down
+    quiet = Guard(SECTION)
+    for step in range(1, 30):
+        quiet.observe_step(step, healthy(step))
+    assert not quiet.verdict.collapsed and quiet.verdict.warnings == []
+
+
+def test_off_watches_nothing() -> None:
+    guard = Guard(dataclasses.replace(SECTION, action="off"))
+    for step in range(1, 20):
+        guard.observe_step(step, {"signals/cut_fraction": 1.0})
+        guard.observe_probe(step, step, 1.0 / step)
+    guard.final_check(20)
+    assert not guard.verdict.collapsed and guard.probes == []
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"probe_every": -1}, "guard.probe_every must be >= 0"),
+        ({"patience": 0}, "guard.window and guard.patience must be >= 1"),
+        ({"max_drop": 0.0}, "guard.max_drop must be in (0, 1]"),
+        ({"max_cut_fraction": 2.0}, "guard.max_cut_fraction must be in (0, 1]"),
+    ],
+)
+def test_bad_settings_are_refused(fields: dict[str, float], message: str) -> None:
+    with pytest.raises(RunConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        GuardSection(**fields)  # type: ignore[arg-type]
