@@ -88,6 +88,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from bench._procs import free_port, load_average  # noqa: E402
+from deploy.guard import Guard  # noqa: E402
 from deploy.loop import _evaluate, _steps, _train  # noqa: E402
 from deploy.run_config import RunConfig, load_run_config  # noqa: E402
 from deploy.stack import Stack  # noqa: E402
@@ -379,6 +380,7 @@ def derived_run_config(
         resume=False,
         budget_minutes=minutes,
         min_train_minutes=minutes,
+        guard=dataclasses.replace(shared.run_config.guard, action="off"),  # both sides train the same minutes
         engine=dataclasses.replace(shared.run_config.engine, model=shared.model),
         trainer=dataclasses.replace(
             shared.run_config.trainer, overrides={**shared.run_config.trainer.overrides, **overrides}
@@ -431,7 +433,7 @@ def flywheel_and_evaluations(
         stack.start()
         before = _evaluate(stack, config, run_dir, "before")
         started = time.monotonic()
-        _train(stack, config, run_dir, time.time() + minutes * 60, stop)
+        _train(stack, config, run_dir, time.time() + minutes * 60, stop, Guard(config.guard))
         train_seconds = time.monotonic() - started
         steps = _steps(stack, -1)
         after = _evaluate(stack, config, run_dir, "after")
