@@ -75,12 +75,14 @@ class Guard:
         self.steps: list[tuple[int, dict[str, Any]]] = []
         self.probes: list[Probe] = []
         self.verdict = Verdict()
+        self.probing = True
+        """False once a probe failed (an empty val split, a crashed evaluation): signals only from then on."""
         self._cut_streak = 0
 
     def probe_due(self, step: int) -> bool:
         """Whether the launcher should probe after ``step`` (one probe per multiple of probe_every)."""
         every = self.section.probe_every
-        if self.section.action == "off" or every == 0 or step < every:
+        if self.section.action == "off" or every == 0 or step < every or not self.probing:
             return False
         return not self.probes or step // every > self.probes[-1].step // every
 

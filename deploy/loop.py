@@ -114,7 +114,12 @@ def _steps(stack: Stack, since: int) -> list[dict[str, Any]]:
 def _probe(stack: Stack, config: RunConfig, run_dir: Path, step: int, guard: Guard) -> None:
     """Score the current adapter on the probe split (``guard.probe_args``) and tell the guard; the
     adapter of a new best probe is copied aside, so a rollback finds it after the trainer pruned it."""
-    result = _evaluate(stack, config, run_dir, f"probe-{step}", config.guard.probe_args)
+    try:
+        result = _evaluate(stack, config, run_dir, f"probe-{step}", config.guard.probe_args)
+    except SystemExit as exc:  # the run goes on: a guard without probes still reads the signals
+        log(f"[guard] probe failed ({exc}); no further probes this run")
+        guard.probing = False
+        return
     versions = [int(v) for v in result.get("policy_versions") or []]
     version = max(versions) if versions else None
     guard.observe_probe(step, version, float(result.get("accuracy") or 0.0))
@@ -150,7 +155,7 @@ def _rollback(stack: Stack, run_dir: Path, guard: Guard) -> int | None:
 def _finish_guard(stack: Stack, config: RunConfig, run_dir: Path, guard: Guard, last: int) -> int | None:
     """After training: probe the last adapter, let the guard compare it with the best probe, and roll
     back when configured; the version rolled back to, or None."""
-    if config.guard.action == "off" or config.guard.probe_every == 0 or last < 1:
+    if config.guard.action == "off" or config.guard.probe_every == 0 or last < 1 or not guard.probing:
         return None
     if guard.verdict.last is None or guard.verdict.last.step != last:
         _probe(stack, config, run_dir, last, guard)

@@ -47,8 +47,11 @@ run trains (``deploy/guard.py``); ``train`` is the rest. ``test`` is the final e
 Source = Literal["train", "test"]
 """The task lists a workflow provides (``Workflow.tasks``); ``split_tasks`` carves ``val`` out of train."""
 VAL_EVERY = 20
-"""One train task in this many (by a stable hash of its id) is held out as ``val``: 48 of math's 960,
-about 100 of calc's 2000."""
+"""One train task in this many (by a stable hash of its id) is held out as ``val``: 44 of math's 960,
+141 of calc's 2000."""
+VAL_MIN_TRAIN = 200
+"""A train split smaller than this holds nothing out (its ``val`` is empty): a handful of tasks is
+all there is to train on."""
 T = TypeVar("T")
 O = TypeVar("O")  # noqa: E741 - the workflow's options dataclass
 R = TypeVar("R")
@@ -138,7 +141,10 @@ class Workflow(ABC, Generic[T, O]):
         ``val`` only, the held-out share (``in_val``), so a probe never scores a task trained on."""
         if split == "test":
             return list(self.tasks("test"))
-        return [t for t in self.tasks("train") if in_val(self.task_id(t)) == (split == "val")]
+        train = list(self.tasks("train"))
+        if len(train) < VAL_MIN_TRAIN:
+            return train if split == "train" else []
+        return [t for t in train if in_val(self.task_id(t)) == (split == "val")]
 
     @abstractmethod
     def task_id(self, task: T) -> str:

@@ -22,6 +22,11 @@ Admission control: the proxy refuses a group that could only be trained stale (4
 takes: the task is never dropped. Waits and their seconds are counted in the summary
 (``admission_waits``, ``admission_wait_s``); a task whose group was never created because the run
 stopped while it waited is counted in ``groups_not_created``.
+
+A group creation the proxy did not answer (a read timeout on an overloaded machine: the request may
+or may not have created a group) is asked again after a pause, up to ``UNANSWERED_LIMIT`` times in a
+row, and counted in ``create_unanswered``; a group created but never answered has no episode that
+is played, so the proxy's deadline abandons it and it is never trained.
 """
 
 from __future__ import annotations
@@ -37,12 +42,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-from proxy.client import AsyncProxyClient, CreatedGroup, EpisodeKey, ProxyError
+from proxy.client import AsyncProxyClient, CreatedGroup, EpisodeKey, ProxyError, ProxyUnreachable
 from workflows.base import EPISODE_POOL, INFRASTRUCTURE, Endpoint, Episode, EpisodeFailed, Outcome, Split, Workflow
 from workflows.judge import JUDGE_FAILED, Judge, JudgedGroup, JudgeStats, RewardMode, abandon, reward_group
 
 PENDING_POLL_S = 2.0
 ADMISSION_WAIT_S = 5.0
+UNANSWERED_LIMIT = 5
+"""Unanswered group creations in a row before the runner gives up (each took the client's timeout)."""
+UNANSWERED_WAIT_S = 2.0
 """Wait after a 429 ``backlog_full`` that carries no ``Retry-After``."""
 T = TypeVar("T")
 
@@ -152,6 +160,8 @@ class RunStats:
     """Seconds spent in those waits."""
     groups_not_created: int = 0
     """Tasks whose group was still refused when the run stopped (never created, not lost unseen)."""
+    create_unanswered: int = 0
+    """Group creations the proxy did not answer, each asked again after a pause."""
 
     @property
     def episodes(self) -> list[EpisodeResult]:
@@ -174,6 +184,7 @@ class RunStats:
             "admission_waits": self.admission_waits,
             "admission_wait_s": round(self.admission_wait_s, 2),
             "groups_not_created": self.groups_not_created,
+            "create_unanswered": self.create_unanswered,
             "errors": [
                 {"episode_id": e.episode_id, "error": (e.error or "")[:300]} for e in episodes if e.status != "rewarded"
             ][:20],
@@ -294,6 +305,7 @@ class Runner:
     async def _create(self, task: Any, task_id: str) -> CreatedGroup | None:
         """The task's group, asked for again after each admission refusal; None if the run stopped first."""
         wf, cfg = self.workflow, self.config
+        unanswered = 0
         while True:
             try:
                 return await self.client.create_group(
@@ -307,6 +319,17 @@ class Runner:
                     },
                     episode_metadata=[{"index": i} for i in range(cfg.group_size)],
                 )
+            except ProxyUnreachable:
+                unanswered += 1
+                self.stats.create_unanswered += 1
+                if unanswered >= UNANSWERED_LIMIT:
+                    raise
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), UNANSWERED_WAIT_S)
+                if self._stopping.is_set():
+                    self.stats.groups_not_created += 1
+                    return None
+                continue
             except ProxyError as exc:
                 if exc.status != 429 or exc.code != "backlog_full":
                     raise

@@ -157,3 +157,41 @@ async def test_the_client_reads_retry_after_and_other_refusals_are_not_waited_ou
         else:
             raise AssertionError("a group over the size limit was created")
         await client.aclose()
+
+
+class _LosesFirstAnswer(httpx.AsyncBaseTransport):
+    """The app behind a network that drops the answer of the first ``POST /groups``: the group is
+    created, the runner only sees a read timeout (an overloaded proxy's answer that came too late)."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+        self.dropped = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        if request.method == "POST" and request.url.path == "/groups" and not self.dropped:
+            self.dropped += 1
+            await response.aread()
+            raise httpx.ReadTimeout("no answer within the timeout", request=request)
+        return response
+
+
+async def test_an_unanswered_group_creation_is_asked_again_and_counted(tmp_path: Path) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'flywheel.db'}"
+    await migrate_async(url)
+    async with running_app(make_settings(url)) as app_client:
+        transport = _LosesFirstAnswer(httpx.ASGITransport(app=app_client.app))  # type: ignore[attr-defined]
+        client = AsyncProxyClient("http://proxy", ADMIN_KEY, transport=transport)
+        runner = Runner(
+            Instant(NoOptions()),
+            RunConfig(proxy_url="http://proxy", admin_key=ADMIN_KEY, groups=3, group_size=2, concurrency=1),
+            client,
+        )
+        stats = await asyncio.wait_for(runner.run(), 60)  # before: the read timeout ended the run
+        summary = stats.summary()
+        assert transport.dropped == 1 and summary["create_unanswered"] == 1
+        assert summary["groups"] == 3 and summary["groups_by_status"] == {"complete": 3}
+        # the group whose answer was lost exists, unplayed: its deadline abandons it, it is never trained
+        listed = (await app_client.get("/groups", headers=ADMIN)).json()["data"]
+        assert sorted(g["status"] for g in listed) == ["complete", "complete", "complete", "open"]
+        await client.aclose()

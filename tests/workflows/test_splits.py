@@ -6,7 +6,7 @@ import pytest
 import typer
 
 from workflows.__main__ import check_split
-from workflows.base import VAL_EVERY, Workflow, in_val
+from workflows.base import VAL_EVERY, VAL_MIN_TRAIN, Workflow, in_val
 from workflows.calc.run import CalcOptions, CalcWorkflow
 from workflows.math.run import MathOptions, MathWorkflow
 
@@ -20,6 +20,12 @@ def test_val_is_held_out_of_train_and_the_same_everywhere(workflow: Workflow[obj
     assert ids["test"] == [workflow.task_id(t) for t in workflow.tasks("test")]  # the final evaluation is untouched
     assert 0.5 / VAL_EVERY < len(val) / (len(train) + len(val)) < 2.0 / VAL_EVERY
     assert all(in_val(i) for i in ids["val"]) and len(val) >= 40  # enough for a probe of 40 tasks
+
+
+def test_a_small_train_split_holds_nothing_out() -> None:
+    workflow = MathWorkflow(MathOptions(size=VAL_MIN_TRAIN - 1))
+    assert len(workflow.split_tasks("train")) == VAL_MIN_TRAIN - 1 and workflow.split_tasks("val") == []
+    assert any(in_val(workflow.task_id(t)) for t in workflow.split_tasks("train"))  # a share would have gone
 
 
 def test_the_command_line_takes_the_three_splits() -> None:
