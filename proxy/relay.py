@@ -307,7 +307,7 @@ class ModelCall:
         if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages):
             return None
         assert self.episode_id is not None
-        found = await splicer.find(self.episode_id, messages)
+        found = await splicer.find(self.episode_id, self.body)
         if found is None:
             return None
         if isinstance(found, str):

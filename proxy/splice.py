@@ -59,6 +59,20 @@ _RENDER_ONLY = (
 )
 """Fields that shape sampling, not the prompt: left out when rendering the history alone."""
 _PROBE = [{"role": "user", "content": "."}]
+RENDER_SHAPING = (
+    "tools",
+    "chat_template",
+    "chat_template_kwargs",
+    "documents",
+    "reasoning_effort",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "mm_processor_kwargs",
+)
+"""Request fields besides the messages that change what the chat template renders: a follow-up that
+changes one of them re-renders the earlier turns differently (a system block with other tools), so
+the earlier call's prompt ids are no prefix of what this request would be rendered as."""
 
 
 class SpliceUnavailable(Exception):
@@ -109,9 +123,10 @@ def _arguments(raw: Any) -> Any:
 
 
 def _same_turn(message: dict[str, Any], choice: dict[str, Any]) -> bool:
-    """The assistant message repeats the recorded choice: same tool calls (id, name and arguments
-    as JSON values, so a client that re-serialises them still matches), or else the same text."""
-    if message.get("role") != "assistant":
+    """The assistant message repeats the recorded choice: the same text, and the same tool calls (id,
+    name and arguments as JSON values, so a client that re-serialises them still matches). A tool-call
+    turn whose text was blanked or rewritten (several frameworks drop it) is an edited turn."""
+    if message.get("role") != "assistant" or _text(message.get("content")) != (choice.get("text") or ""):
         return False
     sent = message.get("tool_calls") or []
     made = choice.get("tool_calls") or []
@@ -124,8 +139,17 @@ def _same_turn(message: dict[str, Any], choice: dict[str, Any]) -> bool:
                 return False
             if _arguments(fa.get("arguments")) != _arguments(fb.get("arguments")):
                 return False
-        return True
-    return _text(message.get("content")) == (choice.get("text") or "")
+    return True
+
+
+def _shaping(value: Any) -> Any:
+    return None if value in (None, [], {}) else value
+
+
+def render_changes(before: dict[str, Any], body: dict[str, Any]) -> list[str]:
+    """The fields of ``RENDER_SHAPING`` whose value differs between an earlier request and this one
+    (absent, null and empty are the same)."""
+    return [k for k in RENDER_SHAPING if _shaping(before.get(k)) != _shaping(body.get(k))]
 
 
 def continued(messages: list[Any], call: CallRecord) -> Continued | None:
@@ -202,15 +226,23 @@ class Splicer:
         """How many of the episode's newest calls are searched for the one continued."""
         self._closing: dict[str, list[int]] = {}
 
-    async def find(self, episode_id: str, messages: list[Any]) -> Continued | str | None:
-        """The newest of the episode's last ``depth`` chat calls that ``messages`` continue; None
-        when the episode has no earlier call (nothing sampled to splice), else why none is continued."""
+    async def find(self, episode_id: str, body: dict[str, Any]) -> Continued | str | None:
+        """The newest of the episode's last ``depth`` chat calls that ``body``'s messages continue
+        under the same render-shaping fields; None when the episode has no earlier call (nothing
+        sampled to splice), else why none is continued."""
         calls = await self.repo.recent_calls(episode_id, limit=self.depth)
         if not calls:
             return None
+        messages = body["messages"]
         for call in calls:
             found = continued(messages, call)
             if found is not None:
+                changed = render_changes(call.request, body)
+                if changed:
+                    return (
+                        f"the request changes what the template renders since call {call.ordinal} "
+                        f"({', '.join(changed)}): its ids are no prefix of this render"
+                    )
                 return found
         return f"no earlier call of the episode (newest {len(calls)}) is continued by these messages"
 

@@ -176,3 +176,36 @@ def test_a_turn_the_agent_edited_goes_the_ordinary_way_and_says_why(proxy: Proxy
     assert two["prompt_token_ids"][: len(sampled)] != sampled  # what the agent sent is what vLLM saw
     metrics = httpx.get(f"{proxy.url}/metrics", headers=ADMIN).text
     assert 'flywheel_splices_total{outcome="skipped"}' in metrics
+
+
+def test_a_follow_up_that_offers_other_tools_is_rendered_from_its_own_request(proxy: ProxyProcess) -> None:
+    """Call 2 repeats call 1 and its tool call, but offers one more tool: the template renders the
+    tools into the system block, so call 1's prompt ids are not what this request renders as. Spliced,
+    vLLM would generate from a system block the agent never sent (issue 30); it goes the ordinary way,
+    and the record says why."""
+    episode = new_episode(proxy, "splice")
+    client = openai.OpenAI(base_url=episode["base_url"], api_key=episode["api_key"], max_retries=0)
+    first = client.chat.completions.create(
+        model="policy",
+        messages=QUESTION,
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice=NAMED,
+        temperature=1.0,
+        max_tokens=64,
+    )
+    more = [*TOOLS, {"type": "function", "function": {"name": "submit_answer", "parameters": {"type": "object"}}}]
+    client.chat.completions.create(
+        model="policy",
+        messages=follow_up(first),
+        tools=more,  # type: ignore[arg-type]
+        tool_choice=NAMED,
+        temperature=1.0,
+        max_tokens=64,
+    )
+    one, two = sorted(episode_record(proxy, episode["id"])["calls"], key=lambda c: c["ordinal"])
+    assert two["notes"]["splice"]["skipped"].startswith(
+        "the request changes what the template renders since call 0 (tools)"
+    )
+    sampled = one["prompt_token_ids"] + one["choices"][0]["token_ids"]
+    assert two["prompt_token_ids"][: len(one["prompt_token_ids"])] != one["prompt_token_ids"]  # another system block
+    assert two["prompt_token_ids"][: len(sampled)] != sampled

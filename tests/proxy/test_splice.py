@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from proxy.splice import continued, end_of_turn, splice
+from proxy.splice import continued, end_of_turn, render_changes, splice
 from proxy.store.records import CallRecord
 
 SYSTEM = {"role": "system", "content": "Use the calculator."}
@@ -98,6 +98,29 @@ def test_n_greater_than_one_continues_the_choice_the_agent_kept() -> None:
 )
 def test_what_is_not_a_continuation(messages: list[dict[str, Any]]) -> None:
     assert continued(messages, call([SYSTEM, USER], [choice()])) is None
+
+
+def test_a_tool_call_turn_whose_text_was_blanked_or_rewritten_is_an_edited_turn() -> None:
+    """The sampled text of a tool-call turn is part of what the model generated: a follow-up that drops
+    or rewrites it does not repeat the sampled ids, so it is not spliced (issue 30)."""
+    earlier = call([SYSTEM, USER], [choice(text="I will multiply.")])
+    kept = {**tool_turn(), "content": "I will multiply."}
+    assert continued([SYSTEM, USER, kept, RESULT], earlier) is not None
+    assert continued([SYSTEM, USER, tool_turn(), RESULT], earlier) is None  # text dropped
+    assert continued([SYSTEM, USER, {**tool_turn(), "content": "Multiplying."}, RESULT], earlier) is None
+    assert continued([SYSTEM, USER, tool_turn(), RESULT], call([SYSTEM, USER], [choice()])) is not None  # none sampled
+
+
+def test_fields_that_change_the_render_are_compared_absent_null_and_empty_alike() -> None:
+    tools = [{"type": "function", "function": {"name": "calculator"}}]
+    before = {"messages": [], "tools": tools, "chat_template_kwargs": {"enable_thinking": False}}
+    assert render_changes(before, {**before, "temperature": 0.3, "tool_choice": "required"}) == []
+    assert render_changes(before, {**before, "tools": tools + tools}) == ["tools"]
+    assert render_changes(before, {**before, "chat_template_kwargs": {}, "reasoning_effort": "low"}) == [
+        "chat_template_kwargs",
+        "reasoning_effort",
+    ]
+    assert render_changes({"messages": []}, {"messages": [], "tools": [], "documents": None}) == []
 
 
 def test_text_turns_match_on_their_content_and_failed_or_inexact_calls_never_match() -> None:
