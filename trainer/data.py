@@ -3,8 +3,9 @@
 Per episode, calls are taken in order. A call whose prompt ids start with everything so far (the
 previous prompt + completion) extends the current sample: the tokens in between (tool output, the
 next user turn, template glue) join with loss mask 0, the new completion with mask 1. Any other
-call is a *break*: it starts a new sample, and is counted. Retried calls (identical prompt ids) keep
-only the last. Calls without exact ids are retokenized only if configured, else dropped, counted
+call is a *break*: it starts a new sample, and is counted. Retried calls (identical prompt ids, one
+after another) keep the one a later call continues, else the last; the same prompt after other
+turns is a branch and kept. Calls without exact ids are retokenized only if configured, else dropped, counted
 either way. Samples longer than ``max_seq_len`` are truncated and counted. Nothing is dropped
 silently: every rule has a counter in ``DataStats``.
 
@@ -347,10 +348,30 @@ def _turns(
         turn = _Turn(prompt, completion, logprobs, sampling, mode, call.policy_version, call.ordinal, index)
         _masks(call, turn, masker, stats)
         turns.append(turn)
-    # Retries: a prompt that appears again later was answered again; keep the last answer only.
-    last = {tuple(t.prompt): i for i, t in enumerate(turns)}
-    kept = [t for i, t in enumerate(turns) if last[tuple(t.prompt)] == i]
+    kept = _without_retries(turns)
     stats.calls_deduped += len(turns) - len(kept)
+    return kept
+
+
+def _without_retries(turns: list[_Turn]) -> list[_Turn]:
+    """One turn per run of retries: calls with the same prompt one after another are one request
+    asked again (a client timeout, an SDK retry); the one a later call continues is the answer the
+    agent acted on, whatever order the calls committed in; if none is continued, the last. The same
+    prompt sent again after other turns is a branch (an agent restarting from an earlier state), not
+    a retry: both are kept, and the second starts a sample of its own."""
+    kept: list[_Turn] = []
+    i = 0
+    while i < len(turns):
+        j = i
+        while j + 1 < len(turns) and turns[j + 1].prompt == turns[i].prompt:
+            j += 1
+        run, later = turns[i : j + 1], turns[j + 1 :]
+        acted_on = next(
+            (t for t in run if any(continues(n.prompt, t.prompt, t.completion) for n in later)),
+            run[-1],
+        )
+        kept.append(acted_on)
+        i = j + 1
     return kept
 
 

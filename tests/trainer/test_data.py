@@ -127,6 +127,39 @@ def test_merges_turns_masks_tool_output_and_counts_every_rule() -> None:
     }
 
 
+def test_a_retry_keeps_the_answer_the_agent_acted_on_and_a_branch_is_not_a_retry() -> None:
+    """Issue 30: (a) 0: P->A, 1: P+A+tool->B, 2: P->C, 3: P+C+tool->D is an agent branching from P
+    again: both branches are trained, call 0 is no retry. (b) Two calls of one prompt in a row whose
+    later one committed first (ordinals follow commit order): the agent acted on the one the next call
+    continues, ordinal 0 here, not the last."""
+    a, b, c, d = [10, EOS], [11, EOS], [12, EOS], [13, EOS]
+    branched = Episode(
+        id="e",
+        status="rewarded",
+        reward=1.0,
+        calls=[
+            call(0, SYSTEM, a),
+            call(1, SYSTEM + a + TOOL_OUTPUT, b),
+            call(2, SYSTEM, c),
+            call(3, SYSTEM + c + TOOL_OUTPUT, d),
+        ],
+    )
+    stats = DataStats()
+    first, second = episode_samples(branched, group_id="g", max_seq_len=64, stats=stats)
+    assert first.input_ids == SYSTEM + a + TOOL_OUTPUT + b and second.input_ids == SYSTEM + c + TOOL_OUTPUT + d
+    assert (stats.calls_deduped, stats.merged, stats.breaks) == (0, 2, 1)
+    retried = Episode(
+        id="e",
+        status="rewarded",
+        reward=1.0,
+        calls=[call(0, SYSTEM, a), call(1, SYSTEM, c), call(2, SYSTEM + a + TOOL_OUTPUT, b)],
+    )
+    stats = DataStats()
+    (sample,) = episode_samples(retried, group_id="g", max_seq_len=64, stats=stats)
+    assert sample.input_ids == SYSTEM + a + TOOL_OUTPUT + b  # C, never continued, is the retry left out
+    assert (stats.calls_deduped, stats.merged, stats.breaks) == (1, 1, 0)
+
+
 def test_truncation_keeps_masks_aligned_and_drops_samples_left_without_loss_tokens() -> None:
     stats = DataStats()
     samples = episode_samples(multi_turn_episode(), group_id="g-1", max_seq_len=5, stats=stats)
