@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from proxy.errors import InvalidRequest
 from proxy.vocabulary import CallKind
 
 
@@ -52,6 +53,21 @@ def prepare(body: dict[str, Any], kind: CallKind) -> tuple[dict[str, Any], Wants
     if not wants.logprobs:
         upstream["logprobs"] = True if kind == "chat" else 0
     return upstream, wants
+
+
+def single_prompt(body: dict[str, Any]) -> None:
+    """Refuse a recorded ``/v1/completions`` call with several prompts (``["p1", "p2"]`` or a list of
+    id lists): vLLM answers every prompt's choices in one response, and a record holds one prompt
+    per call, so choice 1 would be trained after p1 (issue 30). One prompt per call, or the
+    unrecorded ``/passthrough/v1``."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
+        raise InvalidRequest(
+            f"'prompt' holds {len(prompt)} prompts; a recorded completions call takes one (send one call per "
+            "prompt, or use /passthrough/v1 for unrecorded batches)",
+            param="prompt",
+            code="multiple_prompts",
+        )
 
 
 def _true(value: Any) -> bool:

@@ -31,6 +31,7 @@ from proxy.capture import (
     capture_response,
     prepare,
     sampled,
+    single_prompt,
     strip_for_client,
     usage_only,
 )
@@ -135,6 +136,8 @@ class ModelCall:
         self.model_served, self.version = relay.policies.resolve(body["model"])
         self.sampling: dict[str, Any] | None = None
         if self.recorded:
+            if kind == "completion":
+                single_prompt(body)
             self.upstream_body, self.wants = prepare(body, kind)
             rules = relay.sampling_rules
             self.sampling = resolve_sampling(
