@@ -142,6 +142,16 @@ def _same_turn(message: dict[str, Any], choice: dict[str, Any]) -> bool:
     return True
 
 
+def _media(messages: list[Any]) -> str | None:
+    """The first non-text content part type in ``messages`` (an image, audio, a file), or None."""
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in content if isinstance(content, list) else ():
+            if isinstance(part, dict) and part.get("type") not in (None, "text"):
+                return str(part.get("type"))
+    return None
+
+
 def _shaping(value: Any) -> Any:
     return None if value in (None, [], {}) else value
 
@@ -234,6 +244,12 @@ class Splicer:
         if not calls:
             return None
         messages = body["messages"]
+        media = _media(messages)
+        if media:
+            return (
+                f"the conversation carries {media} content: vLLM places its placeholders by the rendered "
+                "prompt's offsets, which a spliced prompt of another length would not match"
+            )
         for call in calls:
             found = continued(messages, call)
             if found is not None:
