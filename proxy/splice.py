@@ -203,6 +203,33 @@ def splice(
     return [*prompt, *sampled, *closing[have:], *rendered[len(history) :]]
 
 
+def ended_elsewhere(choice: dict[str, Any], closing: list[int]) -> str | None:
+    """Why a turn that stopped on a stop token other than the template's end of turn (Qwen2.5's
+    ``<|endoftext|>``, Llama 3.1's ``<|eom_id|>``: vLLM reports it as an integer ``stop_reason``) is
+    not spliced: the spliced prompt would hold that token and then the template's end of turn, a
+    context neither the model nor the template produces. None: it ended as the template ends turns."""
+    stop = choice.get("stop_reason")
+    if isinstance(stop, int) and not isinstance(stop, bool) and stop not in closing:
+        return f"the turn ended on stop token {stop}, not the template's end of turn {closing[:1]}"
+    return None
+
+
+def room(body: dict[str, Any], params: Any, rendered_len: int, spliced_len: int) -> dict[str, Any] | str:
+    """The render's sampling parameters for the spliced prompt. Without ``max_tokens`` in the request,
+    vLLM's render sets it to what the context leaves after *its* prompt; the spliced prompt has
+    another length, so the room is recomputed for it (longer: the engine would refuse the call;
+    shorter: the answer would be cut early). Why not, when nothing is left."""
+    out: dict[str, Any] = dict(params) if isinstance(params, dict) else {}
+    asked = body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
+    if asked or not isinstance(out.get("max_tokens"), int):
+        return out
+    left = int(out["max_tokens"]) + rendered_len - spliced_len
+    if left < 1:
+        return f"the spliced prompt ({spliced_len} tokens) leaves no room in the context for an answer"
+    out["max_tokens"] = left
+    return out
+
+
 def _as_chat_logprob(item: dict[str, Any]) -> dict[str, Any]:
     return {"token": f"token_id:{item['token_id']}", "logprob": item["logprob"], "bytes": None}
 
@@ -304,6 +331,9 @@ class Splicer:
             messages=messages[: cont.position + 1], add_generation_prompt=False, continue_final_message=False
         )
         closing = await self.closing(replica, body["model"])
+        other_stop = ended_elsewhere(cont.choice, closing)
+        if other_stop is not None:
+            return other_stop
         rendered, history = await asyncio.gather(self._render(replica, body), self._render(replica, history_body))
         assert cont.call.prompt_token_ids is not None
         ids = splice(
@@ -312,6 +342,10 @@ class Splicer:
         if isinstance(ids, str):
             return ids
         canonical: list[int] = rendered["token_ids"]
+        params = room(body, rendered.get("sampling_params"), len(canonical), len(ids))
+        if isinstance(params, str):
+            return params
+        rendered = {**rendered, "sampling_params": params}
         note = {
             "from": cont.call.ordinal,
             "choice": cont.choice.get("index", 0),

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from proxy.splice import continued, end_of_turn, render_changes, splice
+from proxy.splice import continued, end_of_turn, ended_elsewhere, render_changes, room, splice
 from proxy.store.records import CallRecord
 
 SYSTEM = {"role": "system", "content": "Use the calculator."}
@@ -162,3 +162,24 @@ def test_templates_that_re_render_history_are_refused_with_why() -> None:
     assert isinstance(reason, str) and "differently" in reason
     reason = splice([1, 2, 3], [60, 99], CLOSING, [1, 2, 3, 50, 51], [1, 2, 3, 50, 51, *TAIL])
     assert isinstance(reason, str) and "end-of-turn" in reason
+
+
+def test_a_turn_that_stopped_on_another_stop_token_is_not_spliced() -> None:
+    """Qwen2.5 may stop on ``<|endoftext|>`` where its template ends turns with ``<|im_end|>``: spliced,
+    the next prompt would hold both (issue 30)."""
+    assert ended_elsewhere({"stop_reason": 151643}, [151645, 198]) == (
+        "the turn ended on stop token 151643, not the template's end of turn [151645]"
+    )
+    assert ended_elsewhere({"stop_reason": None}, CLOSING) is None  # the end-of-sequence token: the template's
+    assert ended_elsewhere({"stop_reason": 99}, CLOSING) is None
+    assert ended_elsewhere({"stop_reason": "\n\n"}, CLOSING) is None  # a stop string: no stop token sampled
+
+
+def test_without_max_tokens_the_room_is_what_the_context_leaves_after_the_spliced_prompt() -> None:
+    """vLLM's render sets max_tokens from its own prompt's length; the spliced prompt is another length."""
+    params = {"max_tokens": 100, "temperature": 1.0}
+    assert room({"messages": []}, params, 900, 903) == {"max_tokens": 97, "temperature": 1.0}
+    assert room({"messages": []}, params, 900, 880)["max_tokens"] == 120  # type: ignore[index]
+    assert room({"max_tokens": 50}, {"max_tokens": 50}, 900, 903) == {"max_tokens": 50}  # the client's own
+    assert room({"max_completion_tokens": 50}, {"max_tokens": 50}, 900, 903) == {"max_tokens": 50}
+    assert room({}, params, 900, 1000) == "the spliced prompt (1000 tokens) leaves no room in the context for an answer"
