@@ -171,6 +171,9 @@ class DataStats:
     call_rewards_used: int = 0
     call_rewards_ignored: int = 0
     """Per-call rewards present but unused (``turn_credit: episode``, or naming an unmerged choice)."""
+    turn_returns_untrained: int = 0
+    """Per-turn credit: returns of turns with no trained token (greedy, penalized, excluded, truncated
+    away), left out of their group's mean and std."""
 
     def add(self, other: DataStats) -> None:
         for f in dataclasses.fields(self):
@@ -603,23 +606,43 @@ def _returns(member: _Member, gamma: float) -> list[float]:
     return out
 
 
-def _values(members: list[_Member], rules: Rules) -> list[list[float]]:
-    """What is compared within a group: one reward per member, or one return per turn."""
+def _trained_turns(member: _Member) -> list[int]:
+    """The member's turns with at least one token in the loss (greedy, penalized, excluded and
+    truncated-away turns have none)."""
+    turns = {t for s in member.samples for t, m in zip(s.turns or (), s.loss_mask, strict=False) if m and t >= 0}
+    return sorted(turns)
+
+
+def _values(members: list[_Member], rules: Rules, stats: DataStats) -> list[list[float]]:
+    """What is compared within a group: one reward per member, or one return per trained turn. The
+    returns of turns that are never trained do not enter the group's mean and std (counted); a
+    member without turns (an abandon before any call) compares by its reward."""
     if rules.turn_credit == "episode":
         return [[m.reward] for m in members]
-    return [_returns(m, rules.turn_discount) or [m.reward] for m in members]
+    values = []
+    for member in members:
+        returns = _returns(member, rules.turn_discount)
+        if not returns:
+            values.append([member.reward])
+            continue
+        trained = _trained_turns(member)
+        stats.turn_returns_untrained += len(returns) - len(trained)
+        values.append([returns[t] for t in trained])
+    return values
 
 
 def _assign(member: _Member, advantages: list[float], rules: Rules) -> float:
-    """Set per-token advantages on the member's samples; return the member's mean token advantage."""
+    """Set per-token advantages on the member's samples; return the member's mean token advantage.
+    Under per-turn credit ``advantages`` holds one value per trained turn (``_trained_turns``)."""
     total, count = 0.0, 0
+    by_turn = dict(zip(_trained_turns(member), advantages, strict=False))
     for sample in member.samples:
         if rules.turn_credit == "episode":
             sample.advantage = advantages[0]
             total += advantages[0] * sample.num_loss_tokens
         else:
             assert sample.turns is not None
-            sample.advantages = [advantages[t] if t >= 0 else 0.0 for t in sample.turns]
+            sample.advantages = [by_turn.get(t, 0.0) for t in sample.turns]
             total += sum(a for a, m in zip(sample.advantages, sample.loss_mask, strict=True) if m)
         count += sample.num_loss_tokens
     return total / count if count else 0.0
@@ -661,8 +684,12 @@ def build_batch(
             )
             batch.skipped_few += 1
             continue
-        values = _values(members, rules)
+        values = _values(members, rules, batch.stats)
         flat = [v for vs in values for v in vs]
+        if not flat:
+            batch.skipped[group.id] = "no trainable calls (see the data counters)"
+            batch.skipped_empty += 1
+            continue
         compared += flat
         if max(flat) - min(flat) <= 1e-12:
             batch.skipped[group.id] = f"all {len(flat)} rewards equal ({flat[0]:g}): no signal"

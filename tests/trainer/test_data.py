@@ -11,6 +11,7 @@ import torch
 from proxy.client import Call, Episode, Group
 from proxy.vocabulary import Abandoned
 from trainer.data import ChatRetokenizer, DataStats, Rules, build_batch, episode_samples
+from trainer.loss import group_advantages
 from trainer.packing import collate, plan
 
 EOS = 2
@@ -392,6 +393,27 @@ def two_turn(eid: str, reward: float, call_rewards: dict[str, float] | None = No
         call_rewards=call_rewards,
         calls=[call(0, SYSTEM, [10, EOS]), call(1, SYSTEM + [10, EOS, 5], [11, EOS])],
     )
+
+
+def test_returns_of_turns_never_trained_stay_out_of_the_group_statistics() -> None:
+    """Issue 30: under per-turn credit a greedy (or penalized, excluded, truncated-away) turn has no
+    token in the loss; its return must not shift the group's mean and std the trained turns are
+    normalised by. Here each episode's second turn is greedy: only the first turns' returns count."""
+
+    def episode(eid: str, reward: float, first_call_reward: float) -> Episode:
+        calls = [
+            call(0, SYSTEM, [10, EOS]),
+            call(1, SYSTEM + [10, EOS] + TOOL_OUTPUT, [11, EOS], temperature=0.0),  # greedy: context only
+        ]
+        return Episode(id=eid, status="rewarded", reward=reward, calls=calls, call_rewards={"0": first_call_reward})
+
+    episodes = [episode("a", 1.0, 0.3), episode("b", 0.0, 0.0), episode("c", 0.0, 0.3)]
+    rules = Rules(min_rewarded=2, scale_rewards="group", turn_credit="discounted", turn_discount=1.0)
+    batch = build_batch([Group(id="g", task_id="t", status="complete", episodes=episodes)], rules=rules)
+    first_turn_returns = torch.tensor([1.3, 0.0, 0.3], dtype=torch.float64)  # c_0 + G_1, G_1 = the reward
+    (expected,) = group_advantages([first_turn_returns], "group")
+    assert batch.advantages == pytest.approx(expected.tolist())
+    assert batch.stats.turn_returns_untrained == 3 and batch.stats.calls_greedy == 3
 
 
 def test_discounted_turn_credit_gives_each_turn_its_return() -> None:
