@@ -275,7 +275,8 @@ def _choice_tokens(call: Call, index: int) -> tuple[list[int], list[float]] | No
 
 
 def _continued(prompt: list[int], choices: list[tuple[int, list[int]]], later: Sequence[Call]) -> int | None:
-    """The choice the first later call that extends ``prompt`` continues, if any."""
+    """The choice the first later call that continues one of them continues, if any. A later call
+    that only shares the prompt (an unrelated call, a retry of the same prompt) decides nothing."""
     for call in later:
         ids = call.prompt_token_ids
         if ids is None or not extends(ids, prompt):
@@ -283,7 +284,6 @@ def _continued(prompt: list[int], choices: list[tuple[int, list[int]]], later: S
         for index, completion in choices:
             if continues(ids, prompt, completion):
                 return index
-        return None
     return None
 
 
@@ -468,13 +468,15 @@ def episode_samples(
     if turns is None:
         turns = _turns(episode.calls or [], retokenize, stats, choice, masker)
     samples: list[Sample] = []
-    current: Sample | None = None
     for index, turn in enumerate(turns):
-        if current is not None and extends(turn.prompt, current.input_ids):
+        # The newest sample this prompt extends: the last one, or an earlier branch the agent went
+        # back to (an unrelated call, or another branch, came in between).
+        current = next((x for x in reversed(samples) if extends(turn.prompt, x.input_ids)), None)
+        if current is not None:
             stats.merged += 1
             gap = turn.prompt[len(current.input_ids) :]
         else:
-            if current is not None:
+            if samples:
                 stats.breaks += 1
             current = _new_sample(group_id, episode.id, member)
             samples.append(current)

@@ -367,6 +367,28 @@ def test_n_gt_1_merges_the_choice_the_next_call_continues() -> None:
     assert (stats.merged, stats.breaks, stats.choices_unused) == (1, 0, 1)
 
 
+def test_the_continued_choice_is_found_past_an_unrelated_call_and_its_sample_resumes() -> None:
+    """Issue 30: call 0 (n = 2), then an unrelated call on the same prefix (a side question), then the
+    agent's follow-up continuing choice 1. The unrelated call used to decide the choice (none: choice
+    0) and the follow-up broke off; choice 1 is the one continued, and its sample picks up again."""
+    first = call(0, SYSTEM, [10, EOS])
+    first.choices = [
+        {"index": 0, "token_ids": [10, EOS], "logprobs": [-0.1, -0.2]},
+        {"index": 1, "token_ids": [11, EOS], "logprobs": [-0.3, -0.4]},
+    ]
+    aside = call(1, SYSTEM + [99], [13, EOS])
+    follow = call(2, SYSTEM + [11, EOS, 5], [12, EOS])
+    stats = DataStats()
+    main, side = episode_samples(
+        Episode(id="e", status="rewarded", reward=1.0, calls=[first, aside, follow]),
+        group_id="g",
+        max_seq_len=64,
+        stats=stats,
+    )
+    assert main.input_ids == SYSTEM + [11, EOS, 5, 12, EOS] and side.input_ids == SYSTEM + [99, 13, EOS]
+    assert (stats.merged, stats.breaks, stats.choices_unused) == (1, 1, 1)
+
+
 def test_single_call_with_rewarded_choices_trains_each_choice_as_a_group_member() -> None:
     only = call(0, SYSTEM, [10, EOS])
     only.choices = [{"index": c, "token_ids": [10 + c, EOS], "logprobs": [-0.1, -0.1]} for c in range(3)]
