@@ -227,13 +227,18 @@ class Trainer:
         self.reporter.step(state.step, metrics)
 
     def _ack(self, lease: LeaseRecord, step: int) -> None:
-        """Ack a lease's groups for ``step``. If the proxy refuses (409: a group was lost, its update
-        may be trained twice) each group is acked alone, so the others still are, and the refusal is logged."""
-        acks: tuple[tuple[AckStatus, list[str]], ...] = (("trained", lease.trained), ("skipped", list(lease.skipped)))
-        for status, ids in acks:
+        """Ack a lease's groups for ``step``: the trained ones, then the skipped ones in one ack per
+        reason, so each group's note is its own reason (not every reason of its lease). If the proxy
+        refuses (409: a group was lost, its update may be trained twice) each group is acked alone, so
+        the others still are, and the refusal is logged."""
+        reasons: dict[str, list[str]] = {}
+        for group_id, reason in lease.skipped.items():
+            reasons.setdefault(reason, []).append(group_id)
+        acks: list[tuple[AckStatus, list[str], str | None]] = [("trained", lease.trained, None)]
+        acks += [("skipped", ids, reason[:4000]) for reason, ids in sorted(reasons.items())]
+        for status, ids, note in acks:
             if not ids:
                 continue
-            note = "; ".join(sorted(set(lease.skipped.values())))[:4000] if status == "skipped" else None
             try:
                 self._ack_groups(lease.lease_id, ids, step, status, note)
             except ProxyError as exc:
@@ -273,7 +278,13 @@ class Trainer:
 
     def _publish(self, step: int) -> dict[str, Any]:
         version = self.version_base + step
-        if self.client.policy().version >= version:
+        if self.client.policy().version >= version:  # published before a restart, or by someone else
+            ours = str(self.publisher.path(version))
+            if not any(v.version == version and v.adapter_path == ours for v in self.client.policy_versions()):
+                # Another trainer took this version: its weights are not ours, so they are never
+                # remembered as this trainer's (engine-mismatch and stale re-scoring would use them).
+                self.reporter.log(f"[warning] v{version} on the proxy is another trainer's adapter; not publishing")
+                return {"proxy/publish_conflicts": 1}
             if step == self.step:
                 self.learner.remember(version)
             return {"proxy/published_version": version}
@@ -573,6 +584,8 @@ def step_metrics(
     reward_mean, reward_std = _stats(rewards)
     adv_mean, adv_std = _stats(batch.advantages)
     lags = staleness(batch.samples, current)
+    trained = {s.episode_id for s in batch.samples}  # the report's calls per trained episode: these only
+    trained_calls = sum(len(e.calls or []) for g in groups for e in g.episodes or [] if e.id in trained)
     metrics: dict[str, Any] = {
         "reward/mean": reward_mean,
         "reward/std": reward_std,
@@ -597,6 +610,8 @@ def step_metrics(
         "data/loss_tokens": stats.loss_tokens,
         "data/samples": len(batch.samples),
         "data/members": batch.members,
+        "data/episodes_trained": len(trained),
+        "data/calls_trained": trained_calls,
         "data/micro_batches": stats.micro_batches,
         "data/groups_trained": len(batch.trained),
         "data/groups_skipped_equal": batch.skipped_equal,

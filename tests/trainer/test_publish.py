@@ -159,3 +159,23 @@ def test_sync_mode_drops_stale_groups_and_acks_equal_rewards_as_skipped(
     assert (step2["proxy/stale_groups"], step2["data/groups_trained"], step2["data/groups_skipped_equal"]) == (1, 1, 1)
     assert (step2["proxy/policy_version"], step2["staleness/max"]) == (1, 0)
     assert trainer_proxy.get("/policy")["version"] == 2
+
+
+def test_a_version_another_trainer_published_is_never_taken_for_this_trainers(
+    trainer_proxy: TrainerProxy, tmp_path: Path, policy: LoraPolicy, vllm_model_dir: str
+) -> None:
+    """Two trainers on one proxy (issue 30): the version this trainer was about to publish is already
+    another's. It must not label its own weights with that version (engine mismatch and stale
+    re-scoring would compare the other adapter's tokens with these weights); the step says so."""
+    other = tmp_path / "other" / "adapter"
+    policy.save_adapter(other)
+    config = TrainerConfig(model=vllm_model_dir, proxy_url=trainer_proxy.url, output_dir=str(tmp_path / "run"))
+    reporter = Reporter(config.out, tensorboard=False, progress=False, max_steps=None, start_step=0)
+    with ProxyClient(trainer_proxy.url, ADMIN_KEY) as client:
+        current = client.policy().version
+        client.publish(adapter_path=str(other), version=current + 1, metadata={"by": "another trainer"})
+        trainer = Trainer(config, client, policy, reporter)
+        trainer.version_base = current
+        assert trainer._publish(1) == {"proxy/publish_conflicts": 1}
+        assert trainer.learner.weights_version is None
+    reporter.close()
