@@ -165,6 +165,12 @@ class TrainerConfig:
     chat_template: str | None = None
     """Jinja chat template for retokenizing (use the one vLLM serves with, e.g.
     configs/templates/smollm2_tools.jinja); None uses the tokenizer's own."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them
+    (non-reentrant activation checkpointing): memory grows with the tokens of a micro-batch, not with
+    tokens x layers, for about a third more compute. Same loss and gradients. On for long samples
+    (the GPU configs); measured here on a 4,096-token sample of SmolLM2: 9.0 GB over the loaded model
+    without, 3.3 GB with."""
     logprob_chunk_rows: int = 512
     """Rows of the vocabulary projection computed at once: the selective log-softmax never holds
     more than rows x vocab logits."""

@@ -247,6 +247,10 @@ class LoraPolicy:
             self.model = get_peft_model(base, lora).to(self.device)
         except ValueError as exc:
             raise ConfigError(f"cannot attach LoRA to {model_dir}: {exc} (check lora_target_modules)") from exc
+        if config.gradient_checkpointing:
+            # Non-reentrant checkpointing needs no input that requires grad (the reentrant kind does,
+            # which peft's frozen embeddings would not give: peft's enable_input_require_grads).
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
         backbone = self.model.get_base_model().model
         assert isinstance(backbone, torch.nn.Module)

@@ -54,6 +54,36 @@ def test_packed_logprobs_match_a_plain_forward_per_sample(policy: LoraPolicy) ->
             assert (packed[b, : len(wanted)] - wanted).abs().mean() < 5e-3
 
 
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients_on_packed_samples(vllm_model_dir: str) -> None:
+    """Activation checkpointing (issue 33) recomputes each layer in the backward pass: the log-probs and
+    the LoRA gradients of two packed samples must not change (float32, the real model), and the layers
+    must really be checkpointed (saved activations are what it removes)."""
+
+    def grads(checkpointing: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+        torch.manual_seed(0)
+        config = TrainerConfig(model=vllm_model_dir, dtype="float32", lora_r=8, gradient_checkpointing=checkpointing)
+        policy = LoraPolicy(config)
+        with torch.no_grad():  # a non-zero adapter, so the LoRA A matrices get gradients too
+            for param in policy.parameters():
+                param.add_(torch.randn_like(param) * 0.01)
+        samples = [
+            chat_sample(policy, "What is 2+3?", "5, because two and three make five.", 1.0),
+            chat_sample(policy, "Name a colour.", "Blue, like the sky.", -1.0),
+        ]
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            out = policy.logprobs(collate(samples))
+        out.logps.sum().backward()
+        flat = torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None])
+        return out.logps.detach(), flat, sum(saved)
+
+    plain_logps, plain_grads, plain_saved = grads(False)
+    checked_logps, checked_grads, checked_saved = grads(True)
+    torch.testing.assert_close(checked_logps, plain_logps, atol=1e-6, rtol=0)
+    torch.testing.assert_close(checked_grads, plain_grads, atol=1e-7, rtol=1e-5)
+    assert checked_saved < plain_saved / 3  # the layers' activations are no longer kept for backward
+
+
 def test_a_real_step_raises_positive_completions_relative_to_negative(policy: LoraPolicy) -> None:
     good = chat_sample(policy, "What is 2+3?", "2 + 3 = 5", advantage=1.0)
     bad = chat_sample(policy, "What is 2+3?", "2 + 3 = 7", advantage=-1.0)
