@@ -7,8 +7,8 @@
 4. stop the workflow (its open episodes are abandoned, never scored) and the trainer (it
    checkpoints); evaluate the last published policy on the same held-out split;
 5. write ``report.json`` and ``learning_curve.png`` into the run directory, stop everything. The
-   report counts the groups generated, trained, skipped stale and skipped equal, and the admission
-   refusals and waits (``deploy/groups.py``).
+   report counts the groups generated, trained, skipped stale and skipped by the trainer under the
+   reason its note gives, and the admission refusals and waits (``deploy/groups.py``).
 
 Everything the loop runs is a separate process that talks HTTP to the proxy, exactly as on a GPU
 deployment; this file only starts, watches and stops them.
@@ -27,7 +27,14 @@ from typing import Any
 
 import httpx
 
-from deploy.groups import admission_state, group_counts, workflow_summary
+from deploy.groups import (
+    admission_state,
+    calls_per_trained_episode,
+    group_counts,
+    skip_notes,
+    summary,
+    workflow_summary,
+)
 from deploy.guard import Guard
 from deploy.run_config import RunConfig
 from deploy.stack import Child, Stack, log
@@ -214,8 +221,11 @@ def _train(stack: Stack, config: RunConfig, run_dir: Path, deadline: float, stop
     )
     stack.spawn(trainer)
     stack.spawn(workflow)
-    steps = f"{config.budget_steps} steps"
-    until = steps if deadline == float("inf") else time.strftime("%H:%M:%S", time.localtime(deadline))
+    until = (
+        f"{config.budget_steps} steps"
+        if deadline == float("inf")
+        else time.strftime("%H:%M:%S", time.localtime(deadline))
+    )
     log(f"training until {until} (logs: {trainer.log_path}, {workflow.log_path})")
     last = -1
     for done in sorted(run_dir.glob("eval_probe-*.json"), key=lambda p: int(p.stem.split("-")[-1])):
@@ -262,15 +272,16 @@ def _multi_turn(
 ) -> dict[str, Any]:
     """The multi-turn figures of the trained data (summed step metrics) and of the proxy's splices.
 
-    ``merge_rate``: follow-up calls whose prompt extended the episode's sample so far, over all
-    follow-up calls the trainer read; ``tokens_masked``: prompt, tool results and template glue
-    (and tokens the grammar forced), in the trained sequences but out of the loss.
+    ``calls_per_episode_trained``: over the episodes trained on only; ``merge_rate``: follow-up
+    calls whose prompt extended the episode's sample so far, over all follow-up calls the trainer
+    read in its steps; ``tokens_masked``: prompt, tool results and template glue (and tokens the
+    grammar forced), in the trained sequences but out of the loss.
     """
 
     def total(key: str) -> float:
         return float(sum(s["metrics"].get(key) or 0 for s in steps))
 
-    merged, breaks, members = total("data/merged"), total("data/breaks"), total("data/members")
+    merged, breaks = total("data/merged"), total("data/breaks")
     tokens, trained = total("data/tokens"), total("data/loss_tokens")
     splices: dict[str, float] = {}
     try:
@@ -282,7 +293,7 @@ def _multi_turn(
     except (httpx.HTTPError, IndexError, ValueError):
         pass
     return {
-        "calls_per_episode_trained": round(total("data/calls") / members, 3) if members else None,
+        "calls_per_episode_trained": calls_per_trained_episode(steps),
         "merged": int(merged),
         "breaks": int(breaks),
         "merge_rate": round(merged / (merged + breaks), 4) if merged + breaks else None,
@@ -386,7 +397,9 @@ def run(config: RunConfig) -> None:
             "guard": {"action": config.guard.action, "rolled_back_to": rolled_back, **guard.verdict.as_dict()},
             "multi_turn": _multi_turn(stack, steps, before, after),
             "groups": group_counts(
-                admission_state(stack.proxy_url, stack.key), steps, workflow_summary(stack.logs / "workflow.log")
+                admission_state(stack.proxy_url, stack.key),
+                skip_notes(stack.proxy_url, stack.key),
+                workflow_summary(stack.logs / "workflow.log"),
             ),
         }
         plot = _plot(run_dir, steps, before, after)
@@ -395,19 +408,14 @@ def run(config: RunConfig) -> None:
             f"held-out accuracy {report['eval_before']:.3f} -> {report['eval_after']:.3f} after {report['steps']} "
             f"steps in {report['minutes']:.1f} min; report {run_dir / 'report.json'}, plot {plot}"
         )
-        groups = report["groups"]
-        log(
-            f"groups: {groups['generated']} generated, {groups['trained']} trained, {groups['skipped_stale']} "
-            f"skipped stale (fraction {groups['stale_fraction']}), {groups['skipped_equal']} skipped equal rewards; "
-            f"admission: {groups['admission_refusals']} refusals (limit {groups['admission_limit']}), "
-            f"{groups['admission_waits']} runner waits ({groups['admission_wait_s']} s)"
-        )
         turns = report["multi_turn"]
+        for line in summary(report["groups"], turns["calls_per_episode_trained"]).splitlines():
+            log(line)
         if turns["merged"] or turns["breaks"]:
             log(
-                f"multi-turn: {turns['calls_per_episode_trained']} calls per trained episode, merge rate "
-                f"{turns['merge_rate']} ({turns['merged']} merged, {turns['breaks']} breaks), tokens trained "
-                f"{turns['tokens_trained']} / masked {turns['tokens_masked']}, splices {turns['splices']}"
+                f"multi-turn: merge rate {turns['merge_rate']} ({turns['merged']} merged, {turns['breaks']} "
+                f"breaks), tokens trained {turns['tokens_trained']} / masked {turns['tokens_masked']}, "
+                f"splices {turns['splices']}"
             )
     except Interrupted:
         log("interrupted")

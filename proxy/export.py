@@ -11,9 +11,11 @@ which a proxy host may not have, so the export keeps each call whole; its ``prom
 are what the merge works from (a call that extends the previous prompt + completion continues the
 same sequence). The loss mask follows the trainer's rule for one call: a choice is trained when the
 call succeeded, was served by a policy version, has exact ids and was sampled in a trained mode
-(``notes.sampling.mode`` sampled, truncated, or constrained unless marked ``exclude``); a
-constrained choice's tokens with log-prob exactly 0 (forced by the grammar) are masked out.
-Retried calls (same prompt ids) are all exported; the trainer keeps the last.
+(``notes.sampling.mode`` sampled, truncated, or constrained with its grammar recorded and not
+marked ``exclude``: the trainer scores constrained tokens under the rebuilt grammar mask, and keeps
+a call without one as context); a constrained choice's tokens with log-prob exactly 0 (forced by
+the grammar) are masked out. Retried calls (same prompt ids) are all exported; the trainer keeps,
+of calls with one prompt in a row, the one a later call continues.
 
 Streaming: pages of ``page`` episodes by keyset (``Browse.export_page``), each written and dropped
 before the next is read; Parquet writes one row group per page. A page's calls are read in one query
@@ -205,7 +207,10 @@ def _sampling(call: CallRecord) -> tuple[str | None, float | None, bool]:
         return None, None, False
     mode = recorded.get("mode")
     temperature = recorded.get("temperature")
-    trained = mode in TRAINED_MODES and not (mode == "constrained" and recorded.get("constrained") == "exclude")
+    constrained_out = mode == "constrained" and (
+        recorded.get("constrained") == "exclude" or not recorded.get("grammar")
+    )
+    trained = mode in TRAINED_MODES and not constrained_out
     return (
         mode if isinstance(mode, str) else None,
         float(temperature) if isinstance(temperature, int | float) else None,

@@ -9,6 +9,8 @@ only: never from a URL, never written into a page.
 from __future__ import annotations
 
 import math
+import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -40,6 +42,31 @@ _HEADERS = {
     "referrer-policy": "same-origin",
     "x-content-type-options": "nosniff",
 }
+
+
+class TokenRate:
+    """Tokens/s through this proxy process, from its token counters, over the span since the oldest
+    reading kept: about the last ``window_s`` while the overview is polled.
+
+    Computed here, not in the page from two of its polls, so the figure is a number from the first
+    page load. The counters start at 0 when the app is made (the first reading); readings are taken
+    only when the overview is read, so after a long quiet spell the span is longer: it is shown.
+    """
+
+    def __init__(self, window_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.window_s = window_s
+        self.clock = clock
+        self.readings: deque[tuple[float, float]] = deque([(clock(), 0.0)])
+
+    def update(self, total: float) -> tuple[float, float]:
+        """Read ``total`` (tokens so far): (tokens per second, over how many seconds)."""
+        now = self.clock()
+        self.readings.append((now, total))
+        while len(self.readings) > 2 and self.readings[1][0] <= now - self.window_s:
+            self.readings.popleft()
+        then, before = self.readings[0]
+        span = now - then
+        return ((total - before) / span if span > 0 else 0.0), span
 
 
 class LoginRequired(Exception):
@@ -85,6 +112,7 @@ class Pages:
     def __init__(self, tokens: SessionTokens) -> None:
         self.env = _environment()
         self.tokens = tokens
+        self.rate = TokenRate()
 
     def render(
         self,
@@ -180,19 +208,27 @@ async def logout() -> Response:
 async def overview(request: Request, svc: ServicesDep, pages: Pages = Viewer) -> HTMLResponse:
     versions = await svc.repo.list_policy_versions(limit=50)
     counts = await svc.repo.browse.counts()
-    return pages.render(request, "overview.html", versions=versions, counts=counts)
+    rate, span = pages.rate.update(_tokens(svc))
+    return pages.render(request, "overview.html", versions=versions, counts=counts, rate=rate, rate_span=span)
 
 
 def _metric(svc: Services, name: str, **labels: str) -> float | None:
     return svc.metrics.registry.get_sample_value(name, labels)
 
 
+def _tokens(svc: Services) -> float:
+    """Prompt and completion tokens this process relayed (0 before the first call)."""
+    kinds = ("prompt", "completion")
+    return sum(_metric(svc, "flywheel_tokens_total", kind=kind) or 0.0 for kind in kinds)
+
+
 @router.get("/api/overview")
-async def overview_data(svc: ServicesDep, _: Pages = Viewer, since_step: int = Query(-1, ge=-1)) -> JSONResponse:
-    """The live feed: trainer steps after ``since_step``, counts, and this replica's token counters."""
+async def overview_data(svc: ServicesDep, pages: Pages = Viewer, since_step: int = Query(-1, ge=-1)) -> JSONResponse:
+    """The live feed: trainer steps after ``since_step``, counts, and this replica's token counters and rate."""
     steps = await svc.repo.list_trainer_steps(since_step=since_step, limit=5000)
     counts = await svc.repo.browse.counts()
     current = svc.policies.current
+    rate, span = pages.rate.update(_tokens(svc))
     body = {
         "steps": [{"step": s.step, "created_at": s.created_at, "metrics": s.metrics} for s in steps],
         "episodes": counts.episodes,
@@ -204,6 +240,8 @@ async def overview_data(svc: ServicesDep, _: Pages = Viewer, since_step: int = Q
             "completion_tokens": _metric(svc, "flywheel_tokens_total", kind="completion"),
             "calls_recorded": _metric(svc, "flywheel_calls_recorded_total"),
             "queue_depth": svc.recorder.queue_depth,
+            "tokens_per_s": round(rate, 3),
+            "tokens_per_s_over_s": round(span, 3),
         },
     }
     return JSONResponse(body, headers={"cache-control": "no-store"})

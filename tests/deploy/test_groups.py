@@ -1,93 +1,213 @@
-"""``make run``'s group counts (``deploy/groups.py``) from a real store state, read through the in-process proxy.
+"""``make run``'s group counts (``deploy/groups.py``) from a store of known outcomes, read through a
+real proxy process exactly as the launcher reads it, and checked against the store itself.
 
-The store is brought to a known mix (trained, stale, skipped for equal rewards, failed, still
-pending, still open) by the proxy's own routes and the repository; the report must count each.
+The store is brought to a known mix (trained, stale, skipped for each of the trainer's reasons,
+failed, still pending, still open) by the proxy's own routes and the repository; the skip notes are
+the ones the trainer's own ``build_batch`` writes. No model call is made: the calls are written into
+the store directly, so the proxy routes to no engine at all.
 """
 
 from __future__ import annotations
 
 import json
+import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
-from deploy.groups import group_counts, workflow_summary
-from proxy.store.db import migrate_async
+from deploy import groups as report
+from proxy.client import Episode, Group
 from proxy.store.repository import Repository
-from tests.proxy.conftest import ADMIN, make_settings, running_app
-from tests.proxy.test_store import call
+from tests.proxy.test_store import call as stored_call
+from tests.support.services import ADMIN_KEY, ProxyProcess, serving_proxy
+from tests.trainer.test_data import SYSTEM, call, group
+from trainer.data import build_batch
+from trainer.learner import StepStats
+from trainer.loop import step_metrics
+
+ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
+NO_ENGINE = "http://127.0.0.1:9"
+"""Nothing listens there: this test makes no model call."""
 
 
-async def _group(client: httpx.AsyncClient, repo: Repository, rewards: tuple[float | None, ...]) -> str:
-    """A group whose episodes each made one call at policy v0, then got ``rewards`` (None: abandoned)."""
-    group = (await client.post("/groups", json={"task_id": "t", "size": len(rewards)}, headers=ADMIN)).json()
-    for key, reward in zip(group["episode_keys"], rewards, strict=True):
-        await repo.insert_calls([call(key["id"], version=0)])
+def _notes() -> dict[str, str]:
+    """The skip notes the trainer writes, from its own ``build_batch`` (and its non-finite step)."""
+    empty = Group(
+        id="g-empty",
+        task_id="t",
+        status="complete",
+        episodes=[
+            Episode(id="e0", status="rewarded", reward=1.0, calls=[call(0, None, [5], exact=False)]),
+            Episode(id="e1", status="rewarded", reward=0.0, calls=[call(0, SYSTEM, [5], status=502)]),
+        ],
+    )
+    batch = build_batch(
+        [group("g-equal", [1.0, 1.0, 1.0]), group("g-few", [1.0], abandoned=1), empty], max_seq_len=64, min_rewarded=2
+    )
+    return {
+        "equal": batch.skipped["g-equal"],
+        "few": batch.skipped["g-few"],
+        "empty": batch.skipped["g-empty"],
+        "nonfinite": "non-finite gradient (grad_norm=nan)",  # trainer/loop.py, _drop_nonfinite
+        "other": "a reason no report knows yet",
+        # What a trainer before one note per group wrote: its lease's reasons, in every group's note.
+        "joined": "all 8 rewards equal (0): no signal; all 8 rewards equal (1): no signal",
+    }
+
+
+@pytest.fixture
+def proxy(tmp_path: Path) -> Iterator[ProxyProcess]:
+    env = {"FLYWHEEL_ADMISSION__MAX_BACKLOG_GROUPS": "10", "FLYWHEEL_ADMISSION__RETRY_AFTER_S": "2"}
+    with serving_proxy(NO_ENGINE, tmp_path, **env) as process:
+        yield process
+
+
+def _post(proxy: ProxyProcess, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{proxy.url}{path}", json=body, headers=ADMIN, timeout=30)
+
+
+async def _group(proxy: ProxyProcess, repo: Repository, rewards: tuple[float | None, ...], calls: int = 1) -> str:
+    """A group whose episodes each made ``calls`` calls at policy v0, then got ``rewards`` (None: abandoned)."""
+    created = _post(proxy, "/groups", {"task_id": "t", "size": len(rewards)})
+    assert created.status_code == 201, created.text
+    for key, reward in zip(created.json()["episode_keys"], rewards, strict=True):
+        for _ in range(calls):
+            await repo.insert_calls([stored_call(key["id"], version=0)])
         if reward is None:
-            await client.post(f"/episodes/{key['id']}/abandon", json={"reason": "scripted"}, headers=ADMIN)
+            assert _post(proxy, f"/episodes/{key['id']}/abandon", {"reason": "scripted"}).status_code == 200
         else:
-            await client.post(f"/episodes/{key['id']}/reward", json={"reward": reward}, headers=ADMIN)
-    return str(group["id"])
+            assert _post(proxy, f"/episodes/{key['id']}/reward", {"reward": reward}).status_code == 200
+    return str(created.json()["id"])
 
 
-async def _claim(client: httpx.AsyncClient, n: int, max_staleness: int) -> dict[str, Any]:
+def _claim(proxy: ProxyProcess, n: int, max_staleness: int) -> dict[str, Any]:
     body = {"trainer_id": "t", "max_groups": n, "max_staleness": max_staleness, "groups_per_step": 2}
-    return dict((await client.post("/trainer/claim", json=body, headers=ADMIN)).json())
+    response = _post(proxy, "/trainer/claim", body)
+    assert response.status_code == 200, response.text
+    return dict(response.json())
 
 
-async def test_the_report_counts_every_group_by_what_became_of_it(tmp_path: Path) -> None:
-    url = f"sqlite+aiosqlite:///{tmp_path / 'flywheel.db'}"
-    await migrate_async(url)
-    repo = Repository(url)
-    settings = make_settings(url, admission={"max_backlog_groups": 6, "retry_after_s": 2})
+def _ack(proxy: ProxyProcess, lease_id: str, ids: list[str], status: str, note: str | None) -> None:
+    body = {"lease_id": lease_id, "group_ids": ids, "step": 1, "status": status, "note": note}
+    assert _post(proxy, "/trainer/ack", body).status_code == 200
+
+
+async def _known_store(proxy: ProxyProcess, notes: dict[str, str]) -> dict[str, str]:
+    """1 stale, 1 trained, one skipped per note, 1 failed, 1 pending, 9 open (the 10th refused)."""
+    repo = Repository(proxy.store_url)
     try:
-        async with running_app(settings) as client:
-            stale = await _group(client, repo, (1.0, 0.0))
-            await repo.add_policy_version(version=2, name="policy-v2", adapter_path="/a", metadata={})
-            # two versions later, a trainer that takes nothing older than 1 version marks it stale
-            assert (await _claim(client, 2, max_staleness=1))["stale"] == 1
-            trained, equal = await _group(client, repo, (1.0, 0.0)), await _group(client, repo, (1.0, 1.0))
-            await _group(client, repo, (1.0, None))  # one rewarded of two: failed (min_rewarded 2)
-            claim = await _claim(client, 2, max_staleness=5)
-            assert sorted(g["id"] for g in claim["groups"]) == sorted([trained, equal])
-            for status, ids in (("trained", [trained]), ("skipped", [equal])):
-                body = {"lease_id": claim["lease_id"], "group_ids": ids, "step": 1, "status": status}
-                assert (await client.post("/trainer/ack", json=body, headers=ADMIN)).status_code == 200
-            await _claim(client, 2, max_staleness=5)  # the next step's claim: nothing complete yet
-            await _group(client, repo, (0.0, 1.0))  # complete, not yet claimed
-            statuses = [
-                (await client.post("/groups", json={"task_id": "t", "size": 2}, headers=ADMIN)).status_code
-                for _ in range(6)  # still running; with the one pending, the 6th would be the 7th ahead
-            ]
-            assert statuses == [201] * 5 + [429]
-            admission = (await client.get("/trainer/admission", headers=ADMIN)).json()
+        await _group(proxy, repo, (1.0, 0.0))
+        await repo.add_policy_version(version=2, name="policy-v2", adapter_path="/a", metadata={})
+        assert _claim(proxy, 2, max_staleness=1)["stale"] == 1  # two versions behind, one allowed
+        trained = await _group(proxy, repo, (1.0, 0.0), calls=2)
+        skipped = {await _group(proxy, repo, (1.0, 1.0)): note for note in notes.values()}
+        await _group(proxy, repo, (1.0, None))  # one rewarded of two: failed (min_rewarded 2)
+        claim = _claim(proxy, 10, max_staleness=5)
+        assert sorted(g["id"] for g in claim["groups"]) == sorted([trained, *skipped])
+        _ack(proxy, claim["lease_id"], [trained], "trained", None)
+        for group_id, note in skipped.items():  # as the trainer acks: one note, one reason per group
+            _ack(proxy, claim["lease_id"], [group_id], "skipped", note)
+        _claim(proxy, 2, max_staleness=5)  # the next step's claim: nothing complete yet
+        await _group(proxy, repo, (0.0, 1.0))  # complete, not yet claimed
     finally:
         await repo.close()
-    steps = [{"step": 1, "metrics": {"data/groups_skipped_equal": 1, "data/groups_trained": 1}}]
+    statuses = [_post(proxy, "/groups", {"task_id": "t", "size": 2}).status_code for _ in range(10)]
+    assert statuses == [201] * 9 + [429]  # still running; with the one pending, the 10th would be the 11th ahead
+    return {gid: note for gid, note in skipped.items()}
+
+
+async def test_the_report_counts_every_group_by_what_became_of_it_as_the_store_holds_it(
+    proxy: ProxyProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    notes = _notes()
+    await _known_store(proxy, notes)
+    monkeypatch.setattr(report, "PAGE", 4)  # the skipped groups come in two pages
+    read = report.skip_notes(proxy.url, ADMIN_KEY)
+    assert read is not None and sorted(read) == sorted(notes.values())
     log = tmp_path / "workflow.log"
     summary = {"workflow": "math", "groups": 7, "admission_waits": 4, "admission_wait_s": 8.0}
     log.write_text("[12:00:00] abandoned e1 (t): timeout\n" + json.dumps(summary) + "\n  stopping\n")
-    counts = group_counts(admission, steps, workflow_summary(log))
+    counts = report.group_counts(report.admission_state(proxy.url, ADMIN_KEY), read, report.workflow_summary(log))
     assert counts == {
-        "generated": 10,
+        "generated": 19,
         "trained": 1,
+        "skipped": 6,
         "skipped_stale": 1,
-        "skipped_equal": 1,
-        "skipped_other": 0,
+        "skipped_equal": 2,
+        "skipped_few": 1,
+        "skipped_empty": 1,
+        "skipped_nonfinite": 1,
+        "skipped_other": 1,
+        "skipped_other_notes": ["a reason no report knows yet"],
         "failed": 1,
         "left_pending": 1,
-        "left_open": 5,
-        "stale_fraction": 0.1,
-        "admission_limit": 6,
+        "left_open": 9,
+        "stale_fraction": round(1 / 19, 4),
+        "admission_limit": 10,
         "admission_refusals": 1,
         "admission_waits": 4,
         "admission_wait_s": 8.0,
     }
-    assert stale  # the stale group is the one counted under skipped_stale
+    # The same numbers as the store itself holds.
+    with sqlite3.connect(tmp_path / "flywheel.db") as db:
+        outcomes = dict(db.execute("select train_status, count(*) from groups where status = 'complete' group by 1"))
+        stored = [n for (n,) in db.execute("select train_note from groups where train_status = 'skipped'")]
+        by_status = dict(db.execute("select status, count(*) from groups group by 1"))
+    assert outcomes == {"trained": 1, "skipped": 6, "stale": 1, "pending": 1}
+    assert by_status == {"complete": 9, "failed": 1, "open": 9}
+    assert sum(counts[f"skipped_{r}"] for r in (*report.SKIP_REASONS, "other")) == len(stored) == counts["skipped"]
+    printed = report.summary(counts, 1.0)
+    assert "19 generated, 1 trained (1.0 calls per trained episode), 1 skipped stale" in printed
+    assert "6 skipped by the trainer: 2 equal rewards, 1 too few members, 1 no trainable tokens" in printed
+    assert "1 non-finite gradient, 1 other; 1 failed, 1 left pending, 9 left open" in printed
+
+
+def test_each_skip_note_the_trainer_writes_has_its_reason() -> None:
+    notes = _notes()
+    assert {kind: report.skip_reason(note) for kind, note in notes.items()} == {
+        "equal": "equal",
+        "few": "few",
+        "empty": "empty",
+        "nonfinite": "nonfinite",
+        "other": "other",
+        "joined": "equal",
+    }
+    assert report.skip_reason(f"{notes['equal']}; {notes['few']}") == "other"  # two reasons: neither
+    assert report.skip_reason("") == "other"
+
+
+def test_calls_per_trained_episode_counts_the_trained_episodes_only() -> None:
+    """A step that trained a group of 2-call episodes and skipped a group of 1-call ones: 2 calls per
+    trained episode (counting the skipped group's calls too gave 3, as every call over every member)."""
+    two_calls = [
+        Episode(
+            id=f"t-{i}",
+            status="rewarded",
+            reward=float(i),
+            calls=[call(0, SYSTEM + [i], [20 + i, 2]), call(1, SYSTEM + [i, 20 + i, 2, 9], [30, 2])],
+        )
+        for i in range(2)
+    ]
+    groups = [Group(id="g-trained", task_id="t", status="complete", episodes=two_calls), group("g-eq", [1.0, 1.0])]
+    batch = build_batch(groups, max_seq_len=64, min_rewarded=2)
+    assert batch.trained == ["g-trained"] and batch.skipped_equal == 1
+    metrics = step_metrics(batch, groups, StepStats(), current=0, stale=0, wait_s=0.0, pass_threshold=1.0)
+    assert (metrics["data/calls_trained"], metrics["data/episodes_trained"]) == (4, 2)
+    assert metrics["data/calls"] / metrics["data/members"] == 3.0  # the old figure's mistake
+    steps = [
+        {"step": 1, "metrics": metrics},
+        {"step": 2, "metrics": {"data/calls_trained": 2, "data/episodes_trained": 2}},
+    ]
+    assert report.calls_per_trained_episode(steps) == 1.5
+    assert report.calls_per_trained_episode([{"step": 1, "metrics": {}}]) is None
 
 
 def test_missing_sources_are_reported_as_unknown_not_zero(tmp_path: Path) -> None:
-    counts = group_counts({}, [], workflow_summary(tmp_path / "no-such.log"))
+    counts = report.group_counts({}, None, report.workflow_summary(tmp_path / "no-such.log"))
     assert counts["generated"] is None and counts["skipped_stale"] is None and counts["stale_fraction"] is None
+    assert counts["skipped_equal"] is None and counts["skipped_other"] is None
     assert counts["admission_refusals"] is None and counts["admission_waits"] is None
+    assert report.skip_notes(NO_ENGINE, ADMIN_KEY) is None

@@ -3,11 +3,13 @@ workflow's tool-calling episodes (agents venv), and one real trainer step runnin
 browser (Debian's Chromium driven by Playwright) watches the overview.
 
 The browser test logs in through the form, waits for the overview's uPlot charts to appear while
-the trainer is still training (live polling), opens an episode with tool calls and checks its
-conversation and token view in the DOM, and saves screenshots (``data/screenshots/``, not
-committed). The export test writes both formats with ``python -m proxy export`` from the same
-store, loads them with Hugging Face ``datasets`` and compares them with the control API's records
-and with the trainer's own merge of the same episodes.
+the trainer is still training (live polling), checks how they are laid out at 1024 to 2560 pixels
+wide (no two chart canvases intersect, each lies inside its grid cell, one column on a narrow
+screen), opens an episode with tool calls and checks its conversation and token view in the DOM,
+and saves screenshots (``data/screenshots/``, not committed; README's come from there). The
+export test writes both formats with ``python -m proxy export`` from the same store, loads them
+with Hugging Face ``datasets`` and compares them with the control API's records and with the
+trainer's own merge of the same episodes.
 """
 
 from __future__ import annotations
@@ -32,7 +34,23 @@ from tests.workflows.conftest import admin_get, run_cli
 pytestmark = pytest.mark.vllm
 
 CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 SCREENSHOTS = ROOT / "data" / "screenshots"
+CHART_BOXES = """() => [...document.querySelectorAll("#charts figure.chart")].map((cell) => {
+  const box = (el) => { const r = el.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
+  return { title: cell.querySelector("h3").textContent, cell: box(cell), canvas: box(cell.querySelector("canvas")) };
+})"""
+"""Each chart's title, and the bounding boxes (left, top, right, bottom) of its grid cell and its canvas."""
+TWO_FRAMES = "() => new Promise((done) => requestAnimationFrame(() => requestAnimationFrame(done)))"
+"""Resolves once the page has laid out and painted twice: resize observers and redraws have run."""
 
 
 @dataclass
@@ -116,6 +134,46 @@ def _tool_episode(proxy: ProxyProcess, group_ids: list[str]) -> dict[str, Any]:
     raise AssertionError("no rewarded episode with tool calls")
 
 
+Box = list[float]
+
+
+def _intersect(a: Box, b: Box) -> bool:
+    return a[0] < b[2] - 0.5 and b[0] < a[2] - 0.5 and a[1] < b[3] - 0.5 and b[1] < a[3] - 0.5
+
+
+def _inside(inner: Box, outer: Box) -> bool:
+    return (
+        inner[0] >= outer[0] - 0.5
+        and inner[1] >= outer[1] - 0.5
+        and inner[2] <= outer[2] + 0.5
+        and inner[3] <= outer[3] + 0.5
+    )
+
+
+def _chart_layout(page: Any, width: int) -> list[dict[str, Any]]:
+    """The overview at ``width`` pixels: every chart apart from every other and inside its cell."""
+    page.set_viewport_size({"width": width, "height": 900})
+    page.evaluate(TWO_FRAMES)
+    charts: list[dict[str, Any]] = page.evaluate(CHART_BOXES)
+    assert len(charts) >= 3
+    for i, one in enumerate(charts):
+        assert _inside(one["canvas"], one["cell"]), f"{width}px: {one['title']!r} drawn outside its cell: {one}"
+        for other in charts[i + 1 :]:
+            assert not _intersect(one["canvas"], other["canvas"]), (
+                f"{width}px: {one['title']!r} drawn over {other['title']!r}: {one['canvas']} {other['canvas']}"
+            )
+    return charts
+
+
+def _proxy_rate(page: Any) -> float:
+    """The overview's "Tokens/s through this proxy" figure: a number, never a placeholder."""
+    text = page.locator("#proxy-rate").inner_text()
+    try:
+        return float(text)
+    except ValueError:
+        raise AssertionError(f"tokens/s through this proxy shows {text!r}, not a number") from None
+
+
 def test_browser_logs_in_watches_the_overview_live_and_reads_an_episode(recorded: Recorded) -> None:
     if not CHROMIUM.exists():
         pytest.skip("Debian's chromium is not installed (make setup installs it where apt-get works)")
@@ -125,7 +183,7 @@ def test_browser_logs_in_watches_the_overview_live_and_reads_an_episode(recorded
     proxy = recorded.proxy
     episode = _tool_episode(proxy, recorded.group_ids)
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 900})
             page.goto(f"{proxy.url}/ui/")
@@ -142,6 +200,7 @@ def test_browser_logs_in_watches_the_overview_live_and_reads_an_episode(recorded
             expect(page.locator("h1")).to_have_text("Overview")
             rewarded = len(admin_get(proxy, "/episodes", status="rewarded", limit=100)["data"])
             expect(page.locator('[data-count="episodes.rewarded"]')).to_have_text(str(rewarded))
+            assert _proxy_rate(page) > 0  # the calc groups' calls went through this proxy before the page opened
             # The trainer is still loading or training: the charts appear once its step is posted,
             # without reloading the page (the overview polls every 5 s).
             running_when_opened = recorded.trainer.poll() is None
@@ -160,7 +219,24 @@ def test_browser_logs_in_watches_the_overview_live_and_reads_an_episode(recorded
             box = page.locator("#charts canvas").first.bounding_box()
             assert box is not None and box["width"] > 300 and box["height"] > 100
             expect(page.locator("#live")).to_contain_text("1 steps")
-            page.screenshot(path=str(SCREENSHOTS / "overview.png"), full_page=True)
+            _proxy_rate(page)  # still a number after the polls
+            # Engine mismatch: grammar-constrained tokens never share a chart with the others.
+            for chart in page.locator("#charts figure.chart").filter(has_text="Engine mismatch").all():
+                title = chart.locator("h3").inner_text()
+                labels = [x for x in chart.locator(".u-legend .u-label").all_inner_texts() if x != "step"]
+                if title.endswith("grammar-constrained tokens"):
+                    assert labels == ["constrained"], labels
+                else:
+                    assert labels and "constrained" not in labels, (title, labels)
+            # Laid out apart at every width, and still after resizing (each chart follows its cell).
+            for width in (1280, 1920):
+                _chart_layout(page, width)
+                page.screenshot(path=str(SCREENSHOTS / f"overview-{width}.png"), full_page=True)
+            for width in (1024, 2560, 1440):
+                _chart_layout(page, width)
+            narrow = _chart_layout(page, 760)
+            assert len({round(c["cell"][0]) for c in narrow}) == 1  # one column
+            page.set_viewport_size({"width": 1280, "height": 900})
 
             page.goto(f"{proxy.url}/ui/groups")
             expect(page.locator("table tbody tr")).to_have_count(2)
@@ -192,18 +268,23 @@ def test_browser_logs_in_watches_the_overview_live_and_reads_an_episode(recorded
         finally:
             browser.close()
     _trainer_done(recorded)
-    for name in ("overview", "groups", "episode", "compare"):
+    for name in ("overview-1280", "overview-1920", "groups", "episode", "compare"):
         assert (SCREENSHOTS / f"{name}.png").stat().st_size > 10_000
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
 def test_export_of_real_episodes_loads_in_datasets_and_matches_the_records(
-    recorded: Recorded, tmp_path: Path, fmt: str
+    recorded: Recorded, tmp_path: Path, fmt: str, vllm_model_dir: str
 ) -> None:
     from datasets import load_dataset
+    from transformers import AutoTokenizer
 
     from proxy.client import Episode
     from trainer.data import DataStats, episode_samples
+    from trainer.grammar import masks_for
+
+    tokenizer = AutoTokenizer.from_pretrained(vllm_model_dir)
+    masker = masks_for(Path(vllm_model_dir), tokenizer, len(tokenizer))  # the calc calls are constrained
 
     proxy = recorded.proxy
     out = tmp_path / f"episodes.{fmt}"
@@ -246,7 +327,7 @@ def test_export_of_real_episodes_loads_in_datasets_and_matches_the_records(
         assert json.loads(row["tools"]) == last["request"]["tools"]
         # The loss mask is the trainer's: as many trained tokens as its own merge of this episode.
         (sample,) = episode_samples(
-            Episode.model_validate(raw), group_id=raw["group_id"], max_seq_len=8192, stats=DataStats()
+            Episode.model_validate(raw), group_id=raw["group_id"], max_seq_len=8192, stats=DataStats(), masker=masker
         )
         exported_mask = [m for call in row["calls"] for m in call["choices"][0]["loss_mask"]]
         assert sum(exported_mask) == sum(sample.loss_mask) > 0

@@ -76,7 +76,9 @@ async def _seed(repo: Repository, groups: int) -> list[str]:
                 {"role": "assistant", "content": None, "tool_calls": [TOOL]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "4"},
             ]
-            await repo.insert_calls([_call(eid, system, [7, 8, 9], [-0.5, 0.0, -1.0], {"mode": "constrained"})])
+            await repo.insert_calls(
+                [_call(eid, system, [7, 8, 9], [-0.5, 0.0, -1.0], {"mode": "constrained", "grammar": {"json": "{}"}})]
+            )
             await repo.insert_calls([_call(eid, follow, [10, 11], [-0.25, -2.0], {"mode": "sampled"})])
             await repo.set_reward(eid, reward=reward, call_rewards={"0": 0.3}, metadata={"g": g})
             rewarded.append(eid)

@@ -18,6 +18,7 @@ import pytest
 from proxy.store.db import migrate_async
 from proxy.store.records import NewCall
 from proxy.store.repository import Repository
+from proxy.ui.routes import TokenRate
 from proxy.ui.session import COOKIE, SessionTokens
 from tests.proxy.conftest import ADMIN, fake_upstream, make_settings, running_app
 from tests.support.services import ADMIN_KEY
@@ -230,6 +231,42 @@ async def test_every_page_answers_with_a_session_and_never_shows_the_key(ui: Any
     assert feed.json()["episodes"] == {"rewarded": 2, "open": 1}
     newer = await client.get("/ui/api/overview", params={"since_step": 1})
     assert [s["step"] for s in newer.json()["steps"]] == [2]
+
+
+async def test_tokens_per_second_is_a_number_from_the_first_page_load_and_counts_the_calls(ui: Any) -> None:
+    """The overview's "Tokens/s through this proxy": rendered with the page (it once showed "…" until
+    two polls had compared counters), then in every poll of the feed, over the span it names."""
+    client, _, ids = ui
+    await _login(client)
+    page = (await client.get("/ui/")).text
+    assert re.search(r'<dd id="proxy-rate" data-count="proxy-rate">0\.0</dd>', page)
+    key = client.app.state.services.keys.episode_key(ids[2])
+    body = {"model": "policy", "messages": [{"role": "user", "content": "17 * 23?"}], "max_tokens": 4}
+    answer = await client.post(
+        f"/episodes/{ids[2]}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}
+    )
+    assert answer.status_code == 200, answer.text
+    used = answer.json()["usage"]
+    tokens = used["prompt_tokens"] + used["completion_tokens"]
+    proxy = (await client.get("/ui/api/overview")).json()["proxy"]
+    assert proxy["prompt_tokens"] + proxy["completion_tokens"] == tokens > 0
+    assert proxy["tokens_per_s"] > 0 and proxy["tokens_per_s_over_s"] > 0
+    assert proxy["tokens_per_s"] == pytest.approx(tokens / proxy["tokens_per_s_over_s"], rel=0.05)
+    shown = re.search(r'<dd id="proxy-rate" data-count="proxy-rate">([0-9.]+)</dd>', (await client.get("/ui/")).text)
+    assert shown and float(shown.group(1)) > 0
+
+
+def test_token_rate_runs_over_the_last_window_of_readings() -> None:
+    now = [100.0]
+    rate = TokenRate(window_s=60, clock=lambda: now[0])  # made at 100 s, when the counters are 0
+    now[0] = 110.0
+    assert rate.update(500.0) == (50.0, 10.0)  # since the start: 500 tokens in 10 s
+    for t, total in ((140.0, 800.0), (170.0, 800.0), (200.0, 1400.0)):
+        now[0] = t
+        last = rate.update(total)
+    assert last == (10.0, 60.0)  # from the reading at 140 s (800) to 200 s (1400): the last minute
+    now[0] = 1000.0
+    assert rate.update(1400.0) == (0.0, 800.0)  # nothing read for a long while: the span says so
 
 
 async def test_bearer_header_is_an_alternative_to_the_cookie(ui: Any) -> None:
