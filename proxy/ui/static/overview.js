@@ -27,8 +27,8 @@
       title: "Engine mismatch, grammar-constrained tokens",
       series: [["policy/engine_logp_diff_mean_constrained", "constrained"]],
       note:
-        "Mean |log p trainer \u2212 log p vLLM| per token, kept apart: vLLM's log-probs here are over " +
-        "the tokens the grammar allowed, the trainer's over the whole vocabulary.",
+        "Mean |log p trainer \u2212 log p vLLM| per token, kept apart: both are over the tokens the " +
+        "grammar allowed (the trainer rebuilds the engine's mask); a gap here means the mask differs.",
     },
     { title: "Trainer tokens/s", series: [["perf/tokens_per_s", "tokens/s"]] },
     { title: "Staleness (versions behind)", series: [["staleness/mean", "mean"], ["staleness/max", "max"]] },
