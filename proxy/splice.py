@@ -142,6 +142,13 @@ def _same_turn(message: dict[str, Any], choice: dict[str, Any]) -> bool:
     return True
 
 
+def _engine_grammar(call: CallRecord) -> bool:
+    """Whether the engine sampled ``call`` under a grammar it reported (``proxy/grammar.py``): vLLM 0.32
+    limits such a grammar to one tool call when ``parallel_tool_calls`` is false."""
+    sampling = (call.notes or {}).get("sampling")
+    return isinstance(sampling, dict) and bool(sampling.get("grammar"))
+
+
 def _media(messages: list[Any]) -> str | None:
     """The first non-text content part type in ``messages`` (an image, audio, a file), or None."""
     for message in messages:
@@ -280,6 +287,11 @@ class Splicer:
         for call in calls:
             found = continued(messages, call)
             if found is not None:
+                if call.request.get("parallel_tool_calls") is False and not _engine_grammar(call):
+                    return (
+                        f"call {call.ordinal} asked for one tool call (parallel_tool_calls false) without an "
+                        "engine grammar holding it to one: its sampled ids may hold calls the parser dropped"
+                    )
                 changed = render_changes(call.request, body)
                 if changed:
                     return (

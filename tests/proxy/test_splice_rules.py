@@ -43,3 +43,18 @@ async def test_a_follow_up_with_an_image_is_not_spliced(sqlite_url: str) -> None
         _, plain = await _episode_calls(client, [first, text_only])
     assert second["notes"]["splice"]["skipped"].startswith("the conversation carries image_url content")
     assert "no token API" in plain["notes"]["splice"]["skipped"]  # text alone would have been spliced
+
+
+async def test_a_follow_up_to_a_single_tool_call_request_without_a_grammar_is_not_spliced(sqlite_url: str) -> None:
+    """``parallel_tool_calls: false``: vLLM's parser returns the first tool call, but without a grammar
+    limiting the model to one the sampled ids may hold more, and the splice would put calls the agent
+    never ran into the next prompt (issue 30). With the engine's grammar (vLLM 0.32 limits its
+    structural tag to one call) the ids hold one call, and the splice stays."""
+    first = {"model": "policy", "messages": [USER], "parallel_tool_calls": False}
+    follow = {
+        **first,
+        "messages": [USER, {"role": "assistant", "content": "answer 0"}, {"role": "user", "content": "And?"}],
+    }
+    async with running_app(make_settings(sqlite_url), fake_upstream()) as client:
+        _, second = await _episode_calls(client, [first, follow])
+    assert second["notes"]["splice"]["skipped"].startswith("call 0 asked for one tool call (parallel_tool_calls false)")
