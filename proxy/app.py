@@ -179,7 +179,14 @@ def create_app(
             metrics=metrics,
             sampling=sampling,
             sampling_rules=settings.sampling,
-            splicer=Splicer(upstreams, store, depth=settings.splice.depth) if settings.splice.enabled else None,
+            splicer=Splicer(
+                upstreams,
+                store,
+                depth=settings.splice.depth,
+                keep_reasoning=settings.splice.reasoning == "keep",
+            )
+            if settings.splice.enabled
+            else None,
             grammars=Grammars(upstreams),
         )
         svc = Services(

@@ -139,6 +139,14 @@ class SpliceSettings(_Section):
     every prompt from its messages; a turn that re-renders differently is a break for the trainer."""
     depth: int = Field(default=4, ge=1)
     """How many of the episode's newest calls are searched for the one a call continues."""
+    reasoning: Literal["keep", "strip"] = "strip"
+    """Templates that drop earlier turns' reasoning (Qwen3-style: the ``<think>`` block of an assistant
+    turn before the latest user turn is not rendered) re-render every earlier turn differently, so
+    each turn of a thinking model would start a sample of its own (quadratic training cost).
+    ``keep``: the follow-up's prompt holds the sampled ids, reasoning included, and the rest of the
+    render after that turn: one sequence per episode, what vLLM sees recorded and trained exactly,
+    though it is not what the template alone would show the model. ``strip``: the template decides
+    (the call goes the ordinary way, a break)."""
 
 
 class AdmissionSettings(_Section):

@@ -193,7 +193,13 @@ def end_of_turn(user_only: list[int], with_empty_turn: list[int]) -> list[int]:
 
 
 def splice(
-    prompt: list[int], sampled: list[int], closing: list[int], history: list[int], rendered: list[int]
+    prompt: list[int],
+    sampled: list[int],
+    closing: list[int],
+    history: list[int],
+    rendered: list[int],
+    *,
+    keep_reasoning: bool = False,
 ) -> list[int] | str:
     """The spliced prompt ids, or why not.
 
@@ -201,13 +207,33 @@ def splice(
     the template's end-of-turn ids; ``history``: the render of the conversation up to that turn;
     ``rendered``: the render of the whole request. The sampled ids may end with part of
     ``closing`` (the stop token): only the rest is added, as the template would.
+
+    ``keep_reasoning`` (``splice.reasoning: keep``): a template that renders the earlier turn
+    differently once more messages follow (it drops that turn's reasoning) still gets the sampled
+    ids: the new tail is what follows that turn's end-of-turn ids in ``rendered``, provided
+    ``rendered`` still starts with the earlier prompt.
     """
-    if rendered[: len(history)] != history:
-        return "template renders the earlier turn differently once more messages follow"
     if history[-len(closing) :] != closing:
         return "the rendered assistant turn does not end with the template's end-of-turn ids"
     have = next((k for k in range(len(closing), 0, -1) if sampled[-k:] == closing[:k]), 0)
-    return [*prompt, *sampled, *closing[have:], *rendered[len(history) :]]
+    if rendered[: len(history)] == history:
+        return [*prompt, *sampled, *closing[have:], *rendered[len(history) :]]
+    if not keep_reasoning:
+        return "template renders the earlier turn differently once more messages follow"
+    if rendered[: len(prompt)] != prompt:
+        return "template renders turns before the continued one differently once more messages follow"
+    end = _find(rendered, closing, len(prompt))
+    if end is None:
+        return "the re-rendered earlier turn has no end-of-turn ids"
+    return [*prompt, *sampled, *closing[have:], *rendered[end + len(closing) :]]
+
+
+def _find(ids: list[int], needle: list[int], start: int) -> int | None:
+    """The first index >= ``start`` where ``needle`` occurs in ``ids``."""
+    for i in range(start, len(ids) - len(needle) + 1):
+        if ids[i : i + len(needle)] == needle:
+            return i
+    return None
 
 
 def ended_elsewhere(choice: dict[str, Any], closing: list[int]) -> str | None:
@@ -263,10 +289,12 @@ class Splicer:
     """Finds what a call continues, plans and runs spliced calls; the end-of-turn ids are learned
     once per replica."""
 
-    def __init__(self, upstreams: Upstreams, repo: Repository, *, depth: int = 4) -> None:
+    def __init__(self, upstreams: Upstreams, repo: Repository, *, depth: int = 4, keep_reasoning: bool = False) -> None:
         self.upstreams = upstreams
         self.repo = repo
         self.depth = depth
+        self.keep_reasoning = keep_reasoning
+        """``splice.reasoning: keep``: splice past a template that drops earlier reasoning."""
         """How many of the episode's newest calls are searched for the one continued."""
         self._closing: dict[str, list[int]] = {}
 
@@ -349,7 +377,12 @@ class Splicer:
         rendered, history = await asyncio.gather(self._render(replica, body), self._render(replica, history_body))
         assert cont.call.prompt_token_ids is not None
         ids = splice(
-            cont.call.prompt_token_ids, cont.choice["token_ids"], closing, history["token_ids"], rendered["token_ids"]
+            cont.call.prompt_token_ids,
+            cont.choice["token_ids"],
+            closing,
+            history["token_ids"],
+            rendered["token_ids"],
+            keep_reasoning=self.keep_reasoning,
         )
         if isinstance(ids, str):
             return ids
@@ -364,6 +397,12 @@ class Splicer:
             "prompt_tokens": len(ids),
             "rendered_tokens": len(canonical),
             "changed": ids != canonical,
+            # the template re-rendered the continued turn otherwise (dropped its reasoning): kept anyway
+            **(
+                {"kept_reasoning": True}
+                if rendered["token_ids"][: len(history["token_ids"])] != history["token_ids"]
+                else {}
+            ),
         }
         return Plan(generate={**rendered, "token_ids": ids}, note=note)
 

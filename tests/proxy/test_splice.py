@@ -183,3 +183,22 @@ def test_without_max_tokens_the_room_is_what_the_context_leaves_after_the_splice
     assert room({"max_tokens": 50}, {"max_tokens": 50}, 900, 903) == {"max_tokens": 50}  # the client's own
     assert room({"max_completion_tokens": 50}, {"max_tokens": 50}, 900, 903) == {"max_tokens": 50}
     assert room({}, params, 900, 1000) == "the spliced prompt (1000 tokens) leaves no room in the context for an answer"
+
+
+def test_keep_reasoning_splices_past_a_template_that_drops_it() -> None:
+    """Qwen3-style templates drop an earlier turn's reasoning once a new user turn follows: the full
+    render no longer starts with the history render. ``strip`` gives up (a break per turn); ``keep``
+    puts the sampled ids (reasoning included) back and takes the tail after that turn's end."""
+    prompt = [1, 2, 3]
+    sampled = [70, 71, 72, 60, 61, 99]  # <think> ... </think> answer <|im_end|>
+    history = [*prompt, 70, 71, 72, 60, 61, *CLOSING]  # the last turn keeps its reasoning
+    rendered = [*prompt, 60, 61, *CLOSING, *TAIL]  # once a user turn follows, it is dropped
+    assert "differently" in str(splice(prompt, sampled, CLOSING, history, rendered))
+    assert splice(prompt, sampled, CLOSING, history, rendered, keep_reasoning=True) == [
+        *prompt,
+        *sampled,
+        10,
+        *TAIL,
+    ]
+    rewritten = [1, 2, 4, 60, 61, *CLOSING, *TAIL]  # an earlier part changed as well: still no splice
+    assert "before the continued one" in str(splice(prompt, sampled, CLOSING, history, rewritten, keep_reasoning=True))
