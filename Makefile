@@ -19,7 +19,7 @@ AGENTS_PY := $(CURDIR)/.venv-agents/bin/python
 RUN_CONFIG ?= configs/run-local.yaml
 PYTEST_ARGS ?=
 
-.PHONY: help setup engine agents model lock test test-engine test-agents lint run serve bench clean
+.PHONY: help setup engine agents model harnesses lock test test-engine test-agents lint run serve bench clean
 
 help:
 	@echo "make run    set up, then run the local loop (vLLM + proxy + trainer + math workflow)"
@@ -36,7 +36,11 @@ agents:
 model: engine
 	@$(ENGINE_PY) -m deploy.model fetch >/dev/null
 
-setup: engine agents model
+# Claude Code and Codex CLI at the versions deploy/harnesses/package-lock.json pins (npm ci into the cache).
+harnesses:
+	@$(BOOTSTRAP_PYTHON) deploy/bootstrap.py harnesses >/dev/null
+
+setup: engine agents model harnesses
 
 # Recompile deploy/locks/{engine,agents}.txt from pyproject.toml (uv pip compile; CONTRIBUTING.md).
 # Keeps the locked versions; UPGRADE=all takes the newest releases, UPGRADE=name,... those named.

@@ -102,19 +102,30 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 @dataclass
 class FakeUpstreamProcess:
-    """``bench/fake_upstream.py`` in its own process group."""
+    """``python -m bench.fake_upstream`` in its own process group."""
 
     proc: subprocess.Popen[bytes]
     url: str
 
     @classmethod
     def start(
-        cls, *, tokens: int = 16, interval_s: float = 0.5, port: int = 0, prompt_ids: str = "fixed"
+        cls,
+        *,
+        tokens: int = 16,
+        interval_s: float = 0.5,
+        port: int = 0,
+        prompt_ids: str = "fixed",
+        script: str | None = None,
+        answer_log: Path | None = None,
     ) -> FakeUpstreamProcess:
+        """``script``: the scripted engine's shell command (``bench/fake_script.py``), its answers in ``answer_log``."""
+        scripted = ["--script", script] if script is not None else []
+        scripted += ["--answer-log", str(answer_log)] if answer_log is not None else []
         proc = subprocess.Popen(
             [
                 sys.executable,
-                str(ROOT / "bench" / "fake_upstream.py"),
+                "-m",
+                "bench.fake_upstream",
                 "--port",
                 str(port),
                 "--tokens",
@@ -123,8 +134,11 @@ class FakeUpstreamProcess:
                 str(interval_s),
                 "--prompt-ids",
                 prompt_ids,
+                *scripted,
             ],
             stdout=subprocess.PIPE,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
             start_new_session=True,
         )
         assert proc.stdout is not None
@@ -136,6 +150,8 @@ class FakeUpstreamProcess:
 
     def stop(self) -> None:
         _stop(self.proc)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
 
 
 @dataclass

@@ -19,7 +19,11 @@ through a toy chat template (``template_ids``) instead of a fixed list, so an ag
 call by call, and the canned answer's text maps back to its own token ids: the next call's prompt
 extends the previous prompt plus its completion, as with a real model (``bench/fleet.py``).
 
-Run: ``python bench/fake_upstream.py --port 0`` prints ``fake_upstream listening on HOST:PORT``.
+With ``--script COMMAND`` every chat completion is answered by ``bench/fake_script.py``'s scripted
+engine instead: a call of the offered shell tool running COMMAND, then a final answer once the
+conversation holds its result (the agent-harness tests), each answer logged (``--answer-log``).
+
+Run: ``python -m bench.fake_upstream --port 0`` prints ``fake_upstream listening on HOST:PORT``.
 """
 
 from __future__ import annotations
@@ -32,11 +36,15 @@ import time
 import zlib
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 import httptools
 import orjson
 import uvloop
+
+if TYPE_CHECKING:
+    from bench.fake_script import Script
 
 Kind = Literal["chat", "completion"]
 
@@ -559,6 +567,15 @@ class FakeUpstreamProtocol(asyncio.Protocol):
         assert self.transport is not None
         self.transport.write(response_head(status, content_type, len(body)) + body)
 
+    def _scripted(self, script: Script, body: dict[str, Any]) -> None:
+        answer = script.answer(body)
+        if isinstance(answer, bytes):
+            self._send(200, b"application/json", answer)
+            return
+        assert self.transport is not None
+        head = response_head(200, b"text/event-stream; charset=utf-8", None)
+        self.transport.write(head + b"".join(http_chunk(e) for e in [*answer, DONE]) + b"0\r\n\r\n")
+
     def _generate(self, kind: Kind, raw: bytes) -> bool:
         """Answer a generation request; False if the answer is still being streamed (slow mode)."""
         canned = self.server.canned
@@ -567,6 +584,9 @@ class FakeUpstreamProtocol(asyncio.Protocol):
             shape = canned.shape(kind, body)
         except (orjson.JSONDecodeError, TypeError, ValueError, AttributeError):
             self._send(400, b"application/json", b'{"error":{"message":"invalid JSON body","type":"BadRequestError"}}')
+            return True
+        if self.server.script is not None and kind == "chat":
+            self._scripted(self.server.script, body)
             return True
         if not body.get("stream"):
             template = self.server.template
@@ -602,8 +622,10 @@ class FakeUpstreamProtocol(asyncio.Protocol):
 
 
 class FakeUpstream:
-    def __init__(self, *, tokens: int, interval_s: float, template: bool = False) -> None:
+    def __init__(self, *, tokens: int, interval_s: float, template: bool = False, script: Script | None = None) -> None:
         self.canned = Canned(tokens)
+        self.script = script
+        """The scripted engine (``bench/fake_script.py``) answering chat completions, if any."""
         self.template = Template() if template else None
         """Chat prompts' ids from their messages (not streamed answers: the agents' bench needs only those)."""
         self.ticker = Ticker(interval_s, self.canned)
@@ -614,8 +636,10 @@ class FakeUpstream:
         return FakeUpstreamProtocol(self)
 
 
-async def serve(host: str, port: int, *, tokens: int, interval_s: float, template: bool = False) -> None:
-    upstream = FakeUpstream(tokens=tokens, interval_s=interval_s, template=template)
+async def serve(
+    host: str, port: int, *, tokens: int, interval_s: float, template: bool = False, script: Script | None = None
+) -> None:
+    upstream = FakeUpstream(tokens=tokens, interval_s=interval_s, template=template, script=script)
     loop = asyncio.get_running_loop()
     server = await loop.create_server(upstream.protocol, host, port, backlog=16384, reuse_address=True)
     bound = server.sockets[0].getsockname()
@@ -639,9 +663,18 @@ def main() -> None:
         default="fixed",
         help="chat prompt ids: a fixed list, or the messages through a toy chat template (not streamed answers)",
     )
+    parser.add_argument("--script", help="scripted engine: a shell tool call running this command, then an answer")
+    parser.add_argument("--answer-log", type=Path, help="with --script: append each answer to this JSON Lines file")
     args = parser.parse_args()
     template = args.prompt_ids == "template"
-    uvloop.run(serve(args.host, args.port, tokens=args.tokens, interval_s=args.interval, template=template))
+    script = None
+    if args.script is not None:
+        from bench.fake_script import Script
+
+        script = Script(args.script, args.answer_log)
+    uvloop.run(
+        serve(args.host, args.port, tokens=args.tokens, interval_s=args.interval, template=template, script=script)
+    )
 
 
 if __name__ == "__main__":

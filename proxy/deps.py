@@ -118,13 +118,6 @@ async def json_body(request: Request, max_bytes: int) -> dict[str, Any]:
     return body
 
 
-async def read_call(request: Request) -> tuple[Principal, Services, dict[str, Any]]:
-    """The caller (401 without a valid key), the services and the JSON body of a model call."""
-    who = identify(request)
-    svc = services_of(request)
-    return who, svc, await json_body(request, svc.settings.max_body_bytes)
-
-
 async def episode_of(
     request: Request, svc: Services, who: Principal, path_episode: str | None, *, recorded: bool
 ) -> str | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -77,6 +79,26 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+
+        self.refused = Counter(
+            "flywheel_refused_calls",
+            "Model calls refused with a 4xx (by the proxy, or by the engine: upstream_rejected), by route (the API) "
+            "and reason (the error's code, else its type); each is also a failed call on its episode when known",
+            ["route", "reason"],
+            registry=r,
+        )
+        self.compat = Counter(
+            "flywheel_compat_fields",
+            "Fields of Responses and Messages requests accepted without effect (ignored), served another way "
+            "(mapped) or hosted tools removed (dropped), by API, rule and field (other: a field unknown here)",
+            ["api", "rule", "field"],
+            registry=r,
+        )
+
+    def on_compat(self, api: str, decisions: Iterable[tuple[str, str]]) -> None:
+        """Count what ``proxy/compat.py`` decided for one request: (rule, field) pairs."""
+        for rule, field in decisions:
+            self.compat.labels(api, rule, field).inc()
 
     def on_batch(self, calls: int, seconds: float) -> None:
         self.recorded.inc(calls)

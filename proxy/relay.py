@@ -48,6 +48,7 @@ from proxy.grammar import Grammars
 from proxy.metrics import Metrics
 from proxy.policy_table import PolicyTable
 from proxy.recorder import Recorder
+from proxy.refusals import refused, report
 from proxy.sampling import SamplingDefaults, settle_grammar
 from proxy.sampling import resolve as resolve_sampling
 from proxy.settings import SamplingSettings
@@ -86,7 +87,14 @@ class Relay:
         self, kind: CallKind, body: dict[str, Any], episode_id: str | None, translation: Translation | None = None
     ) -> Response:
         """Run the call and answer it; ``episode_id`` None: passthrough (sent, not recorded)."""
-        return await ModelCall(self, kind, body, episode_id, translation).respond()
+        try:
+            call = ModelCall(self, kind, body, episode_id, translation)
+        except FlywheelError as exc:  # refused before anything was sent (a sampling rule): made visible
+            route = translation.api if translation else ("chat" if kind == "chat" else "completions")
+            own = translation.client_request if translation else body
+            await refused(self.metrics, self.recorder, exc, route=route, kind=kind, episode_id=episode_id, body=own)
+            raise
+        return await call.respond()
 
 
 def _protect(body: dict[str, Any], replica: Replica) -> dict[str, Any] | None:
@@ -226,9 +234,13 @@ class ModelCall:
             notes["sampling"] = self.sampling
         if self.splice_note is not None:
             notes["splice"] = self.splice_note
+        if self.translation is not None and self.translation.compat:
+            notes["compat"] = self.translation.compat
         return notes or None
 
     async def record_error(self, error: FlywheelError) -> None:
+        route = self.translation.api if self.translation else ("chat" if self.kind == "chat" else "completions")
+        report(self.relay.metrics, error, route=route, episode_id=self.episode_id)  # a 4xx is a refusal
         if self.recorded:
             call = self._new_call(status=error.status_code, captured=None, error=error.body()["error"], ttft_ms=None)
             try:

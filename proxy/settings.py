@@ -21,6 +21,10 @@ Penalties = Literal["flag", "reject"]
 """What happens to a recorded call that sets a penalty (``SamplingSettings.penalties``)."""
 Constrained = Literal["train", "exclude", "reject"]
 """What happens to a grammar-constrained recorded call (``SamplingSettings.constrained``)."""
+CompatMode = Literal["lenient", "strict"]
+"""How the translated APIs treat fields that are not *used* (``proxy/compat.py``)."""
+HostedTools = Literal["drop", "reject"]
+"""What happens to a hosted tool (web search, code interpreter...) offered to the model (``proxy/compat.py``)."""
 SHORTCUTS = {
     "FLYWHEEL_ADMIN_KEY": ("auth", "admin_key"),
     "FLYWHEEL_ADMIN_KEY_FILE": ("auth", "admin_key_file"),
@@ -149,6 +153,30 @@ class SpliceSettings(_Section):
     (the call goes the ordinary way, a break)."""
 
 
+class CompatSettings(_Section):
+    """What the Responses and Messages routes do with each field a client sends (``proxy/compat.py``)."""
+
+    mode: CompatMode = "lenient"
+    """``lenient``: fields without effect here are accepted (listed in the call's ``notes.compat`` and
+    counted), and mapped ones served as documented, so agent harnesses run unchanged; ``strict``:
+    everything that is not *used* is refused with a 400 naming it."""
+    hosted_tools: HostedTools = "drop"
+    """Tools the provider would run (web search, code interpreter, ...): ``drop`` removes them from
+    what the model sees (noted and counted); ``reject`` answers 400."""
+    system_messages: Literal["turn", "merge"] = "turn"
+    """A system message inside ``messages`` (Anthropic's mid-conversation system): ``turn`` keeps it
+    a system turn where it stands (ChatML templates such as SmolLM2's and Qwen's render one
+    anywhere); ``merge`` appends it to the leading system message, for templates that take a
+    system message only first."""
+    thinking_switch: str | None = None
+    """The chat-template variable that turns the model's reasoning on and off (Qwen3:
+    ``enable_thinking``), set from Anthropic's ``thinking``; None: the model has no reasoning, and
+    ``thinking`` is served as disabled."""
+    reasoning_effort: bool = False
+    """The chat template reads ``reasoning_effort`` (gpt-oss): effort hints (Responses'
+    ``reasoning.effort``, Anthropic's ``output_config.effort``) are sent on; False: accepted without effect."""
+
+
 class AdmissionSettings(_Section):
     """Backpressure on ``POST /groups`` (``proxy/admission.py``): refuse a group (429 with
     ``Retry-After``) that could only be trained after it went stale."""
@@ -194,6 +222,7 @@ class Settings(_Section):
     sampling: SamplingSettings = SamplingSettings()
     splice: SpliceSettings = SpliceSettings()
     admission: AdmissionSettings = AdmissionSettings()
+    compat: CompatSettings = CompatSettings()
     max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
     health_interval_s: float = Field(default=2.0, gt=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"

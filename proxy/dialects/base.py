@@ -43,6 +43,8 @@ class Translation(Protocol):
     """The chat completions request body (``model``, ``messages``, ``tools``, sampling, ``stream``)."""
     response_id: str
     """The id the client sees (``resp_...``, ``msg_...``), stored with the call."""
+    compat: dict[str, Any] | None
+    """What ``proxy/compat.py`` accepted without effect, mapped or dropped: the call's ``notes.compat``."""
 
     def response(self, chat: dict[str, Any]) -> dict[str, Any]:
         """The client's answer from the upstream's non-streamed chat completion."""

@@ -25,12 +25,11 @@ Choices this file makes where the Messages API and chat completions differ:
   engine reads (and the splicer matches) is the text that was sampled. Empty arguments are ``{}``.
 - A ``tool_result`` with ``is_error: true`` has its text prefixed with ``"Error: "``: a chat tool
   message has no error flag, and the model should still be told that the tool failed.
-- Accepted and ignored (harmless hints with no meaning for a self-hosted engine): ``metadata``,
-  ``service_tier`` "auto" / "standard_only", ``cache_control`` (top level, on blocks and tools),
-  ``citations`` on text blocks, ``thinking: {"type": "disabled"}``, a thinking block's signature,
-  and ``tool_choice: {"type": "none"}`` without tools (nothing to choose from).
-- Everything else unknown is refused with a 400 naming the parameter, so an agent never believes
-  a feature (extended thinking, server tools, documents, containers, MCP) was honoured.
+- Every field the translation does not use (``metadata``, ``cache_control``, ``thinking``,
+  ``context_management``, ``output_config``, a ``system`` message inside ``messages``, deferred
+  and hosted tools, and any field unknown here) gets its rule from ``proxy/compat.py``: accepted
+  without effect, served another way, or refused with a 400 naming it; ``tool_choice: {"type":
+  "none"}`` without tools is dropped (nothing to choose from).
 
 Streamed tool calls are sent whole (start, one ``input_json_delta``, stop) once the choice
 finishes: their arguments must be checked before the client's SDK parses them, and the events then
@@ -46,6 +45,8 @@ from uuid import uuid4
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError
 
+from proxy import compat
+from proxy.compat import Ledger
 from proxy.errors import (
     AuthenticationFailed,
     Conflict,
@@ -60,6 +61,7 @@ from proxy.errors import (
     UpstreamNotSynced,
     UpstreamTimeout,
 )
+from proxy.settings import CompatSettings
 from proxy.vocabulary import CallApi
 
 RAW_ARGUMENTS = "_raw_arguments"
@@ -92,7 +94,7 @@ _M = TypeVar("_M", bound="_Model")
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")  # extras get their rule from ``compat`` (``Ledger.screen``)
 
 
 class _Text(_Model):
@@ -153,6 +155,7 @@ class _Tool(_Model):
     """Schema-valid inputs: vLLM (0.32) pins a tool's arguments to its schema only for ``strict`` tools."""
     cache_control: Ignored = None
     eager_input_streaming: Ignored = None
+    defer_loading: bool | None = None
 
 
 class _ToolChoice(_Model):
@@ -161,14 +164,8 @@ class _ToolChoice(_Model):
     disable_parallel_tool_use: bool = False
 
 
-class _ThinkingConfig(_Model):
-    type: Literal["enabled", "adaptive", "between_tools", "disabled"]
-    budget_tokens: int | None = None
-    display: str | None = None
-
-
 class _Message(_Model):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: Content
 
 
@@ -180,8 +177,6 @@ class _Conversation(_Model):
     system: Content | None = None
     tools: Objects | None = None
     tool_choice: _ToolChoice | None = None
-    thinking: _ThinkingConfig | None = None
-    cache_control: Ignored = None
 
 
 class _Create(_Conversation):
@@ -191,14 +186,6 @@ class _Create(_Conversation):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)
     stream: bool = False
-    metadata: Ignored = None
-    service_tier: Literal["auto", "standard_only"] | None = None
-
-
-_REFUSED = {
-    "container": "containers (code execution, skills) are not served by this deployment",
-    "mcp_servers": "MCP servers are not served by this deployment; run the tools in the agent",
-}
 
 
 # -- validation errors --------------------------------------------------------------------------
@@ -222,17 +209,19 @@ def _invalid(error: ValidationError, prefix: str = "") -> InvalidRequest:
     return InvalidRequest(f"{param}: {message}" if param else message, param=param)
 
 
-def _check(model: type[_M], data: dict[str, Any], where: str) -> _M:
+def _check(model: type[_M], data: dict[str, Any], where: str, ledger: Ledger) -> _M:
     try:
-        return model.model_validate(data)
+        checked = model.model_validate(data)
     except ValidationError as exc:
         raise _invalid(exc, where) from None
+    ledger.screen(checked, where)
+    return checked
 
 
 # -- request translation ------------------------------------------------------------------------
 
 
-def _text_of(content: str | list[dict[str, Any]], where: str, what: str) -> str:
+def _text_of(content: str | list[dict[str, Any]], where: str, what: str, ledger: Ledger) -> str:
     """Text-only content (system, tool_result) as one string, blocks joined with "\\n"."""
     if isinstance(content, str):
         return content
@@ -241,7 +230,7 @@ def _text_of(content: str | list[dict[str, Any]], where: str, what: str) -> str:
         kind = block.get("type")
         if kind != "text":
             raise InvalidRequest(f"{what} takes only text blocks, not {kind!r}", param=f"{where}.{j}.type")
-        texts.append(_check(_Text, block, f"{where}.{j}").text)
+        texts.append(_check(_Text, block, f"{where}.{j}", ledger).text)
     return "\n".join(texts)
 
 
@@ -261,14 +250,14 @@ def _unserved(kind: Any, role: str, where: str) -> InvalidRequest:
     )
 
 
-def _image_url(block: dict[str, Any], where: str) -> str:
-    source = _check(_Image, block, where).source
+def _image_url(block: dict[str, Any], where: str, ledger: Ledger) -> str:
+    source = _check(_Image, block, where, ledger).source
     kind = source.get("type")
     if kind == "base64":
-        b64 = _check(_Base64Source, source, f"{where}.source")
+        b64 = _check(_Base64Source, source, f"{where}.source", ledger)
         return f"data:{b64.media_type};base64,{b64.data}"
     if kind == "url":
-        return _check(_UrlSource, source, f"{where}.source").url
+        return _check(_UrlSource, source, f"{where}.source", ledger).url
     if kind == "file":
         raise InvalidRequest(
             "image sources from the Files API are not served; send base64 data or a url", param=f"{where}.source.type"
@@ -276,7 +265,7 @@ def _image_url(block: dict[str, Any], where: str) -> str:
     raise InvalidRequest(f"image source type {kind!r} is not accepted (base64 or url)", param=f"{where}.source.type")
 
 
-def _user(content: str | list[dict[str, Any]], where: str, out: list[dict[str, Any]]) -> None:
+def _user(content: str | list[dict[str, Any]], where: str, out: list[dict[str, Any]], ledger: Ledger) -> None:
     """Append a user turn: its tool results first (as tool messages), then its text and images."""
     if isinstance(content, str):
         out.append({"role": "user", "content": content})
@@ -287,13 +276,13 @@ def _user(content: str | list[dict[str, Any]], where: str, out: list[dict[str, A
         kind = block.get("type")
         at = f"{where}.{j}"
         if kind == "text":
-            parts.append({"type": "text", "text": _check(_Text, block, at).text})
+            parts.append({"type": "text", "text": _check(_Text, block, at, ledger).text})
         elif kind == "image":
-            parts.append({"type": "image_url", "image_url": {"url": _image_url(block, at)}})
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(block, at, ledger)}})
             images = True
         elif kind == "tool_result":
-            result = _check(_ToolResult, block, at)
-            text = _text_of(result.content, f"{at}.content", "tool_result content")
+            result = _check(_ToolResult, block, at, ledger)
+            text = _text_of(result.content, f"{at}.content", "tool_result content", ledger)
             out.append(
                 {
                     "role": "tool",
@@ -320,7 +309,7 @@ def _arguments(tool_input: dict[str, Any]) -> str:
         return json.dumps(tool_input, ensure_ascii=False)
 
 
-def _assistant(content: str | list[dict[str, Any]], where: str) -> dict[str, Any]:
+def _assistant(content: str | list[dict[str, Any]], where: str, ledger: Ledger) -> dict[str, Any]:
     if isinstance(content, str):
         return {"role": "assistant", "content": content}
     texts: list[str] = []
@@ -330,9 +319,9 @@ def _assistant(content: str | list[dict[str, Any]], where: str) -> dict[str, Any
         kind = block.get("type")
         at = f"{where}.{j}"
         if kind == "text":
-            texts.append(_check(_Text, block, at).text)
+            texts.append(_check(_Text, block, at, ledger).text)
         elif kind == "tool_use":
-            use = _check(_ToolUse, block, at)
+            use = _check(_ToolUse, block, at, ledger)
             if use.caller is not None and use.caller.get("type") != "direct":
                 raise InvalidRequest(
                     f"{at}.caller: tool calls made by server tools are not served", param=f"{at}.caller"
@@ -341,7 +330,7 @@ def _assistant(content: str | list[dict[str, Any]], where: str) -> dict[str, Any
                 {"id": use.id, "type": "function", "function": {"name": use.name, "arguments": _arguments(use.input)}}
             )
         elif kind == "thinking":
-            reasoning.append(_check(_Thinking, block, at).thinking)
+            reasoning.append(_check(_Thinking, block, at, ledger).thinking)
         else:
             raise _unserved(kind, "assistant", at)
     text = "\n".join(texts)
@@ -353,31 +342,43 @@ def _assistant(content: str | list[dict[str, Any]], where: str) -> dict[str, Any
     return message
 
 
-def _messages(req: _Conversation) -> list[dict[str, Any]]:
+def _messages(req: _Conversation, ledger: Ledger) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if req.system is not None:
-        system = _text_of(req.system, "system", "system")
+        system = _text_of(req.system, "system", "system", ledger)
         if system:
             out.append({"role": "system", "content": system})
     for i, message in enumerate(req.messages):
+        where = f"messages.{i}"
+        ledger.screen(message, where)
         if message.role == "user":
-            _user(message.content, f"messages.{i}.content", out)
+            _user(message.content, f"{where}.content", out, ledger)
+        elif message.role == "assistant":
+            out.append(_assistant(message.content, f"{where}.content", ledger))
         else:
-            out.append(_assistant(message.content, f"messages.{i}.content"))
+            text = _text_of(message.content, f"{where}.content", "a system message", ledger)
+            compat.system_turn(out, text, f"{where}.role", ledger)
+    compat.clear_thinking(out, ledger)
     return out
 
 
-def _tools(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _tools(raw: list[dict[str, Any]], ledger: Ledger) -> list[dict[str, Any]]:
     tools = []
     for k, item in enumerate(raw):
         kind = item.get("type")
         if kind is not None and kind != "custom":
-            raise InvalidRequest(
+            message = (
                 f"built-in tool {kind!r} is not served by this deployment; define client tools "
-                "(name, description, input_schema) and run them in the agent",
-                param=f"tools.{k}.type",
+                "(name, description, input_schema) and run them in the agent"
             )
-        tool = _check(_Tool, item, f"tools.{k}")
+            if not isinstance(kind, str) or kind.startswith(compat.CLIENT_BUILTINS):
+                raise InvalidRequest(message, param=f"tools.{k}.type")
+            ledger.hosted(kind, where=f"tools.{k}.type", message=message)
+            continue
+        tool = _check(_Tool, item, f"tools.{k}", ledger)
+        if tool.defer_loading:
+            compat.deferred(f"tools.{k}.defer_loading", ledger)
+            continue
         function: dict[str, Any] = {"name": tool.name}
         if tool.description is not None:
             function["description"] = tool.description
@@ -388,23 +389,18 @@ def _tools(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return tools
 
 
-def _conversation(req: _Conversation) -> dict[str, Any]:
+def _conversation(req: _Conversation, ledger: Ledger) -> dict[str, Any]:
     """The chat body's ``model``, ``messages``, ``tools`` and ``tool_choice`` / ``parallel_tool_calls``."""
-    if req.thinking is not None and req.thinking.type != "disabled":
-        raise InvalidRequest(
-            "extended thinking is not served by this deployment (passing back thinking blocks "
-            "from earlier turns is fine)",
-            param="thinking.type",
-        )
     if not req.messages:
         raise InvalidRequest("'messages' must contain at least one message", param="messages")
-    chat: dict[str, Any] = {"model": req.model, "messages": _messages(req)}
-    tools = _tools(req.tools) if req.tools else []
+    chat: dict[str, Any] = {"model": req.model, "messages": _messages(req, ledger)}
+    tools = _tools(req.tools, ledger) if req.tools else []
     if tools:
         chat["tools"] = tools
     choice = req.tool_choice
     if choice is None:
         return chat
+    ledger.screen(choice, "tool_choice")
     if choice.name is not None and choice.type != "tool":
         raise InvalidRequest("tool_choice.name is only valid with type 'tool'", param="tool_choice.name")
     if not tools:
@@ -424,22 +420,22 @@ def _conversation(req: _Conversation) -> dict[str, Any]:
     return chat
 
 
-def _validated(model: type[_M], body: dict[str, Any]) -> _M:
+def _validated(model: type[_M], body: dict[str, Any], ledger: Ledger) -> _M:
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
-    for name, why in _REFUSED.items():
-        if name in body:
-            raise InvalidRequest(f"'{name}': {why}", param=name)
     try:
-        return model.model_validate(body)
+        req = model.model_validate(body)
     except ValidationError as exc:
         raise _invalid(exc) from None
+    compat.messages_top(req.model_extra or {}, body, ledger)
+    return req
 
 
-def count_tokens_chat(body: dict[str, Any]) -> dict[str, Any]:
+def count_tokens_chat(body: dict[str, Any], settings: CompatSettings | None = None) -> dict[str, Any]:
     """The chat-shaped body (``model``, ``messages``, ``tools`` if any) whose prompt a
     ``/v1/messages/count_tokens`` request counts; ``InvalidRequest`` on what ``/v1/messages`` refuses."""
-    chat = _conversation(_validated(_Conversation, body))
+    ledger = Ledger(settings)
+    chat = _conversation(_validated(_Conversation, body, ledger), ledger) | ledger.chat
     chat.pop("tool_choice", None)
     chat.pop("parallel_tool_calls", None)
     return chat
@@ -477,10 +473,15 @@ class MessagesTranslation:
 
     api: CallApi = "messages"
 
-    __slots__ = ("client_request", "chat", "response_id", "model", "stop_sequences")
+    __slots__ = ("client_request", "chat", "response_id", "model", "stop_sequences", "ledger", "compat")
 
     def __init__(
-        self, client_request: dict[str, Any], chat: dict[str, Any], model: str, stop_sequences: tuple[str, ...]
+        self,
+        client_request: dict[str, Any],
+        chat: dict[str, Any],
+        model: str,
+        stop_sequences: tuple[str, ...],
+        ledger: Ledger,
     ) -> None:
         self.client_request = client_request
         self.chat = chat
@@ -488,12 +489,16 @@ class MessagesTranslation:
         self.model = model
         """The model name the client asked for: the one its answers carry."""
         self.stop_sequences = stop_sequences
+        self.ledger = ledger
+        """What ``proxy/compat.py`` decided about the fields the translation does not use."""
+        self.compat = ledger.note()
 
     @classmethod
-    def from_request(cls, body: dict[str, Any]) -> MessagesTranslation:
+    def from_request(cls, body: dict[str, Any], settings: CompatSettings | None = None) -> MessagesTranslation:
         """Validate and translate; ``InvalidRequest`` (with ``param``) for anything not served."""
-        req = _validated(_Create, body)
-        chat = _conversation(req)
+        ledger = Ledger(settings)
+        req = _validated(_Create, body, ledger)
+        chat = _conversation(req, ledger) | ledger.chat
         chat["max_tokens"] = req.max_tokens
         if req.stop_sequences:
             chat["stop"] = req.stop_sequences
@@ -506,7 +511,7 @@ class MessagesTranslation:
         if req.stream:
             chat["stream"] = True
             chat["stream_options"] = {"include_usage": True}
-        return cls(body, chat, req.model, tuple(req.stop_sequences or ()))
+        return cls(body, chat, req.model, tuple(req.stop_sequences or ()), ledger)
 
     def stop(self, finish_reason: Any, matched: Any, tool_use: bool) -> tuple[str, str | None]:
         """``stop_reason`` and ``stop_sequence`` from vLLM's ``finish_reason`` and ``stop_reason``."""

@@ -14,15 +14,16 @@ status (``incomplete`` with ``max_output_tokens`` when vLLM stopped on length) a
 stream is the documented event sequence, ``sequence_number`` counting from 0, ending with
 ``response.completed`` (or ``response.incomplete``) once the record committed.
 
-Refused with a 400 naming the field, never silently ignored: tools other than functions,
-``background``, ``conversation``, ``prompt`` templates, ``truncation: auto``,
-``max_tool_calls``, ``include`` values other than ``message.output_text.logprobs`` and
-``reasoning.encrypted_content``, input items that need server state (``item_reference``) or
-hosted tools. ``store: false`` answers as usual and is recorded for training like any call (that
-is the proxy's job), but its id is then refused as a ``previous_response_id``. Accepted and
-echoed without effect: ``metadata``, ``user``, ``safety_identifier``, ``prompt_cache_key``
-(vLLM's prefix cache needs no key), ``service_tier`` ``auto``/``default``,
-``stream_options.include_obfuscation`` (no padding is sent).
+Every field the translation does not use gets its rule from ``proxy/compat.py`` (accepted
+without effect and echoed, served another way, or refused with a 400 naming it): client
+metadata, cache keys, effort and summary hints, hosted tools (dropped or refused), ``namespace``
+tool groups (flattened into functions named ``<namespace>__<name>``, their calls named back in
+the answer), ``background``, ``conversation``, ``prompt`` templates, ``max_tool_calls``, and any
+field unknown here, by kind. Refused here: ``truncation: auto``, ``include`` values other than
+``message.output_text.logprobs`` and ``reasoning.encrypted_content``, input items that need
+server state (``item_reference``). ``store: false`` answers as usual and is recorded for
+training like any call (that is the proxy's job), but its id is then refused as a
+``previous_response_id``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from proxy import compat
+from proxy.compat import Ledger
 from proxy.errors import FlywheelError, InvalidRequest
 from proxy.store.records import CallRecord
 from proxy.vocabulary import CallApi
@@ -44,9 +47,9 @@ _ENCRYPTED_PREFIX = "flywheel:"
 
 
 class ResponsesRequest(BaseModel):
-    """The request fields the proxy serves; any other field is refused by name."""
+    """The request fields the proxy serves or echoes; any other field gets its rule from ``compat``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
     model: str = Field(min_length=1)
     input: str | list[dict[str, Any]]
@@ -69,26 +72,18 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    service_tier: Literal["auto", "default"] | None = None
+    service_tier: str | None = None
     truncation: Literal["disabled"] | None = None
 
 
-def parse(body: dict[str, Any]) -> ResponsesRequest:
-    """The validated request; ``InvalidRequest`` naming the first bad field."""
-    refused = {
-        "background": "background responses are not served (the proxy answers while the call runs)",
-        "conversation": "conversations are not stored; pass previous_response_id or the input items",
-        "prompt": "prompt templates are not served; send instructions and input",
-        "max_tool_calls": "max_tool_calls is not served; the agent loop decides how many calls to make",
-        "context_management": "context management is not served",
-    }
-    for name, why in refused.items():
-        if body.get(name) not in (None, False):
-            raise InvalidRequest(f"'{name}': {why}", param=name)
+def parse(body: dict[str, Any], ledger: Ledger | None = None) -> ResponsesRequest:
+    """The validated request; ``InvalidRequest`` naming the first bad field. ``ledger`` gets what
+    ``proxy/compat.py`` decides about the fields the translation does not use."""
     try:
         request = ResponsesRequest.model_validate(body)
     except ValidationError as exc:
         raise _invalid(exc) from None
+    compat.responses_top(request, ledger or Ledger())
     for name in request.include or ():
         if name not in INCLUDABLE:
             raise InvalidRequest(
@@ -100,8 +95,6 @@ def parse(body: dict[str, Any]) -> ResponsesRequest:
 def _invalid(exc: ValidationError) -> InvalidRequest:
     error = exc.errors()[0]
     where = ".".join(str(part) for part in error["loc"])
-    if error["type"] == "extra_forbidden":
-        return InvalidRequest(f"unsupported parameter '{where}'", param=where)
     if error["type"] == "literal_error" and where == "truncation":
         return InvalidRequest(
             "'truncation: auto' is not served: the proxy never drops context; send what fits", param=where
@@ -181,6 +174,9 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 if reasoning is not None:
                     last["reasoning_content"], reasoning = reasoning, None
                 messages.append(last)
+            namespace = item.get("namespace")
+            if isinstance(namespace, str) and namespace:  # a call of a namespaced tool: the name the model saw
+                name = compat.flat_name(namespace, name)
             last.setdefault("tool_calls", []).append(
                 {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
             )
@@ -201,23 +197,49 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return messages
 
 
-def _tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    out = []
+def _function(tool: dict[str, Any], where: str, ledger: Ledger, name: str | None = None) -> dict[str, Any] | None:
+    """A function tool as chat's; None for a deferred one (``compat.deferred``)."""
+    if not isinstance(tool.get("name"), str) or not tool["name"]:
+        raise InvalidRequest(f"'{where}.name' is required", param=f"{where}.name")
+    function: dict[str, Any] = {"name": name or tool["name"]}
+    for key, value in tool.items():
+        if key in ("description", "parameters", "strict") and value is not None:
+            function[key] = value
+        elif key == "defer_loading" and value:
+            compat.deferred(f"{where}.defer_loading", ledger)
+            return None
+        elif key not in ("type", "name", "description", "parameters", "strict", "defer_loading"):
+            ledger.unknown(key, value, where=f"{where}.{key}")
+    return {"type": "function", "function": function}
+
+
+def _tools(tools: list[dict[str, Any]], ledger: Ledger) -> tuple[list[dict[str, Any]], dict[str, tuple[str, str]]]:
+    """Chat's function tools, and the flattened name of each namespaced one -> (namespace, name)."""
+    out: list[dict[str, Any] | None] = []
+    names: dict[str, tuple[str, str]] = {}
     for i, tool in enumerate(tools):
-        if tool.get("type") != "function":
-            raise InvalidRequest(
-                f"'tools[{i}]': tool type {tool.get('type')!r} is not served; only function tools "
-                "are (hosted tools run on OpenAI's servers)",
-                param=f"tools[{i}].type",
+        kind, where = tool.get("type"), f"tools[{i}]"
+        if kind == "function":
+            out.append(_function(tool, where, ledger))
+        elif kind == "namespace":
+            namespace, members = compat.namespace_members(tool, where, ledger)
+            for j, member in enumerate(members):
+                flat = compat.flat_name(namespace, str(member.get("name")))
+                out.append(_function(member, f"{where}.tools[{j}]", ledger, flat))
+                names[flat] = (namespace, member["name"])
+        else:
+            message = (
+                f"'{where}': tool type {kind!r} is not served; only function tools are "
+                "(hosted tools run on OpenAI's servers)"
             )
-        if not isinstance(tool.get("name"), str) or not tool["name"]:
-            raise InvalidRequest(f"'tools[{i}].name' is required", param=f"tools[{i}].name")
-        function: dict[str, Any] = {"name": tool["name"]}
-        for key in ("description", "parameters", "strict"):
-            if tool.get(key) is not None:
-                function[key] = tool[key]
-        out.append({"type": "function", "function": function})
-    return out
+            if not isinstance(kind, str) or kind in compat.CLIENT_TOOLS:
+                raise InvalidRequest(message, param=f"{where}.type")
+            ledger.hosted(kind, where=f"{where}.type", message=message)
+    served = [t for t in out if t is not None]
+    seen = [t["function"]["name"] for t in served]
+    if len(set(seen)) != len(seen):
+        raise InvalidRequest("'tools': two tools have the same name once namespaces are flattened", param="tools")
+    return served, names
 
 
 def _tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
@@ -314,8 +336,18 @@ class ResponsesTranslation:
 
     api: CallApi = "responses"
 
-    def __init__(self, request: ResponsesRequest, body: dict[str, Any], history: list[dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        request: ResponsesRequest,
+        body: dict[str, Any],
+        history: list[dict[str, Any]],
+        ledger: Ledger | None = None,
+    ) -> None:
         self.request = request
+        self.ledger = ledger or Ledger()
+        """What ``proxy/compat.py`` decided (``parse`` and the tools): the call's ``notes.compat``."""
+        self.names: dict[str, tuple[str, str]] = {}
+        """Flattened tool name -> (namespace, name), to name the answer's calls back."""
         self.client_request = body
         self.response_id = _id("resp")
         self.created_at = int(time.time())
@@ -330,12 +362,7 @@ class ResponsesTranslation:
         if not messages:
             raise InvalidRequest("'input' is empty", param="input")
         chat: dict[str, Any] = {"model": request.model, "messages": messages}
-        if request.tools:
-            chat["tools"] = _tools(request.tools)
-        if request.tool_choice is not None:
-            if not request.tools and request.tool_choice != "none":
-                raise InvalidRequest("'tool_choice' needs 'tools'", param="tool_choice")
-            chat["tool_choice"] = _tool_choice(request.tool_choice)
+        self._tools(request, chat)
         if request.parallel_tool_calls is not None:
             chat["parallel_tool_calls"] = request.parallel_tool_calls
         for src, dst in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p")):
@@ -347,12 +374,23 @@ class ResponsesTranslation:
                 chat["top_logprobs"] = request.top_logprobs
         if request.text and (fmt := _response_format(request.text)) is not None:
             chat["response_format"] = fmt
-        if request.reasoning and request.reasoning.get("effort") is not None:
-            chat["reasoning_effort"] = request.reasoning["effort"]
         if request.stream:
             chat["stream"] = True
             chat["stream_options"] = {"include_usage": True}
-        self.chat = chat
+        self.chat = chat | self.ledger.chat
+        self.compat = self.ledger.note()
+
+    def _tools(self, request: ResponsesRequest, chat: dict[str, Any]) -> None:
+        """``tools`` and ``tool_choice``; "auto" or "none" over tools that were all dropped is left out."""
+        if request.tools:
+            tools, self.names = _tools(request.tools, self.ledger)
+            if tools:
+                chat["tools"] = tools
+        if request.tool_choice is not None:
+            if not request.tools and request.tool_choice != "none":
+                raise InvalidRequest("'tool_choice' needs 'tools'", param="tool_choice")
+            if "tools" in chat or request.tool_choice not in ("auto", "none"):
+                chat["tool_choice"] = _tool_choice(request.tool_choice)
 
     # the Response object --------------------------------------------------------------------
 
@@ -411,14 +449,20 @@ class ResponsesTranslation:
             part["logprobs"] = logprobs
         return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": [part]}
 
-    @staticmethod
-    def call_item(item_id: str, call: dict[str, Any], status: str) -> dict[str, Any]:
+    def named(self, name: str) -> dict[str, str]:
+        """A call's ``name`` as the client knows it, with its ``namespace`` when it had one."""
+        if name in self.names:
+            namespace, own = self.names[name]
+            return {"name": own, "namespace": namespace}
+        return {"name": name}
+
+    def call_item(self, item_id: str, call: dict[str, Any], status: str) -> dict[str, Any]:
         function = call.get("function") or {}
         return {
             "id": item_id,
             "type": "function_call",
             "call_id": call.get("id") or item_id,
-            "name": function.get("name") or "",
+            **self.named(function.get("name") or ""),
             "arguments": function.get("arguments") or "",
             "status": status,
         }
@@ -521,7 +565,7 @@ class ResponsesStream:
                 function = fragment.get("function") or {}
                 assert self.open is not None
                 if function.get("name") and not self.open["name"]:  # a server that names the call late
-                    self.open["name"] = function["name"]
+                    self.open.update(self.t.named(function["name"]))
                 if function.get("arguments"):
                     self.text.append(function["arguments"])
                     self._emit(

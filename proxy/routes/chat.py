@@ -15,10 +15,11 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from proxy.deps import episode_of, identify, read_call, services_of
-from proxy.errors import InvalidRequest
+from proxy.deps import episode_of, identify, json_body, services_of
+from proxy.errors import FlywheelError, InvalidRequest
 from proxy.gate import canonical_id, identify_episode
-from proxy.vocabulary import CallKind
+from proxy.refusals import refused
+from proxy.vocabulary import CallApi, CallKind
 
 router = APIRouter(tags=["openai"])
 
@@ -37,9 +38,17 @@ def _validate(body: dict[str, Any], kind: CallKind) -> None:
 
 
 async def _handle(request: Request, kind: CallKind, path_episode: str | None, *, recorded: bool) -> Response:
-    who, svc, body = await read_call(request)
-    _validate(body, kind)
-    episode_id = await episode_of(request, svc, who, path_episode, recorded=recorded)
+    svc = services_of(request)
+    body: dict[str, Any] | None = None
+    episode_id: str | None = None
+    try:
+        episode_id = await episode_of(request, svc, identify(request), path_episode, recorded=recorded)
+        body = await json_body(request, svc.settings.max_body_bytes)
+        _validate(body, kind)
+    except FlywheelError as exc:  # a refusal is logged, counted and recorded on its episode
+        route: CallApi = "chat" if kind == "chat" else "completions"
+        await refused(svc.metrics, svc.recorder, exc, route=route, kind=kind, episode_id=episode_id, body=body)
+        raise
     return await svc.relay.respond(kind, body, episode_id)
 
 
@@ -63,7 +72,7 @@ async def _models(request: Request) -> Response:
     return Response(orjson.dumps({"object": "list", "data": models}), media_type="application/json")
 
 
-# Model routes check the key inside the handler (``read_call``), not through FastAPI's dependency
+# Model routes check the key inside the handler (``identify``), not through FastAPI's dependency
 # machinery: one plain call on the hottest path.
 
 

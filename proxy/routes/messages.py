@@ -9,29 +9,46 @@ append ``/v1/messages`` to their base URL, so an agent's base URL is the proxy's
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from proxy.answers import json_object, malformed
-from proxy.deps import episode_of, read_call
+from proxy.deps import episode_of, identify, json_body, services_of
 from proxy.dialects.messages import MessagesTranslation, count_tokens_chat
+from proxy.errors import FlywheelError
+from proxy.refusals import refused
 from proxy.upstream import answer_error
 
 router = APIRouter(tags=["anthropic"])
 
 
 async def _handle(request: Request, path_episode: str | None, *, recorded: bool) -> Response:
-    who, svc, body = await read_call(request)
-    translation = MessagesTranslation.from_request(body)
-    episode_id = await episode_of(request, svc, who, path_episode, recorded=recorded)
+    svc = services_of(request)
+    body: dict[str, Any] | None = None
+    episode_id: str | None = None
+    try:
+        episode_id = await episode_of(request, svc, identify(request), path_episode, recorded=recorded)
+        body = await json_body(request, svc.settings.max_body_bytes)
+        translation = MessagesTranslation.from_request(body, svc.settings.compat)
+    except FlywheelError as exc:  # a refusal is logged, counted and recorded on its episode
+        await refused(svc.metrics, svc.recorder, exc, route="messages", episode_id=episode_id, body=body)
+        raise
+    svc.metrics.on_compat("messages", translation.ledger.counts())
     return await svc.relay.respond("chat", translation.chat, episode_id, translation)
 
 
 async def _count_tokens(request: Request, path_episode: str | None, *, recorded: bool) -> Response:
-    who, svc, body = await read_call(request)
-    chat = count_tokens_chat(body)
-    await episode_of(request, svc, who, path_episode, recorded=recorded)
+    svc = services_of(request)
+    try:  # not a model call: a refusal is logged and counted, not recorded
+        await episode_of(request, svc, identify(request), path_episode, recorded=recorded)
+        body = await json_body(request, svc.settings.max_body_bytes)
+        chat = count_tokens_chat(body, svc.settings.compat)
+    except FlywheelError as exc:
+        await refused(svc.metrics, svc.recorder, exc, route="messages")
+        raise
     chat["model"], _ = svc.policies.resolve(chat["model"])
     replica = svc.upstreams.pick(None)
     response = await svc.upstreams.send(replica, "POST", "/tokenize", content=orjson.dumps(chat))

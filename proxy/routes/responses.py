@@ -12,9 +12,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from proxy.deps import Services, episode_of, read_call
+from proxy.compat import Ledger
+from proxy.deps import Services, episode_of, identify, json_body, services_of
 from proxy.dialects.responses import ResponsesTranslation, history_of, parse
-from proxy.errors import InvalidRequest, NotFound, PermissionDenied
+from proxy.errors import FlywheelError, InvalidRequest, NotFound, PermissionDenied
+from proxy.refusals import refused
 
 router = APIRouter(tags=["openai"])
 
@@ -42,11 +44,21 @@ async def _history(svc: Services, response_id: str, episode_id: str | None) -> l
 
 
 async def _handle(request: Request, path_episode: str | None, *, recorded: bool) -> Response:
-    who, svc, body = await read_call(request)
-    parsed = parse(body)
-    episode_id = await episode_of(request, svc, who, path_episode, recorded=recorded)
-    history = await _history(svc, parsed.previous_response_id, episode_id) if parsed.previous_response_id else []
-    translation = ResponsesTranslation(parsed, body, history)
+    svc = services_of(request)
+    body: dict[str, Any] | None = None
+    episode_id: str | None = None
+    try:
+        episode_id = await episode_of(request, svc, identify(request), path_episode, recorded=recorded)
+        body = await json_body(request, svc.settings.max_body_bytes)
+        ledger = Ledger(svc.settings.compat)
+        parsed = parse(body, ledger)
+        previous = parsed.previous_response_id
+        history = await _history(svc, previous, episode_id) if previous else []
+        translation = ResponsesTranslation(parsed, body, history, ledger)
+    except FlywheelError as exc:  # a refusal is logged, counted and recorded on its episode
+        await refused(svc.metrics, svc.recorder, exc, route="responses", episode_id=episode_id, body=body)
+        raise
+    svc.metrics.on_compat("responses", ledger.counts())
     return await svc.relay.respond("chat", translation.chat, episode_id, translation)
 
 

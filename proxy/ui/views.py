@@ -83,6 +83,12 @@ class CallView:
     prompt_ids: int
     splice: dict[str, Any] | None
 
+    @property
+    def refused(self) -> str | None:
+        """Why the proxy refused this call before it reached the engine (``proxy/refusals.py``), else None."""
+        reason = (self.call.notes or {}).get("refused")
+        return str(reason) if reason else None
+
 
 def _pretty(arguments: Any) -> str:
     """Tool arguments as indented JSON when they parse, else as sent."""
@@ -135,6 +141,8 @@ def _request_messages(call: CallRecord) -> list[dict[str, Any]]:
     messages = call.request.get("messages")
     if isinstance(messages, list):
         return [m for m in messages if isinstance(m, dict)]
+    if "prompt" not in call.request:  # a call refused before a request was built (``proxy/refusals.py``)
+        return []
     prompt = call.request.get("prompt")  # a completions call: its prompt is one user turn
     return [{"role": "prompt", "content": prompt if isinstance(prompt, str) else orjson.dumps(prompt).decode()}]
 
@@ -194,7 +202,8 @@ def conversation(episode: EpisodeRecord) -> list[CallView]:
                 splice=(call.notes or {}).get("splice"),
             )
         )
-        seen = len(messages) + 1  # the next request repeats these messages and this call's answer
+        if not views[-1].refused:  # a refused call was never answered: the next one repeats its messages
+            seen = len(messages) + 1  # the next request repeats these messages and this call's answer
     return views
 
 

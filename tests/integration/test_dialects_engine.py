@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from proxy.client import Episode
-from tests.support.services import ProxyProcess, episode_record, new_episode, serving_proxy
+from tests.support.services import ProxyProcess, episode_record, grammar_masker, new_episode, serving_proxy
 from trainer.data import DataStats, episode_samples
 
 pytestmark = pytest.mark.vllm
@@ -75,7 +75,11 @@ def assert_merges(proxy: ProxyProcess, episode_id: str, calls: int) -> None:
     """The trainer's data path merges the episode into one sample, no break."""
     stats = DataStats()
     (sample,) = episode_samples(
-        Episode.model_validate(episode_record(proxy, episode_id)), group_id="g", max_seq_len=8192, stats=stats
+        Episode.model_validate(episode_record(proxy, episode_id)),
+        group_id="g",
+        max_seq_len=8192,
+        stats=stats,
+        masker=grammar_masker(),
     )
     assert (stats.merged, stats.breaks) == (calls - 1, 0)
 
@@ -143,7 +147,12 @@ def test_previous_response_of_another_episode_is_refused(proxy: ProxyProcess) ->
     assert "another episode" in err.value.message
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="policy", input="and?", previous_response_id="resp_missing", max_output_tokens=4)
-    assert len(stored_calls(proxy, other["id"])) == 0
+    (refused,) = stored_calls(proxy, other["id"])  # the refusal, on the episode that made it: nothing was sent
+    assert (refused["status_code"], refused["notes"], refused["choices"]) == (
+        403,
+        {"refused": "previous_response_of_another_episode"},
+        [],
+    )
 
 
 # -- the anthropic SDK's Messages API --------------------------------------------------------

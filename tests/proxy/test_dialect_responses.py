@@ -179,10 +179,10 @@ def test_stream_asks_for_usage_and_logprobs_when_included() -> None:
         ({"model": "policy", "input": "x", "truncation": "auto"}, "truncation", "never drops context"),
         ({"model": "policy", "input": "x", "max_tool_calls": 3}, "max_tool_calls", "max_tool_calls"),
         ({"model": "policy", "input": "x", "include": ["file_search_call.results"]}, "include", "not served"),
-        ({"model": "policy", "input": "x", "frobnicate": 1}, "frobnicate", "unsupported parameter"),
+        ({"model": "policy", "input": "x", "top_k": 1}, "top_k", "unknown parameter"),
         ({"model": "policy", "input": "x", "temperature": 3}, "temperature", "less than or equal"),
         ({"model": "", "input": "x"}, "model", "at least 1"),
-        ({"model": "policy", "input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type", "only function tools"),
+        ({"model": "policy", "input": "x", "tools": [{"type": "custom", "name": "f"}]}, "tools[0].type", "function"),
         ({"model": "policy", "input": "x", "tool_choice": "required"}, "tool_choice", "needs 'tools'"),
         ({"model": "policy", "input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]", "item_reference"),
         (

@@ -153,21 +153,23 @@ async def test_a_streamed_response_ends_with_completed_after_the_record(proxy: h
     assert call["response_id"] == final["id"]
 
 
-async def test_responses_refusals_are_openai_errors_and_store_nothing(proxy: httpx.AsyncClient) -> None:
+async def test_responses_refusals_are_openai_errors_recorded_as_refused_calls(proxy: httpx.AsyncClient) -> None:
     group = await new_group(proxy, size=1)
-    response = await proxy.post(
-        "/v1/responses", json={"model": "policy", "input": "x", "background": True}, headers=episode_auth(group)
-    )
+    body = {"model": "policy", "input": "x", "background": True}
+    response = await proxy.post("/v1/responses", json=body, headers=episode_auth(group))
     assert response.status_code == 400
     assert response.json() == {
         "error": {
             "message": response.json()["error"]["message"],
             "type": "invalid_request_error",
             "param": "background",
-            "code": None,
+            "code": "unsupported_parameter",
         }
     }
-    assert await calls_of(proxy, group["episode_keys"][0]["id"]) == []
+    (call,) = await calls_of(proxy, group["episode_keys"][0]["id"])  # the refusal, whole: nothing was sent
+    assert (call["status_code"], call["error"], call["api"]) == (400, response.json()["error"], "responses")
+    assert (call["client_request"], call["request"], call["choices"]) == (body, {}, [])
+    assert call["notes"] == {"refused": "unsupported_parameter"} and call["prompt_token_ids"] is None
     assert len(proxy.seen) == 0 or not any(p.endswith("/chat/completions") for p, _ in proxy.seen)  # type: ignore[attr-defined]
 
 
@@ -201,7 +203,7 @@ async def test_a_streamed_message_holds_message_stop_until_recorded(proxy: httpx
 
 
 @pytest.mark.parametrize(
-    ("path", "body", "headers", "status", "kind"),
+    ("path", "body", "headers", "status", "kind", "recorded"),
     [
         (
             "/v1/messages",
@@ -209,20 +211,22 @@ async def test_a_streamed_message_holds_message_stop_until_recorded(proxy: httpx
             "episode",
             400,
             "invalid_request_error",
-        ),  # max_tokens is required
+            1,
+        ),  # max_tokens is required: a refused call on the episode
         (
             "/v1/messages",
             {"model": "policy", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]},
             "bad",
             401,
             "authentication_error",
+            0,  # no episode is known without a key
         ),
-        ("/v1/messages/count_tokens", {"model": "policy", "messages": []}, "episode", 400, "invalid_request_error"),
-        ("/v1/messages", None, "episode", 400, "invalid_request_error"),  # not JSON
+        ("/v1/messages/count_tokens", {"model": "policy", "messages": []}, "episode", 400, "invalid_request_error", 0),
+        ("/v1/messages", None, "episode", 400, "invalid_request_error", 1),  # not JSON
     ],
 )
 async def test_messages_errors_come_in_anthropic_shape(
-    proxy: httpx.AsyncClient, path: str, body: Any, headers: str, status: int, kind: str
+    proxy: httpx.AsyncClient, path: str, body: Any, headers: str, status: int, kind: str, recorded: int
 ) -> None:
     group = await new_group(proxy, size=1)
     auth = episode_auth(group) if headers == "episode" else {"x-api-key": "wrong"}
@@ -233,7 +237,8 @@ async def test_messages_errors_come_in_anthropic_shape(
     assert response.status_code == status
     error = response.json()
     assert error["type"] == "error" and error["error"]["type"] == kind and error["error"]["message"]
-    assert await calls_of(proxy, group["episode_keys"][0]["id"]) == []
+    calls = await calls_of(proxy, group["episode_keys"][0]["id"])
+    assert [(c["status_code"], c["error"]["type"], c["choices"]) for c in calls] == [(status, kind, [])] * recorded
 
 
 async def test_an_oversized_message_is_refused_in_anthropic_shape(sqlite_url: str) -> None:

@@ -158,7 +158,8 @@ async def test_malformed_chat_is_400(client: httpx.AsyncClient, content: bytes, 
     )
     error = assert_error(response, 400, "invalid_request_error")
     assert error["param"] == param
-    assert (await client.get(f"/episodes/{group['episode_keys'][0]['id']}", headers=ADMIN)).json()["calls"] == []
+    (call,) = (await client.get(f"/episodes/{group['episode_keys'][0]['id']}", headers=ADMIN)).json()["calls"]
+    assert (call["status_code"], call["error"], call["choices"]) == (400, error, [])  # the refusal, nothing sent
 
 
 async def test_completion_without_prompt_is_400(client: httpx.AsyncClient) -> None:

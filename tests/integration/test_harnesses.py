@@ -1,0 +1,227 @@
+"""Claude Code and Codex CLI, the real harnesses at their pinned versions, run unchanged through the proxy.
+
+``make setup`` installs both from the npm registry (``deploy/harnesses``: exact versions in its
+``package-lock.json``). Each runs non-interactively on one task against an episode of a real
+``proxy serve`` whose upstream is the named fake engine in its scripted mode
+(``bench/fake_script.py``: a call of the harness's shell tool, then a final answer): their system
+prompts and tools (10-17k tokens) do not fit SmolLM2's context; on a GPU deployment they run on
+vLLM. A TCP tee between harness and proxy (``tests/support/tee.py``) keeps what the harness sent
+and received, so each run checks, without trusting the proxy's own account:
+
+- the harness exits 0 and the file its tool call wrote holds what the task asked;
+- every model call is stored with status 200, its prompt and sampled ids and log-probs exactly
+  what the engine sampled (the engine's answer log), its ``client_request`` the body as sent;
+- the answer the harness received (its events, assembled) is the recorded answer.
+
+In ``compat.mode: strict`` each harness is refused with a 400 naming a field it always sends, and
+every refusal is on the episode as a refused call.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import orjson
+import pytest
+
+from bench._procs import FakeUpstreamProcess
+from tests.support.services import ROOT, ProxyProcess, episode_record, new_episode
+from tests.support.tee import Exchange, Tee
+
+BIN = ROOT / "deploy" / "harnesses" / "node_modules" / ".bin"
+TASK = "create hello.txt containing hello"
+COMMAND = "printf hello > hello.txt"
+TIMEOUT_S = 600
+"""A guard against a hung harness (a run takes seconds; this machine may be shared and loaded)."""
+
+if shutil.which("node") is None:  # make setup installs Debian's nodejs where it can; only without it, a skip
+    pytest.skip(
+        "node is not installed: the agent harnesses cannot run (make setup installs it)", allow_module_level=True
+    )
+
+
+@dataclass
+class Stack:
+    upstream: FakeUpstreamProcess
+    answers: Path
+    lenient: ProxyProcess
+    strict: ProxyProcess
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    for name in ("claude", "codex"):
+        assert (BIN / name).exists(), f"{BIN / name} is missing: run make setup (deploy/bootstrap.py harnesses)"
+    tmp = tmp_path_factory.mktemp("harnesses")
+    answers = tmp / "answers.jsonl"
+    upstream = FakeUpstreamProcess.start(script=COMMAND, answer_log=answers)
+    proxies = [
+        ProxyProcess(
+            upstream.url, f"sqlite+aiosqlite:///{tmp / mode}.db", tmp / mode, extra_env={"FLYWHEEL_COMPAT__MODE": mode}
+        )
+        for mode in ("lenient", "strict")
+    ]
+    try:
+        for proxy in proxies:
+            proxy.start()
+        yield Stack(upstream, answers, *proxies)
+    finally:
+        for proxy in proxies:
+            proxy.stop()
+        upstream.stop()
+
+
+def _engine_answers(stack: Stack) -> list[dict[str, Any]]:
+    text = stack.answers.read_text() if stack.answers.exists() else ""
+    return [orjson.loads(line) for line in text.splitlines()]
+
+
+@dataclass
+class Run:
+    episode: dict[str, Any]
+    done: subprocess.CompletedProcess[str]
+    exchanges: list[Exchange]
+    workdir: Path
+    engine: list[dict[str, Any]]
+    """What the engine sampled during this run."""
+
+
+def _run(stack: Stack, proxy: ProxyProcess, tmp: Path, harness: str) -> Run:
+    episode = new_episode(proxy, f"harness-{harness}")
+    path = urlsplit(episode["base_url"]).path  # /episodes/<id>/v1
+    workdir, home = tmp / "work", tmp / "home"
+    workdir.mkdir()
+    home.mkdir()
+    before = len(_engine_answers(stack))
+    env = {"PATH": os.environ["PATH"], "HOME": str(home), "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    with Tee(proxy.port) as tee:
+        if harness == "claude":
+            env |= {
+                "ANTHROPIC_BASE_URL": tee.url + path.removesuffix("/v1"),
+                "ANTHROPIC_API_KEY": episode["api_key"],
+                "IS_SANDBOX": "1",  # --dangerously-skip-permissions as root
+            }
+            argv = [str(BIN / "claude"), "-p", TASK, "--model", "policy", "--dangerously-skip-permissions"]
+        else:
+            env |= {"CODEX_HOME": str(_codex_home(home, tee.url + path)), "FLYWHEEL_EPISODE_KEY": episode["api_key"]}
+            argv = [str(BIN / "codex"), "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox"]
+            argv.append(TASK)
+        done = subprocess.run(
+            argv, cwd=workdir, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL
+        )
+        exchanges = tee.exchanges()
+    return Run(episode, done, exchanges, workdir, _engine_answers(stack)[before:])
+
+
+def _codex_home(home: Path, base_url: str) -> Path:
+    """Codex's provider block: the episode's base URL and key, the Responses API (its only wire API)."""
+    codex = home / ".codex"
+    codex.mkdir()
+    (codex / "config.toml").write_text(
+        'model = "policy"\nmodel_provider = "flywheel"\n\n[model_providers.flywheel]\nname = "Flywheel"\n'
+        f'base_url = "{base_url}"\nenv_key = "FLYWHEEL_EPISODE_KEY"\nwire_api = "responses"\n'
+    )
+    return codex
+
+
+def _events(raw: bytes) -> list[dict[str, Any]]:
+    return [orjson.loads(line[5:]) for line in raw.split(b"\n") if line.startswith(b"data:") and line[5:].strip()]
+
+
+def _received_message(raw: bytes) -> dict[str, Any]:
+    """A Messages stream as the harness assembled it: id, text, tool calls (name, id, input)."""
+    out: dict[str, Any] = {"text": "", "tools": []}
+    partial: dict[int, str] = {}
+    for event in _events(raw):
+        if event["type"] == "message_start":
+            out["id"] = event["message"]["id"]
+        elif event["type"] == "content_block_start" and event["content_block"]["type"] == "tool_use":
+            block = event["content_block"]
+            out["tools"].append((block["name"], block["id"], event["index"]))
+        elif event["type"] == "content_block_delta":
+            delta = event["delta"]
+            if delta["type"] == "text_delta":
+                out["text"] += delta["text"]
+            elif delta["type"] == "input_json_delta":
+                partial[event["index"]] = partial.get(event["index"], "") + delta["partial_json"]
+    out["tools"] = [(name, ident, orjson.loads(partial.get(i) or "{}")) for name, ident, i in out["tools"]]
+    return out
+
+
+def _received_response(raw: bytes) -> dict[str, Any]:
+    """A Responses stream's final ``response.completed``: id, text, function calls (name, id, input)."""
+    (final,) = [e["response"] for e in _events(raw) if e["type"] == "response.completed"]
+    text = "".join(p["text"] for item in final["output"] if item["type"] == "message" for p in item["content"])
+    calls = [item for item in final["output"] if item["type"] == "function_call"]
+    return {
+        "id": final["id"],
+        "text": text,
+        "tools": [(c["name"], c["call_id"], orjson.loads(c["arguments"])) for c in calls],
+    }
+
+
+def _recorded(call: dict[str, Any]) -> dict[str, Any]:
+    (choice,) = call["choices"]
+    calls = choice["tool_calls"] or ()
+    tools = [(t["function"]["name"], t["id"], orjson.loads(t["function"]["arguments"])) for t in calls]
+    return {"id": call["response_id"], "text": choice["text"], "tools": tools}
+
+
+def _check_recorded(run: Run, proxy: ProxyProcess, api: str, route: str) -> None:
+    seen = [(e.method, e.path, e.status) for e in run.exchanges], run.done.stdout[-1000:], run.done.stderr[-1000:]
+    assert run.done.returncode == 0, seen
+    assert (run.workdir / "hello.txt").read_text() == "hello"
+    posts = [e for e in run.exchanges if e.method == "POST" and urlsplit(e.path).path.endswith(route)]
+    calls = episode_record(proxy, run.episode["id"])["calls"]
+    assert [c["status_code"] for c in calls] == [e.status for e in posts] == [200] * len(posts), seen
+    assert len(calls) == len(run.engine) >= 2  # the tool call, then the final answer
+    assert calls[0]["choices"][0]["tool_calls"] and not calls[-1]["choices"][0]["tool_calls"]
+    received = _received_message if api == "messages" else _received_response
+    for call, post, sampled in zip(calls, posts, run.engine, strict=True):
+        assert (call["api"], call["exact_ids"]) == (api, True)
+        assert call["prompt_token_ids"] == sampled["prompt_token_ids"]
+        assert call["choices"][0]["token_ids"] == sampled["token_ids"]
+        assert call["choices"][0]["logprobs"] == sampled["logprobs"]
+        assert call["client_request"] == orjson.loads(post.body)
+        assert received(post.answer) == _recorded(call)
+    probes = [e for e in run.exchanges if e.method in ("HEAD", "GET")]
+    assert all(e.status == 200 for e in probes), [(e.method, e.path, e.status) for e in probes]
+
+
+def _check_refused(run: Run, proxy: ProxyProcess, route: str, field: str) -> None:
+    seen = [(e.method, e.path, e.status) for e in run.exchanges], run.done.stdout[-1000:], run.done.stderr[-1000:]
+    assert run.done.returncode != 0, seen
+    assert field in run.done.stdout + run.done.stderr, seen
+    posts = [e for e in run.exchanges if e.method == "POST" and urlsplit(e.path).path.endswith(route)]
+    calls = episode_record(proxy, run.episode["id"])["calls"]
+    assert posts and [e.status for e in posts] == [c["status_code"] for c in calls] == [400] * len(posts), seen
+    assert {(c["error"]["param"], c["notes"]["refused"]) for c in calls} == {(field, "compat_strict")}
+    assert run.engine == []  # nothing reached the engine
+
+
+def test_claude_code_runs_unchanged_and_every_call_is_recorded_exactly(stack: Stack, tmp_path: Path) -> None:
+    run = _run(stack, stack.lenient, tmp_path, "claude")
+    _check_recorded(run, stack.lenient, "messages", "/v1/messages")
+    assert any(e.method == "HEAD" for e in run.exchanges)  # its connectivity probe, answered 200
+
+
+def test_claude_code_in_strict_mode_is_refused_naming_the_field(stack: Stack, tmp_path: Path) -> None:
+    run = _run(stack, stack.strict, tmp_path, "claude")
+    _check_refused(run, stack.strict, "/v1/messages", "metadata")
+
+
+def test_codex_runs_unchanged_and_every_call_is_recorded_exactly(stack: Stack, tmp_path: Path) -> None:
+    run = _run(stack, stack.lenient, tmp_path, "codex")
+    _check_recorded(run, stack.lenient, "responses", "/v1/responses")
+
+
+def test_codex_in_strict_mode_is_refused_naming_the_field(stack: Stack, tmp_path: Path) -> None:
+    run = _run(stack, stack.strict, tmp_path, "codex")
+    _check_refused(run, stack.strict, "/v1/responses", "prompt_cache_key")
