@@ -30,6 +30,9 @@ from typing import Any
 
 from deploy.run_config import GuardSection
 
+PROBE_FAILURES = 2
+"""Failed probes in a row after which the guard stops probing."""
+
 
 @dataclass(frozen=True)
 class Probe:
@@ -76,7 +79,10 @@ class Guard:
         self.probes: list[Probe] = []
         self.verdict = Verdict()
         self.probing = True
-        """False once a probe failed (an empty val split, a crashed evaluation): signals only from then on."""
+        """False once ``PROBE_FAILURES`` probes failed in a row (an empty val split, an evaluation that
+        cannot run): signals only from then on. One failure (an engine restarting) is skipped."""
+        self.probe_failures = 0
+        self._last_probe: int | None = None
         self._cut_streak = 0
 
     def probe_due(self, step: int) -> bool:
@@ -84,7 +90,7 @@ class Guard:
         every = self.section.probe_every
         if self.section.action == "off" or every == 0 or step < every or not self.probing:
             return False
-        return not self.probes or step // every > self.probes[-1].step // every
+        return self._last_probe is None or step // every > self._last_probe // every
 
     def observe_step(self, step: int, metrics: dict[str, Any]) -> None:
         if self.section.action == "off":
@@ -92,9 +98,17 @@ class Guard:
         self.steps.append((step, metrics))
         self._check_signals(step)
 
+    def probe_failed(self, step: int) -> None:
+        """A probe could not run: skipped; ``PROBE_FAILURES`` in a row turn probing off."""
+        self.probe_failures += 1
+        self._last_probe = step  # not due again for this multiple
+        self.probing = self.probe_failures < PROBE_FAILURES
+
     def observe_probe(self, step: int, version: int | None, score: float) -> None:
         if self.section.action == "off":
             return
+        self.probe_failures = 0
+        self._last_probe = step
         probe = Probe(step, version, score)
         best = self.verdict.best
         self.probes.append(probe)

@@ -124,8 +124,8 @@ def _probe(stack: Stack, config: RunConfig, run_dir: Path, step: int, guard: Gua
     try:
         result = _evaluate(stack, config, run_dir, f"probe-{step}", config.guard.probe_args)
     except SystemExit as exc:  # the run goes on: a guard without probes still reads the signals
-        log(f"[guard] probe failed ({exc}); no further probes this run")
-        guard.probing = False
+        guard.probe_failed(step)
+        log(f"[guard] probe failed ({exc}); {'skipped' if guard.probing else 'no further probes this run'}")
         return
     versions = [int(v) for v in result.get("policy_versions") or []]
     version = max(versions) if versions else None

@@ -348,19 +348,20 @@ class Splicer:
     async def _render(self, replica: Replica, body: dict[str, Any]) -> dict[str, Any]:
         return await self._post(replica, RENDER, body, optional=True)
 
-    async def closing(self, replica: Replica, model: str) -> list[int]:
-        cached = self._closing.get(replica.name)
+    async def closing(self, replica: Replica, body: dict[str, Any]) -> list[int]:
+        """The end-of-turn ids of the template ``body`` is rendered with (the engine's, or the request's
+        own ``chat_template``), learned once per replica and template."""
+        template = {k: body[k] for k in ("chat_template", "chat_template_kwargs") if body.get(k) is not None}
+        key = replica.name + orjson.dumps(template, option=orjson.OPT_SORT_KEYS).decode()
+        cached = self._closing.get(key)
         if cached is None:
-            asked = await self._render(replica, {"model": model, "messages": _PROBE})
+            probe = {"model": body["model"], **template}
+            asked = await self._render(replica, {**probe, "messages": _PROBE})
             empty = await self._render(
                 replica,
-                {
-                    "model": model,
-                    "add_generation_prompt": False,
-                    "messages": [*_PROBE, {"role": "assistant", "content": ""}],
-                },
+                {**probe, "add_generation_prompt": False, "messages": [*_PROBE, {"role": "assistant", "content": ""}]},
             )
-            cached = self._closing[replica.name] = end_of_turn(asked["token_ids"], empty["token_ids"])
+            cached = self._closing[key] = end_of_turn(asked["token_ids"], empty["token_ids"])
         return cached
 
     async def plan(self, replica: Replica, body: dict[str, Any], cont: Continued) -> Plan | str:
@@ -370,7 +371,7 @@ class Splicer:
         history_body.update(
             messages=messages[: cont.position + 1], add_generation_prompt=False, continue_final_message=False
         )
-        closing = await self.closing(replica, body["model"])
+        closing = await self.closing(replica, body)
         other_stop = ended_elsewhere(cont.choice, closing)
         if other_stop is not None:
             return other_stop

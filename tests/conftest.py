@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.services import PG_URL, TEST_DTYPE, engine_python, free_port, model_dir
+from tests.support.services import PG_URL, model_dir, shared_engine
 
 
 @pytest.fixture(scope="session")
@@ -18,18 +18,8 @@ def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if os.environ.get("FLYWHEEL_TEST_VLLM_URL"):
         yield os.environ["FLYWHEEL_TEST_VLLM_URL"].rstrip("/")
         return
-    from deploy.vllm import VLLMServer
-
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    server = VLLMServer(
-        model=model_dir(),
-        port=free_port(),
-        python=engine_python(),
-        log_path=log,
-        cpu_kv_cache_gib=2,
-        max_model_len=8192,
-        dtype=TEST_DTYPE,
-    )
+    server = shared_engine(log)
     server.start()
     os.environ["FLYWHEEL_TEST_VLLM_LOG"] = str(log)  # tests that read the engine's own log
     try:
@@ -85,6 +75,3 @@ async def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIter
         yield url
     finally:
         await _drop_pg_database(url)
-
-
-__all__ = ["engine_python", "free_port"]

@@ -15,21 +15,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from deploy.vllm import VLLMServer
-from tests.support.services import TEST_DTYPE, engine_python, free_port, model_dir
+from tests.support.services import shared_engine
 
 
 def main(suites: list[list[str]]) -> int:
     log = Path(tempfile.mkdtemp(prefix="flywheel-test-vllm-")) / "vllm.log"
-    server = VLLMServer(
-        model=model_dir(),
-        port=free_port(),
-        python=engine_python(),
-        log_path=log,
-        cpu_kv_cache_gib=2,
-        max_model_len=8192,
-        dtype=TEST_DTYPE,
-    )
+    server = shared_engine(log)
     server.start()
     try:
         server.wait_healthy(timeout=600)

@@ -25,8 +25,10 @@ def test_probes_are_due_once_per_multiple_of_probe_every() -> None:
     assert not guard.probe_due(14) and guard.probe_due(15)
     assert not Guard(dataclasses.replace(SECTION, action="off")).probe_due(10)
     assert not Guard(dataclasses.replace(SECTION, probe_every=0)).probe_due(10)
-    guard.probing = False  # a probe failed: signals only from then on
-    assert not guard.probe_due(20)
+    guard.probe_failed(15)  # one failure (an engine restarting): skipped, probes go on
+    assert guard.probing and not guard.probe_due(19) and guard.probe_due(20)
+    guard.probe_failed(20)  # two in a row: signals only from then on
+    assert not guard.probing and not guard.probe_due(25)
 
 
 def test_a_probe_fall_is_a_collapse_only_after_patience_probes() -> None:

@@ -21,7 +21,15 @@ import pytest
 
 from proxy.client import Episode
 from proxy.store.db import sqlite_file
-from tests.support.services import ADMIN_KEY, ProxyProcess, episode_record, new_episode, serving_proxy
+from tests.support.services import (
+    ADMIN_KEY,
+    ROOT,
+    ProxyProcess,
+    episode_record,
+    grammar_masker,
+    new_episode,
+    serving_proxy,
+)
 from trainer.data import DataStats, episode_samples
 
 pytestmark = pytest.mark.vllm
@@ -141,7 +149,9 @@ def test_follow_up_prompts_extend_the_sampled_ids(proxy: ProxyProcess, vllm_url:
     canonical = rendered(vllm_url, messages)
     assert canonical[: len(sampled)] != sampled and note["rendered_tokens"] == len(canonical)
     stats = DataStats()
-    (sample,) = episode_samples(Episode.model_validate(raw), group_id="g", max_seq_len=8192, stats=stats)
+    (sample,) = episode_samples(
+        Episode.model_validate(raw), group_id="g", max_seq_len=8192, stats=stats, masker=grammar_masker()
+    )
     assert (stats.merged, stats.breaks) == (1, 0)
     # The trainer merges them, so the store keeps the second as a delta on the first: its new prompt
     # ids after the first's prompt and choice 0, its two new messages after the first's two. vLLM's
@@ -209,3 +219,73 @@ def test_a_follow_up_that_offers_other_tools_is_rendered_from_its_own_request(pr
     sampled = one["prompt_token_ids"] + one["choices"][0]["token_ids"]
     assert two["prompt_token_ids"][: len(one["prompt_token_ids"])] != one["prompt_token_ids"]  # another system block
     assert two["prompt_token_ids"][: len(sampled)] != sampled
+
+
+THINKING = (ROOT / "tests" / "support" / "templates" / "chatml_strips_thinking.jinja").read_text()
+
+
+def _thinking_episode(proxy: ProxyProcess) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Two turns of a 'thinking' model: the first answer is forced (a regex grammar) to open with a
+    <think> block, the second call repeats it and adds a user turn, both rendered with a template
+    that then drops the block; returns both stored calls."""
+    episode = new_episode(proxy, "thinking")
+    auth = {"authorization": f"Bearer {episode['api_key']}"}
+    question = [{"role": "user", "content": "Is the sea blue? Think first."}]
+    common = {"model": "policy", "chat_template": THINKING, "temperature": 1.0}
+    first = httpx.post(
+        f"{episode['base_url']}/chat/completions",
+        headers=auth,
+        timeout=300,
+        json={
+            **common,
+            "messages": question,
+            "max_tokens": 40,
+            "structured_outputs": {"regex": "<think>[a-z ]{4,24}</think>[A-Za-z ]{2,16}"},
+        },
+    )
+    assert first.status_code == 200, first.text
+    answer = first.json()["choices"][0]["message"]["content"]
+    assert answer.startswith("<think>") and "</think>" in answer
+    follow = [*question, {"role": "assistant", "content": answer}, {"role": "user", "content": "Why?"}]
+    second = httpx.post(
+        f"{episode['base_url']}/chat/completions",
+        headers=auth,
+        timeout=300,
+        json={**common, "messages": follow, "max_tokens": 8},
+    )
+    assert second.status_code == 200, second.text
+    one, two = sorted(episode_record(proxy, episode["id"])["calls"], key=lambda c: c["ordinal"])
+    return one, two
+
+
+def test_a_thinking_models_episode_stays_one_sequence_with_reasoning_kept(
+    vllm_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Issue 30: a template that drops earlier reasoning re-renders every earlier turn, so with
+    ``splice.reasoning: strip`` each turn is a sample of its own (the trainer recomputes the prefix
+    per turn); ``keep`` puts the sampled reasoning back and the episode is one sequence."""
+    figures = {}
+    for mode in ("strip", "keep"):
+        with serving_proxy(
+            vllm_url, tmp_path_factory.mktemp(f"think-{mode}"), FLYWHEEL_SPLICE__REASONING=mode
+        ) as proxy:
+            one, two = _thinking_episode(proxy)
+        sampled = one["prompt_token_ids"] + one["choices"][0]["token_ids"]
+        stats = DataStats()
+        calls = Episode.model_validate({"id": "e", "status": "rewarded", "reward": 1.0, "calls": [one, two]})
+        samples = episode_samples(calls, group_id="g", max_seq_len=8192, stats=stats, masker=grammar_masker())
+        figures[mode] = (len(samples), sum(s.num_loss_tokens for s in samples), sum(len(s) for s in samples))
+        if mode == "strip":
+            assert "differently" in two["notes"]["splice"]["skipped"]
+            assert two["prompt_token_ids"][: len(sampled)] != sampled  # vLLM's render, reasoning dropped
+            assert (stats.merged, stats.breaks) == (0, 1)
+        else:
+            assert two["notes"]["splice"]["kept_reasoning"] is True
+            assert two["prompt_token_ids"][: len(sampled)] == sampled  # what the model sampled, reasoning included
+            assert (stats.merged, stats.breaks) == (1, 0)
+    print(
+        "thinking episode (2 turns): samples, trained tokens, tokens the trainer reads: "
+        f"strip {figures['strip']}, keep {figures['keep']}"
+    )
+    assert figures["keep"][0] == 1 and figures["strip"][0] == 2
+    assert figures["keep"][2] < figures["strip"][2]  # one pass over the prefix, not one per turn

@@ -9,6 +9,7 @@ developing); otherwise the session starts its own with the engine venv's Python
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -49,6 +50,38 @@ def model_dir() -> str:
     from deploy.model import fetch
 
     return str(fetch())
+
+
+def shared_engine(log: Path) -> Any:
+    """The tests' shared vLLM (``tests/conftest.py``, ``tests/run_suites.py``): the model, a small KV
+    cache and float32 as the tests pin it, and request-level chat templates allowed (vLLM refuses a
+    request's ``chat_template`` without ``--trust-request-chat-template``), which the reasoning
+    splice tests send."""
+    from deploy.vllm import VLLMServer
+
+    return VLLMServer(
+        model=model_dir(),
+        port=free_port(),
+        python=engine_python(),
+        log_path=log,
+        cpu_kv_cache_gib=2,
+        max_model_len=8192,
+        dtype=TEST_DTYPE,
+        extra_args=["--trust-request-chat-template"],
+    )
+
+
+@functools.cache
+def grammar_masker() -> Any:
+    """The trainer's grammar masker for the test model (``trainer/grammar.py``): constrained calls are
+    trained only under the mask the engine applied, so a test of the trainer's data path on real
+    tool calls needs it, as the trainer has it."""
+    from transformers import AutoTokenizer
+
+    from trainer.grammar import masks_for
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir())
+    return masks_for(Path(model_dir()), tokenizer, len(tokenizer))
 
 
 def wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes] | None = None, log: Path | None = None) -> None:

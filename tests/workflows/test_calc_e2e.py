@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.services import ProxyProcess
+from tests.support.services import ProxyProcess, grammar_masker
 from tests.workflows.conftest import admin_get, run_cli
 from workflows.calc.env import CALCULATOR, SUBMIT
 
@@ -73,7 +73,9 @@ def test_a_real_episode_calls_tools_and_merges_into_one_sample(proxy: ProxyProce
         assert metadata["valid_calls"] == 3 and metadata["all_valid"] is True
 
         stats = DataStats()
-        (sample,) = episode_samples(Episode.model_validate(raw), group_id=group["id"], max_seq_len=8192, stats=stats)
+        (sample,) = episode_samples(
+            Episode.model_validate(raw), group_id=group["id"], max_seq_len=8192, stats=stats, masker=grammar_masker()
+        )
         assert (stats.merged, stats.breaks, stats.calls_constrained) == (2, 0, 3)
         assert sample.input_ids[: len(calls[-1]["prompt_token_ids"])] == calls[-1]["prompt_token_ids"]
         # Trained tokens are the model's own decisions: inside a completion, exactly the tokens the

@@ -75,7 +75,7 @@ def test_eval_reports_accuracy_and_format_without_recording(proxy: ProxyProcess)
         (["-o", "mix=nope"], "mix must be one of ['basic', 'hard']"),
         (["-o", "colour=red"], "unknown option 'colour'"),
         (["-o", "max_tokens=many"], "option max_tokens='many': expected int"),
-        (["--split", "dev"], "split must be train or test"),
+        (["--split", "dev"], "split must be train, val or test"),
         (["--group-size", "0"], "group_size must be >= 1"),
     ],
 )
