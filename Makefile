@@ -50,11 +50,11 @@ lock:
 lint: engine
 	$(ENGINE_PY) -m ruff check .
 	$(ENGINE_PY) -m ruff format --check .
-	$(ENGINE_PY) -m mypy proxy trainer deploy workflows bench
+	$(ENGINE_PY) -m mypy proxy trainer deploy workflows bench contract
 
 # Coverage over the packages named in pyproject's [tool.coverage.run]; spelled out because a bare
 # `--cov` takes the next argument (a test path in PYTEST_ARGS) as its source.
-COV = --cov=proxy --cov=trainer --cov=deploy --cov=workflows
+COV = --cov=contract --cov=proxy --cov=trainer --cov=deploy --cov=workflows
 
 TEST_ENV = FLYWHEEL_ENGINE_PYTHON=$(ENGINE_PY) FLYWHEEL_AGENTS_PYTHON=$(AGENTS_PY) \
 	FLYWHEEL_MODEL_DIR=$$($(ENGINE_PY) -m deploy.model path)

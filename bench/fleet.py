@@ -8,11 +8,11 @@ toy chat template, so the context grows turn by turn and each call extends the p
 its completion, as an agent's calls do.
 
 The agents: ``--agents`` M episodes run at once, in groups of ``--group-size`` created through the
-proxies in turn (``proxy/client.py``). An episode is ``--turns`` T calls: a first user message of
+proxies in turn (``contract/client.py``). An episode is ``--turns`` T calls: a first user message of
 ``--first-words`` words, then per turn the model's canned answer (``--completion`` tokens) and an
 environment message of ``--added-words`` words (one token each under the toy template); rewards are
 posted when the group's episodes end, and a new group starts. A trainer-like client claims complete
-groups as the trainer does (``proxy.client``: delta form, rejoined) and acks them over HTTP
+groups as the trainer does (``contract.client``: delta form, rejoined) and acks them over HTTP
 (``--no-trainer`` to leave them), counting the claim answers' bytes.
 
 Measured over the window after ``--warmup-s``: calls/s, p50/p99 call latency, proxy CPU per call
@@ -51,7 +51,7 @@ from bench._procs import FakeUpstreamProcess, ProxyUnderTest, cpu_seconds, exit_
 from bench.capacity import Costs, Episode, plan
 from bench.fake_upstream import Template, canned_text
 from bench.store_growth import pg_admin
-from proxy.client import AsyncProxyClient
+from contract.client import AsyncProxyClient
 from proxy.store.db import migrate_async
 
 WORDS = [f"w{i:03x}" for i in range(4096)]

@@ -39,9 +39,9 @@ from typing import Any
 import yaml
 
 from bench._procs import ROOT, free_port
+from contract.client import AsyncProxyClient
 from deploy.run_config import RunConfig, load_run_config
 from deploy.stack import Stack
-from proxy.client import AsyncProxyClient
 from workflows.base import Endpoint
 from workflows.judge import Judge, JudgeConfig, JudgeFailed
 from workflows.math.run import MathOptions, MathWorkflow

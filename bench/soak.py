@@ -46,8 +46,8 @@ import uvloop
 from bench._loadgen import CHAT_END, StreamEnd, build_request, connect
 from bench._procs import FakeUpstreamProcess, ProxyUnderTest, exit_on_sigterm, load_average, open_fds, rss_mb, tree
 from bench.fake_upstream import canned_text
-from proxy.client import AsyncProxyClient
-from proxy.vocabulary import AckStatus
+from contract.client import AsyncProxyClient
+from contract.vocabulary import AckStatus
 
 KINDS = ("chat", "chat_stream", "tool", "responses", "messages")
 RESPONSES_END = StreamEnd((b"event: response.completed\n", b"event: response.incomplete\n"), keep=4096)

@@ -51,7 +51,7 @@ from typing import Any
 from sqlalchemy import MetaData, Table, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from proxy.schemas import CallOut
+from contract.schemas import CallOut
 from proxy.store.db import make_engine, migrate_async, sqlite_file
 from proxy.store.models import Call
 from proxy.store.records import NewCall

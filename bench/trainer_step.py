@@ -69,7 +69,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from bench._procs import ProxyUnderTest, exit_on_sigterm, load_average  # noqa: E402
-from proxy.client import ProxyClient  # noqa: E402
+from contract.client import ProxyClient  # noqa: E402
 from trainer.config import TrainerConfig, load_config  # noqa: E402
 from trainer.data import Sample, build_batch  # noqa: E402
 from trainer.learner import Learner  # noqa: E402

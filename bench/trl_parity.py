@@ -14,7 +14,7 @@ with the math workflow's reward. The engine log-probs a real run records are the
 processed log-probs at that temperature; here they are computed with the base model, so the
 importance weights are 1 up to rounding, as measured on real runs (``engine_logp_diff`` ~5e-6).
 
-Flywheel's path: the completions become recorded groups (``proxy.client`` models, as the trainer
+Flywheel's path: the completions become recorded groups (``contract.client`` models, as the trainer
 claims them: prompt ids, completion ids and log-probs, ``notes.sampling``), then
 ``trainer.data.build_batch`` (advantages), ``trainer.packing`` and ``trainer.learner.Learner.step``
 with the trainer config ``configs/run-local.yaml`` names. TRL's path: ``GRPOTrainer`` built with
@@ -54,7 +54,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from bench.learning_vs_trl import Shared, shared_settings, trl_args, trl_lora, trl_tokenizer  # noqa: E402
-from proxy.client import Call, Episode, Group  # noqa: E402
+from contract.client import Call, Episode, Group  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.data import build_batch  # noqa: E402
 from trainer.learner import Learner  # noqa: E402

@@ -19,9 +19,9 @@ from pathlib import Path
 import httpx
 import yaml
 
+from contract.keyfile import key_file_keys
 from deploy.run_config import RunConfig
 from deploy.vllm import ROOT, Supervisor, VLLMServer, die_with_parent
-from proxy.client import key_file_keys
 
 
 def log(message: str) -> None:

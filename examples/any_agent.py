@@ -7,7 +7,7 @@ The agent below is ordinary OpenAI-SDK code and knows nothing about Flywheel: it
 ``base_url`` and an ``api_key``, the ones the proxy hands out for each episode. The proxy records
 every call it makes (exact token ids, logprobs, policy version); afterwards whoever can judge the
 result posts the episode's reward with the admin key. A group of episodes on one task is what
-GRPO trains on. Needed: openai, and the control API's client ``proxy.client`` from this repository
+GRPO trains on. Needed: openai, and the control API's client ``contract.client`` from this repository
 (httpx and pydantic only; ``AsyncProxyClient`` is the same for async code).
 
 No checker at hand? ``--reward judge`` holds the rewards until every episode of the group has run,
@@ -24,7 +24,7 @@ import os
 
 from openai import OpenAI
 
-from proxy.client import AsyncProxyClient, ProxyClient
+from contract.client import AsyncProxyClient, ProxyClient
 from workflows.base import Endpoint
 from workflows.judge import REWARD_MODES, Judge, JudgeConfig, RewardMode, Settled, reward_group
 

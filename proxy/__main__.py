@@ -13,9 +13,9 @@ import typer
 from proxy.settings import load_settings
 
 if TYPE_CHECKING:
+    from contract.vocabulary import EpisodeStatus
     from proxy.export import Filters as ExportFilters
     from proxy.export import Format as ExportFormat
-    from proxy.vocabulary import EpisodeStatus
 
 cli = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 

@@ -30,9 +30,10 @@ from typing import Any
 
 import orjson
 
+from contract.schemas import MAX_STORED_INT
+from contract.vocabulary import CallKind
+from proxy.depth import MAX_DEPTH, too_deep
 from proxy.errors import UpstreamError
-from proxy.schemas import MAX_DEPTH, MAX_STORED_INT, too_deep
-from proxy.vocabulary import CallKind
 
 log = logging.getLogger("flywheel.answers")
 

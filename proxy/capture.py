@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from contract.vocabulary import CallKind
 from proxy.errors import InvalidRequest
-from proxy.vocabulary import CallKind
 
 
 @dataclass(frozen=True, slots=True)

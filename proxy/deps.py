@@ -10,13 +10,13 @@ from fastapi import Depends, Request
 
 from proxy.admission import Admission
 from proxy.auth import KeyRing, Principal, bearer
+from proxy.depth import MAX_DEPTH, too_deep
 from proxy.errors import AuthenticationFailed, InvalidRequest, PayloadTooLarge, PermissionDenied
 from proxy.gate import EpisodeGate, canonical_id, identify_episode
 from proxy.metrics import Metrics
 from proxy.policy_table import PolicyTable
 from proxy.recorder import Recorder
 from proxy.relay import Relay
-from proxy.schemas import MAX_DEPTH, too_deep
 from proxy.settings import Settings
 from proxy.store.repository import Repository
 from proxy.throttle import FailedAuth

@@ -36,10 +36,10 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from contract.vocabulary import EpisodeStatus
 from proxy.store.records import CallRecord, EpisodeRecord
 from proxy.store.repository import Repository
 from proxy.store.rows import json_text
-from proxy.vocabulary import EpisodeStatus
 
 Format = Literal["jsonl", "parquet"]
 TRAINED_MODES = ("sampled", "truncated", "constrained")

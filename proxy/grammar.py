@@ -30,10 +30,10 @@ from typing import Any, Final
 
 import orjson
 
+from contract.vocabulary import CallKind
 from proxy.answers import json_object
 from proxy.errors import FlywheelError
 from proxy.upstream import Replica, Upstreams
-from proxy.vocabulary import CallKind
 
 log = logging.getLogger("flywheel.grammar")
 

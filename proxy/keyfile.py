@@ -1,8 +1,9 @@
 """The admin key file, read again while the proxy runs: the admin key rotates without a restart.
 
-The file: the first non-empty line is the admin key (new episode keys and dashboard sessions are
-signed with it); further lines are earlier keys, still accepted until they are removed; lines
-starting with ``#`` are comments. Each proxy process reads it again on SIGHUP and every
+The file (its format is ``contract/keyfile.py``'s, shared with every client that reads it): the
+first non-empty line is the admin key (new episode keys and dashboard sessions are signed with it);
+further lines are earlier keys, still accepted until they are removed; lines starting with ``#``
+are comments. Each proxy process reads it again on SIGHUP and every
 ``auth.key_reload_s`` seconds, so every worker and every replica that mounts the same file (a
 Kubernetes or Docker secret, a shared volume) follows a change without being signalled. A key that
 leaves the file keeps working for ``auth.rotation_grace_s`` seconds in each process that had it
@@ -21,8 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
+from contract.keyfile import key_file_keys
 from proxy.auth import KeyRing
-from proxy.client import key_file_keys
 from proxy.settings import MIN_KEY_CHARS, AuthSettings
 
 log = logging.getLogger("flywheel.auth")

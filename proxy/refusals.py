@@ -16,11 +16,11 @@ import logging
 import time
 from typing import Any
 
+from contract.vocabulary import CallApi, CallKind
 from proxy.errors import EpisodeClosed, FlywheelError, RecordingFailed
 from proxy.metrics import Metrics
 from proxy.recorder import Recorder
 from proxy.store.records import NewCall
-from proxy.vocabulary import CallApi, CallKind
 
 log = logging.getLogger("flywheel.refusals")
 

@@ -23,6 +23,7 @@ import httpx
 import orjson
 from fastapi.responses import Response, StreamingResponse
 
+from contract.vocabulary import CallKind
 from proxy.answers import READ_ERRORS, check_answer, check_chunk, json_object, malformed, reading, unreadable
 from proxy.capture import (
     Captured,
@@ -55,7 +56,6 @@ from proxy.settings import SamplingSettings
 from proxy.splice import Plan, Splicer, SpliceUnavailable
 from proxy.store.records import NewCall
 from proxy.upstream import Replica, Upstreams, answer_error, map_transport_error
-from proxy.vocabulary import CallKind
 
 log = logging.getLogger("flywheel.relay")
 

@@ -20,7 +20,7 @@ from typing import Annotated
 
 import typer
 
-from proxy.client import ProxyClient, ProxyError, RetryPolicy
+from contract.client import ProxyClient, ProxyError, RetryPolicy
 from trainer.config import ConfigError, TrainerConfig, load_config
 
 cli = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)

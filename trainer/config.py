@@ -19,8 +19,8 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from proxy.client import key_file_keys
-from proxy.vocabulary import Abandoned
+from contract.keyfile import key_file_keys
+from contract.vocabulary import Abandoned
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 ScaleRewards = Literal["group", "batch", "none"]

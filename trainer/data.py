@@ -48,9 +48,9 @@ from typing import Any
 
 import torch
 
-from proxy.client import Call, Episode, Group
-from proxy.tokens import continues, extends
-from proxy.vocabulary import Abandoned
+from contract.client import Call, Episode, Group
+from contract.tokens import continues, extends
+from contract.vocabulary import Abandoned
 from trainer.config import ScaleRewards, TurnCredit
 from trainer.loss import group_advantages
 

@@ -37,8 +37,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from proxy.client import Demand, Group, ProxyClient, ProxyError
-from proxy.vocabulary import AckStatus
+from contract.client import Demand, Group, ProxyClient, ProxyError
+from contract.vocabulary import AckStatus
 from trainer.checkpoint import Checkpoints, CheckpointState, LeaseRecord
 from trainer.config import TrainerConfig
 from trainer.data import Batch, ChatRetokenizer, Rules, Sample, build_batch, staleness

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from proxy.client import PolicyVersion, ProxyClient, ProxyError
+from contract.client import PolicyVersion, ProxyClient, ProxyError
 from trainer.lora import LoraPolicy
 
 

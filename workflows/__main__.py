@@ -25,7 +25,8 @@ from typing import Annotated, Any, cast, get_args
 
 import typer
 
-from proxy.client import AsyncProxyClient, ProxyError, key_file_keys
+from contract.client import AsyncProxyClient, ProxyError
+from contract.keyfile import key_file_keys
 from workflows.base import Endpoint, Split, Workflow
 from workflows.judge import REWARD_MODES, Judge, JudgeConfig, RewardMode
 from workflows.options import OptionError, describe, parse_options

@@ -39,7 +39,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Literal, TypeVar
 
-from proxy.vocabulary import Abandoned
+from contract.vocabulary import Abandoned
 
 Split = Literal["train", "val", "test"]
 """``val``: a fixed share of the train tasks (``VAL_EVERY``) held out of training, for probes while a

@@ -42,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-from proxy.client import AsyncProxyClient, CreatedGroup, EpisodeKey, ProxyError, ProxyUnreachable
+from contract.client import AsyncProxyClient, CreatedGroup, EpisodeKey, ProxyError, ProxyUnreachable
 from workflows.base import EPISODE_POOL, INFRASTRUCTURE, Endpoint, Episode, EpisodeFailed, Outcome, Split, Workflow
 from workflows.judge import JUDGE_FAILED, Judge, JudgedGroup, JudgeStats, RewardMode, abandon, reward_group
 

@@ -11,7 +11,9 @@ episode id order: a run that stops keeps every batch it committed, and running i
 intermediate state is readable: a converted call refers only to an earlier call of its episode,
 which reads back the same in either layout, and readers take both layouts.
 
-The conversion uses the proxy's own ``proxy.store.delta.pack``: the very layout new calls get.
+The conversion uses the compact layout's ``pack`` from a frozen private copy
+(``migrations/frozen_layout.py``, taken from ``proxy/store/delta.py`` as of revision 0006), so a
+later change to the live layout never changes what this revision does.
 """
 
 from __future__ import annotations
@@ -22,8 +24,7 @@ from typing import Any
 import sqlalchemy as sa
 from alembic import op
 
-from proxy.store.delta import COMPACT, Heavy, Tail, pack, tail_of
-from proxy.store.rows import heavies
+from migrations.frozen_layout import COMPACT, Heavy, Tail, heavies, pack, tail_of
 
 revision = '0004'
 down_revision = '0003'
@@ -31,7 +32,7 @@ branch_labels = None
 depends_on = None
 
 # This revision's columns, frozen: later revisions add layout columns (0006: client_from) that do
-# not exist yet when it runs; rows read here have none, and ``delta.stored`` reads them as absent.
+# not exist yet when it runs; rows read here have none, and ``stored`` reads them as absent.
 _PACKED = ("base_ordinal", "prompt_choice", "prompt_ids", "messages_from", "choice_ids", "choice_logprobs")
 _CHAIN = ("episode_id", "ordinal", "request", "prompt_token_ids", "choices", "encoding", *_PACKED)
 _INTEGER = ("encoding", "ordinal", "base_ordinal", "prompt_choice", "messages_from")

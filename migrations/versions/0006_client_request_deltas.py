@@ -8,8 +8,9 @@ call's list come first) makes the list a delta on the same base as the call's pr
 The column comes first, in the migration's transaction. Then the stored calls of episodes with a
 client request are converted, ``FLYWHEEL_MIGRATE_BATCH`` episodes (default 200) per committed
 transaction, in episode id order; a call is rewritten only where its list extends its base's
-(``proxy.store.delta.pack`` decides, as for new calls). Every intermediate state is readable (a
-NULL ``client_from`` is a whole list) and a second run rewrites nothing it already did.
+(``pack`` decides, as it did for new calls then: a frozen copy, ``migrations/frozen_layout.py``).
+Every intermediate state is readable (a NULL ``client_from`` is a whole list) and a second run
+rewrites nothing it already did.
 
 Revision ID: 0006
 Revises: 0005
@@ -24,8 +25,7 @@ from typing import Any
 import sqlalchemy as sa
 from alembic import op
 
-from proxy.store.delta import Heavy, Tail, pack
-from proxy.store.rows import heavies
+from migrations.frozen_layout import Heavy, Tail, heavies, pack
 
 revision = "0006"
 down_revision = "0005"

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from contract.vocabulary import CallApi
 from proxy.errors import FlywheelError
-from proxy.vocabulary import CallApi
 
 
 class EventStream(Protocol):

@@ -45,6 +45,7 @@ from uuid import uuid4
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError
 
+from contract.vocabulary import CallApi
 from proxy import compat
 from proxy.compat import Ledger
 from proxy.errors import (
@@ -62,7 +63,6 @@ from proxy.errors import (
     UpstreamTimeout,
 )
 from proxy.settings import CompatSettings
-from proxy.vocabulary import CallApi
 
 RAW_ARGUMENTS = "_raw_arguments"
 """The key of a tool_use ``input`` that carries arguments text which is not a JSON object."""

@@ -36,11 +36,11 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from contract.vocabulary import CallApi
 from proxy import compat
 from proxy.compat import Ledger
 from proxy.errors import FlywheelError, InvalidRequest
 from proxy.store.records import CallRecord
-from proxy.vocabulary import CallApi
 
 INCLUDABLE = frozenset({"message.output_text.logprobs", "reasoning.encrypted_content"})
 _ENCRYPTED_PREFIX = "flywheel:"

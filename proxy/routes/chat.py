@@ -15,11 +15,11 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from contract.vocabulary import CallApi, CallKind
 from proxy.deps import episode_of, identify, json_body, services_of
 from proxy.errors import FlywheelError, InvalidRequest
 from proxy.gate import canonical_id, identify_episode
 from proxy.refusals import refused
-from proxy.vocabulary import CallApi, CallKind
 
 router = APIRouter(tags=["openai"])
 

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Query, Request
 
-from proxy.deps import AdminDep, ServicesDep
-from proxy.errors import BacklogFull, InvalidRequest
-from proxy.gate import canonical_id
-from proxy.schemas import (
+from contract.schemas import (
     MAX_STORED_INT,
     AbandonIn,
     CreatedEpisode,
@@ -21,7 +18,10 @@ from proxy.schemas import (
     ListOut,
     RewardIn,
 )
-from proxy.vocabulary import EpisodeStatus, GroupStatus, TrainStatus
+from contract.vocabulary import EpisodeStatus, GroupStatus, TrainStatus
+from proxy.deps import AdminDep, ServicesDep
+from proxy.errors import BacklogFull, InvalidRequest
+from proxy.gate import canonical_id
 
 router = APIRouter(tags=["episodes"])
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
+from contract.schemas import ListOut, PolicyOut, PublishIn
 from proxy.deps import AdminDep, ServicesDep
-from proxy.schemas import ListOut, PolicyOut, PublishIn
 
 router = APIRouter(prefix="/policy", tags=["policy"])
 

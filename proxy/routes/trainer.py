@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Query
 
-from proxy.deps import AdminDep, ServicesDep
-from proxy.schemas import (
+from contract.schemas import (
     MAX_STORED_INT,
     AckIn,
     AdmissionOut,
@@ -26,6 +25,7 @@ from proxy.schemas import (
     StepIn,
     TrainerDemandOut,
 )
+from proxy.deps import AdminDep, ServicesDep
 
 router = APIRouter(prefix="/trainer", tags=["trainer"])
 

@@ -21,10 +21,10 @@ from typing import Any
 from sqlalchemy import func, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from contract.vocabulary import EpisodeStatus, GroupStatus, TrainStatus
 from proxy.store.models import Call, Episode, Group
 from proxy.store.records import CallRecord, EpisodeRecord, GroupRecord
 from proxy.store.rows import call_records, episode_record, group_records
-from proxy.vocabulary import EpisodeStatus, GroupStatus, TrainStatus
 
 COUNTS_TTL_S = 5.0
 """How long the overview's store counts are reused. Counting is a scan of every table (PostgreSQL,

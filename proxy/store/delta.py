@@ -3,7 +3,7 @@
 Why. An agent sends its whole conversation on every call, so a store that keeps each call's prompt
 ids and messages whole grows with the square of an episode's turns. Here a call whose prompt ids
 continue an earlier call of its episode (that call's prompt followed by one of its choices' sampled
-ids: ``proxy.tokens.continues``, the test the trainer's merge applies) stores only the ids that
+ids: ``contract.tokens.continues``, the test the trainer's merge applies) stores only the ids that
 follow, with the earlier call's ordinal (``base_ordinal``); a call whose messages start with that
 call's whole list stores only the messages that follow (``messages_from``: how many it inherits).
 
@@ -36,7 +36,7 @@ from typing import Any
 
 import orjson
 
-from proxy.tokens import continues, extends, rejoin_ids, rejoin_messages
+from contract.tokens import continues, extends, rejoin_ids, rejoin_messages
 
 COMPACT = 1
 """``calls.encoding`` of rows in this layout (0: the JSON layout before migration 0004)."""

@@ -27,7 +27,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from proxy.vocabulary import CallApi, CallKind, EpisodeStatus, GroupStatus, TrainStatus
+from contract.vocabulary import CallApi, CallKind, EpisodeStatus, GroupStatus, TrainStatus
 
 
 class Base(DeclarativeBase):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.vocabulary import CallApi, CallKind, EpisodeStatus, GroupStatus, TrainStatus
+from contract.vocabulary import CallApi, CallKind, EpisodeStatus, GroupStatus, TrainStatus
 
 
 @dataclass(slots=True)
@@ -43,7 +43,7 @@ class NewCall:
 
 @dataclass(slots=True, frozen=True)
 class CallDelta:
-    """How a call in delta form joins its base, an earlier call of its episode (``proxy/tokens.py``)."""
+    """How a call in delta form joins its base, an earlier call of its episode (``contract/tokens.py``)."""
 
     base_ordinal: int
     prompt_choice: int | None

@@ -23,6 +23,7 @@ from sqlalchemy import Select, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, async_sessionmaker
 
+from contract.vocabulary import AckStatus, EpisodeStatus, GroupStatus, TrainStatus
 from proxy.errors import Conflict, EpisodeClosed, FlywheelError, InvalidRequest, NotFound, RecordingFailed
 from proxy.store.browse import Browse
 from proxy.store.db import CONNECT_TIMEOUT_S, is_sqlite, make_engine, sqlite_file
@@ -52,7 +53,6 @@ from proxy.store.rows import (
     uncached,
 )
 from proxy.store.sqlite_fast import SqliteFastPath
-from proxy.vocabulary import AckStatus, EpisodeStatus, GroupStatus, TrainStatus
 
 log = logging.getLogger("flywheel.store")
 

@@ -21,6 +21,7 @@ from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
+from contract.vocabulary import EpisodeStatus, GroupStatus, TrainStatus
 from proxy import export as ex
 from proxy.auth import bearer
 from proxy.deps import Services, ServicesDep, check_key
@@ -29,7 +30,6 @@ from proxy.gate import canonical_id
 from proxy.store.browse import Cursor
 from proxy.ui import views
 from proxy.ui.session import COOKIE, SessionTokens
-from proxy.vocabulary import EpisodeStatus, GroupStatus, TrainStatus
 
 HERE = Path(__file__).parent
 PAGE = 50

@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
+from contract.client import Episode, Group
 from deploy import groups as report
-from proxy.client import Episode, Group
 from proxy.store.repository import Repository
 from tests.proxy.test_store import call as stored_call
 from tests.support.services import ADMIN_KEY, ProxyProcess, serving_proxy

@@ -279,7 +279,7 @@ def test_export_of_real_episodes_loads_in_datasets_and_matches_the_records(
     from datasets import load_dataset
     from transformers import AutoTokenizer
 
-    from proxy.client import Episode
+    from contract.client import Episode
     from trainer.data import DataStats, episode_samples
     from trainer.grammar import masks_for
 

@@ -16,7 +16,7 @@ import anthropic
 import openai
 import pytest
 
-from proxy.client import Episode
+from contract.client import Episode
 from tests.support.services import ProxyProcess, episode_record, grammar_masker, new_episode, serving_proxy
 from trainer.data import DataStats, episode_samples
 

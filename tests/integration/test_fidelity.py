@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.client import Episode
+from contract.client import Episode
 from proxy.store.db import migrate_async
 from tests.proxy.conftest import ADMIN, make_settings, running_app
 from tests.support.services import TEST_DTYPE, engine_python, free_port
@@ -273,7 +273,7 @@ async def test_n_choices_become_group_members_or_follow_the_continued_choice(vll
             (await client.get(f"/episodes/{second}", headers=ADMIN, params={"calls": "true"})).json()
         )
 
-    from proxy.client import Group
+    from contract.client import Group
 
     batch = build_batch(
         [Group(id=group["id"], task_id="n4", status="complete", episodes=[episode])],

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from proxy.client import Episode
+from contract.client import Episode
 from proxy.store.db import sqlite_file
 from tests.support.services import (
     ADMIN_KEY,

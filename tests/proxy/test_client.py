@@ -1,4 +1,4 @@
-"""proxy/client.py: one retry policy for the sync and async clients, errors mapped, one client everywhere.
+"""contract/client.py: one retry policy for the sync and async clients, errors mapped, one client everywhere.
 
 The retry rules run against ``fake_proxy``, a named ``httpx.MockTransport`` that answers from a
 script (a status, or a transport error), so every failure is exact and no test waits. What the
@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.client import AsyncProxyClient, ProxyClient, ProxyError, ProxyUnreachable, RetryPolicy
-from proxy.schemas import AckIn, ClaimIn, GroupCreate, RewardIn
+from contract.client import AsyncProxyClient, ProxyClient, ProxyError, ProxyUnreachable, RetryPolicy
+from contract.schemas import AckIn, ClaimIn, GroupCreate, RewardIn
 from tests.proxy.conftest import ADMIN_KEY, fake_upstream, make_settings, running_app
 from tests.support.services import ROOT
 
@@ -286,23 +286,24 @@ async def test_the_proxys_refusals_are_proxy_errors(proxy: Callable[..., AsyncPr
 
 
 def test_the_trainer_and_the_workflows_use_this_client() -> None:
-    import proxy.client
+    import contract.client
     import trainer.__main__
     import workflows.runner
 
-    assert trainer.__main__.ProxyClient is proxy.client.ProxyClient
-    assert workflows.runner.AsyncProxyClient is proxy.client.AsyncProxyClient
+    assert trainer.__main__.ProxyClient is contract.client.ProxyClient
+    assert workflows.runner.AsyncProxyClient is contract.client.AsyncProxyClient
     assert importlib.util.find_spec("trainer.client") is None
     assert importlib.util.find_spec("workflows.client") is None
 
 
 IMPORT_CHECK = """
 import sys
-import proxy.client
+import contract.client
 heavy = sorted({m.split(".")[0] for m in sys.modules} & {"fastapi", "starlette", "sqlalchemy", "torch", "uvicorn"})
-assert not heavy, f"importing proxy.client loaded {heavy}"
+assert not heavy, f"importing contract.client loaded {heavy}"
 import workflows.runner
-assert workflows.runner.AsyncProxyClient is proxy.client.AsyncProxyClient
+assert workflows.runner.AsyncProxyClient is contract.client.AsyncProxyClient
+assert "proxy" not in sys.modules, "a client process loaded the proxy's package"
 print(sys.version_info[:2])
 """
 

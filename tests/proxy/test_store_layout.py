@@ -22,10 +22,10 @@ import pytest
 from sqlalchemy import MetaData, Table, select
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from proxy.client import Call as WireCall
-from proxy.client import Claim as WireClaim
-from proxy.client import Episode as WireEpisode
-from proxy.schemas import CallOut
+from contract.client import Call as WireCall
+from contract.client import Claim as WireClaim
+from contract.client import Episode as WireEpisode
+from contract.schemas import CallOut
 from proxy.store.db import MIGRATIONS, is_sqlite, make_engine, migrate_async
 from proxy.store.delta import unpack_ids
 from proxy.store.models import Call
@@ -281,7 +281,7 @@ def assert_same(got: dict[str, list[CallRecord]], want: dict[str, list[CallRecor
 
 def _samples(records: dict[str, list[CallRecord]] | dict[str, list[dict[str, Any]]]) -> str:
     """The trainer's samples of the episodes, from store records or from claim JSON (a delta
-    claim's calls are rejoined first, as ``proxy.client`` does)."""
+    claim's calls are rejoined first, as ``contract.client`` does)."""
     stats = DataStats()
     out = []
     for eid, calls in records.items():
@@ -391,7 +391,7 @@ async def _claimed_calls(url: str, *, delta: bool) -> tuple[dict[str, list[dict[
 
 
 def _rejoined(calls: dict[str, list[dict[str, Any]]]) -> dict[str, list[bytes]]:
-    """Each episode's calls as a trainer reads them (``proxy.client``), rejoined, as JSON bytes."""
+    """Each episode's calls as a trainer reads them (``contract.client``), rejoined, as JSON bytes."""
     out = {}
     for eid, wire in calls.items():
         episode = WireEpisode.model_validate({"id": eid, "status": "rewarded", "calls": wire}).rejoined()

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from proxy.client import Call, Episode, Group
-from proxy.vocabulary import Abandoned
+from contract.client import Call, Episode, Group
+from contract.vocabulary import Abandoned
 from trainer.data import ChatRetokenizer, DataStats, Rules, build_batch, episode_samples
 from trainer.loss import group_advantages
 from trainer.packing import collate, plan

@@ -18,7 +18,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.client import Call, Episode
+from contract.client import Call, Episode
 from trainer.data import PER_TOKEN, DataStats, Sample, episode_samples
 
 EOS = 2

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import torch
 
-from proxy.client import ProxyClient
+from contract.client import ProxyClient
 from tests.support.services import ADMIN_KEY
 from tests.trainer.conftest import ADMIN, TrainerProxy
 from trainer.config import TrainerConfig

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.client import ProxyClient
+from contract.client import ProxyClient
 from tests.support.services import ADMIN_KEY
 from tests.trainer.conftest import ADMIN, TrainerProxy
 from trainer.config import TrainerConfig

@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from contract.client import ProxyClient
 from deploy import groups as report
-from proxy.client import ProxyClient
 from tests.support.services import ADMIN_KEY
 from tests.trainer.conftest import ADMIN, TrainerProxy
 from trainer.config import TrainerConfig

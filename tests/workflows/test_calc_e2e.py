@@ -22,7 +22,7 @@ def test_a_real_episode_calls_tools_and_merges_into_one_sample(proxy: ProxyProce
     # Engine-venv imports, here: the agents venv collects this module too (and deselects it).
     from transformers import AutoTokenizer
 
-    from proxy.client import Episode
+    from contract.client import Episode
     from trainer.data import DataStats, episode_samples
 
     # Temperature 1.0: sampled ids the template would not re-render (odd spellings, spacing) are

@@ -20,7 +20,7 @@ def test_an_unmodified_openai_agent_becomes_a_data_source(proxy: ProxyProcess) -
         capture_output=True,
         text=True,
         timeout=300,
-    )  # PYTHONPATH: it imports proxy.client
+    )  # PYTHONPATH: it imports contract.client
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1].endswith(" is complete")
     (group,) = [g for g in admin_get(proxy, "/groups", limit=100)["data"] if g["task_id"] == "capital-of-france"]

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.client import AsyncProxyClient
+from contract.client import AsyncProxyClient
 from tests.support.services import ADMIN_KEY, ProxyProcess
 from tests.workflows.conftest import admin_get
 from workflows.base import Endpoint, Episode, Outcome, Split, Workflow

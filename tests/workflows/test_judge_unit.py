@@ -10,7 +10,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from proxy.client import Episode
+from contract.client import Episode
 from workflows.base import Endpoint
 from workflows.judge import JudgeConfig, combine
 from workflows.judge.judge import DEFAULT_MODEL, ENV_API_KEY, ENV_BASE_URL, ENV_MODEL, shuffled

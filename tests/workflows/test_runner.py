@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.client import AsyncProxyClient, ProxyError
+from contract.client import AsyncProxyClient, ProxyError
 from tests.support.services import ADMIN_KEY, ProxyProcess
 from tests.workflows.conftest import admin_get
 from workflows.base import Episode, Outcome, Split, Workflow

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from proxy.client import AsyncProxyClient, ProxyError
+from contract.client import AsyncProxyClient, ProxyError
 from proxy.store.db import migrate_async
 from tests.proxy.conftest import ADMIN, ADMIN_KEY, make_settings, running_app
 from workflows.base import Episode, Outcome, Split, Workflow

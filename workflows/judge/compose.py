@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from proxy.client import AsyncProxyClient, ProxyError
+from contract.client import AsyncProxyClient, ProxyError
 from workflows.base import INFRASTRUCTURE
 from workflows.judge.judge import Judge, JudgeFailed
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from proxy.client import AsyncProxyClient, ProxyError
+from contract.client import AsyncProxyClient, ProxyError
 from workflows.base import Endpoint
 from workflows.judge.prompt import MalformedJudgement, label, messages, parse, response_format
 from workflows.judge.view import MAX_CHARS, MAX_PROMPT_CHARS, MAX_TURNS, distinct, fit

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.client import Call, Episode
+from contract.client import Call, Episode
 
 MAX_CHARS = 1200
 """Per content (message, tool arguments, tool result): about 300 tokens."""

@@ -1,7 +1,7 @@
 """The closed choices of the store and the control API, each a ``Literal`` defined once.
 
-The status and kind columns of the store hold exactly these strings (``store/models.py``); the
-repository, the wire models (``schemas.py``), the routes' filters, the relay and the client
+The status and kind columns of the store hold exactly these strings (``proxy/store/models.py``);
+the repository, the wire models (``schemas.py``), the routes' filters, the relay and the client
 (``client.py``) all use these aliases, so a misspelt status is a type error rather than a filter
 that matches nothing. ``Abandoned`` is the one choice the proxy only carries: workflows write it
 into their groups' metadata and the trainer reads it there. No imports beyond ``typing``: the client

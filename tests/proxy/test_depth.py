@@ -1,4 +1,4 @@
-"""The depth limit every body and upstream answer passes (``proxy.schemas.too_deep``)."""
+"""The depth limit every body and upstream answer passes (``proxy.depth.too_deep``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 import orjson
 import pytest
 
-from proxy.schemas import MAX_DEPTH, too_deep
+from proxy.depth import MAX_DEPTH, too_deep
 
 
 def nested(depth: int, leaf: Any = 1) -> Any:

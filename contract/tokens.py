@@ -5,7 +5,7 @@ earlier prompt followed by its sampled ids (``trainer/data.py``); the store keep
 delta on the earlier one (``proxy/store/delta.py``). Both ask these functions, so a call the
 trainer merges is a call the store can keep as a delta. They take lists of ids or the same ids
 packed as bytes (both sides in one form). The ``rejoin_*`` functions undo such a delta: the store
-reads its rows with them and a trainer the calls of a delta claim (``proxy/client.py``).
+reads its rows with them and a trainer the calls of a delta claim (``contract/client.py``).
 """
 
 from __future__ import annotations

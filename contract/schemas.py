@@ -1,7 +1,10 @@
 """Wire models of the control and trainer APIs (the OpenAI routes pass bodies through as JSON).
 
 Every float that reaches the store is finite: NaN and infinity are refused here, anywhere in a
-payload, with a 400 that names the field.
+payload, with a 400 that names the field. The proxy validates requests with these models and
+``contract/client.py`` builds its request bodies from them, so a field renamed here is renamed for
+both sides by the type checker. Pydantic and the standard library only (the JSON depth limit,
+which needs orjson, is the proxy's: ``proxy/depth.py``).
 """
 
 from __future__ import annotations
@@ -9,10 +12,9 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-import orjson
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from proxy.vocabulary import AckStatus, CallApi, CallKind, EpisodeStatus, GroupStatus, TrainStatus
+from contract.vocabulary import AckStatus, CallApi, CallKind, EpisodeStatus, GroupStatus, TrainStatus
 
 
 def _finite_json(value: Any, path: str = "") -> Any:
@@ -34,43 +36,6 @@ MAX_STORED_INT = 2**31 - 1
 """The largest integer an integer column holds on every store (PostgreSQL ``integer``): a number a
 request gives that reaches such a column, or a query on one, is refused above it with a 400."""
 StoredInt = Annotated[int, Field(le=MAX_STORED_INT)]
-MAX_DEPTH = 128
-"""The deepest nesting of arrays and objects in a model call's body or an upstream answer: the proxy
-sends, stores and translates what it takes, and orjson writes at most 254 levels (a deeper body
-would fail after it was accepted)."""
-
-
-def _writable_depth() -> int:
-    """The deepest nesting orjson writes (254 in orjson 3.x), found once by trying, not assumed."""
-    value: Any = 0
-    for depth in range(1, 4096):
-        value = [value]
-        try:
-            orjson.dumps(value)
-        except orjson.JSONEncodeError:
-            return depth - 1
-    return 4095
-
-
-_PAD = _writable_depth() - MAX_DEPTH
-
-
-def too_deep(raw: bytes, value: Any) -> bool:
-    """True if ``value``, parsed from ``raw``, nests arrays and objects deeper than ``MAX_DEPTH``.
-
-    Counting brackets is cheap and bounds the depth, so only JSON with many of them is measured,
-    by orjson itself: ``value`` wrapped in ``_PAD`` lists is writable exactly when ``value`` is at
-    most ``MAX_DEPTH`` deep. One C pass: a model answer with log-probs (a few thousand containers)
-    cost 3x its own parse when walked in Python, and the check runs on every body and answer."""
-    if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
-        return False
-    for _ in range(_PAD):
-        value = [value]
-    try:
-        orjson.dumps(value)
-    except orjson.JSONEncodeError as exc:
-        return "recursion" in str(exc).lower()  # anything else orjson refuses is not this check's to judge
-    return False
 
 
 class _In(BaseModel):

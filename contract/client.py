@@ -4,14 +4,14 @@ Groups, episodes, rewards and abandons for workflows; claims, renewals, acks, st
 publishing for trainers. The trainer, the workflows and users' own scripts all use this client;
 they still talk to the proxy over HTTP only.
 
-Why it lives here: it depends on httpx and pydantic alone. Importing ``proxy.client`` loads
-``proxy/__init__.py`` (a docstring), ``proxy.schemas`` (pydantic), ``proxy.vocabulary`` (the
-statuses as ``Literal`` aliases) and ``proxy.tokens`` (plain functions), never FastAPI,
-SQLAlchemy, the store or torch, so it imports in
-the engine venv (Python 3.11: the trainer) and the agents venv (3.12: the workflows) alike. The
-request bodies are the proxy's own wire models: a field renamed in ``schemas.py`` is renamed here
-by the type checker, not found missing at run time. Replies are read into this module's lenient
-models (unknown fields ignored, most fields optional), which keep what trainers and workflows read.
+Why it lives in ``contract``: it depends on httpx and pydantic alone. Importing ``contract.client``
+loads ``contract/__init__.py`` (a docstring), ``contract.schemas`` (pydantic), ``contract.vocabulary``
+(the statuses as ``Literal`` aliases) and ``contract.tokens`` (plain functions), never FastAPI,
+SQLAlchemy, the store or torch, so it imports in the engine venv (Python 3.11: the trainer) and the
+agents venv (3.12: the workflows) alike. The request bodies are the proxy's own wire models: a field
+renamed in ``schemas.py`` is renamed here by the type checker, not found missing at run time. Replies
+are read into this module's lenient models (unknown fields ignored, most fields optional), which keep
+what trainers and workflows read.
 
 Retry policy (``RetryPolicy``; one rule for both variants). Every call is of one of two kinds (``Repeat``):
 
@@ -48,7 +48,7 @@ from typing import Any, Generic, Literal, TypeVar
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
-from proxy.schemas import (
+from contract.schemas import (
     AbandonIn,
     AckIn,
     CallDeltaOut,
@@ -62,8 +62,8 @@ from proxy.schemas import (
     RewardIn,
     StepIn,
 )
-from proxy.tokens import rejoin_ids, rejoin_messages
-from proxy.vocabulary import AckStatus, CallKind, EpisodeStatus, GroupStatus, TrainStatus
+from contract.tokens import rejoin_ids, rejoin_messages
+from contract.vocabulary import AckStatus, CallKind, EpisodeStatus, GroupStatus, TrainStatus
 
 __all__ = [
     "AsyncProxyClient",
@@ -81,7 +81,6 @@ __all__ = [
     "ProxyError",
     "ProxyUnreachable",
     "RetryPolicy",
-    "key_file_keys",
 ]
 
 R = TypeVar("R")
@@ -91,13 +90,6 @@ CallRewards = Mapping[int, float] | Mapping[str, float]
 """Per-call rewards keyed by call ordinal (``2`` or ``"2"``), or ``"ordinal:choice"`` for a call with n > 1."""
 UNSENT = (httpx.ConnectError, httpx.ConnectTimeout)
 """Transport errors raised before the request left: no proxy can have acted on it."""
-
-
-def key_file_keys(text: str) -> list[str]:
-    """The keys in an admin key file's text: its lines that are neither blank nor ``#`` comments.
-    The first is the admin key a client sends; later ones are earlier keys the proxy still accepts
-    while a rotation's clients switch (``proxy/keyfile.py``)."""
-    return [key for line in text.splitlines() if (key := line.strip()) and not key.startswith("#")]
 
 
 class ProxyError(Exception):
