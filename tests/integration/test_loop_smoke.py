@@ -102,12 +102,21 @@ def test_two_short_steps_publish_an_adapter_that_serves_later_episodes(
         published = [v for (v,) in db.execute("select version from policy_versions order by version")]
         served = {v for (v,) in db.execute("select distinct policy_version from calls where status_code = 200")}
         trained = db.execute("select count(*) from groups where train_status = 'trained'").fetchone()[0]
+        kept = db.execute("select train_audit from episodes where train_audit is not null")
+        audits = [json.loads(a) for (a,) in kept]
     assert published[:2] == [1, 2], published
     # The loop closed: some published adapter served later episodes (with 2-3 calls per episode, a
     # version can be superseded before any episode starts on it, so which one is not fixed).
     assert 0 in served and served & set(published), f"no episode was served by a published adapter: {served}"
     assert trained >= 2
-    assert report["eval_after"] is not None and "2" in report["policy_versions_evaluated"]
+    # Every trained episode carries the trainer's audit (its ack): tokens trained, the engine gap.
+    assert audits and sum(a["tokens_trained"] for a in audits) > 0, audits
+    assert any(a["gap_mean"] is not None for a in audits) and all(a["step"] in (1, 2) for a in audits)
+    if workflow == "calc":  # named tool calls: sampled under the engine's grammar, scored under its mask
+        assert sum(a["tokens_under_grammar"] for a in audits) > 0
+    # The last adapter is evaluated, or after a rollback the version that republished the best probe's.
+    evaluated = str(guard["rolled_back_to"] or 2)
+    assert report["eval_after"] is not None and evaluated in report["policy_versions_evaluated"]
     if workflow == "calc":  # the multi-turn figures: every follow-up call extended its episode's sample
         turns = report["multi_turn"]
         assert turns["merged"] > 0 and turns["breaks"] == 0 and turns["merge_rate"] == 1.0, turns
