@@ -53,6 +53,7 @@ from contract.schemas import (
     AckIn,
     CallDeltaOut,
     ClaimIn,
+    EpisodeAudit,
     EpisodeCreate,
     EpisodeKey,
     GroupCreate,
@@ -196,6 +197,7 @@ class Episode(_Reply):
     call_rewards: dict[str, float] | None = None
     abandon_reason: str | None = None
     calls: list[Call] | None = None
+    train_audit: dict[str, Any] | None = None
 
     def rejoined(self) -> Episode:
         """This episode with every call of a delta claim made whole, as ``calls: "whole"`` sends it.
@@ -398,9 +400,16 @@ class _Api:
 
     @staticmethod
     def ack(
-        lease_id: str, group_ids: list[str], step: int, status: AckStatus, note: str | None
+        lease_id: str,
+        group_ids: list[str],
+        step: int,
+        status: AckStatus,
+        note: str | None,
+        audits: dict[str, EpisodeAudit] | None,
     ) -> _Request[list[Group]]:
-        body = AckIn.model_construct(lease_id=lease_id, group_ids=group_ids, step=step, status=status, note=note)
+        body = AckIn.model_construct(
+            lease_id=lease_id, group_ids=group_ids, step=step, status=status, note=note, audits=audits
+        )
         return _Request("POST", "/trainer/ack", "safe", _data(Group.model_validate), body)
 
     @staticmethod
@@ -583,9 +592,17 @@ class ProxyClient:
         return self._send(_Api.release(lease_id, group_ids))
 
     def ack(
-        self, *, lease_id: str, group_ids: list[str], step: int, status: AckStatus, note: str | None = None
+        self,
+        *,
+        lease_id: str,
+        group_ids: list[str],
+        step: int,
+        status: AckStatus,
+        note: str | None = None,
+        audits: dict[str, EpisodeAudit] | None = None,
     ) -> list[Group]:
-        return self._send(_Api.ack(lease_id, group_ids, step, status, note))
+        """Ack leased groups for ``step``; ``audits``: the fidelity audit of each of their episodes."""
+        return self._send(_Api.ack(lease_id, group_ids, step, status, note, audits))
 
     def report_step(self, step: int, metrics: dict[str, Any]) -> None:
         self._send(_Api.report_step(step, metrics))
@@ -714,9 +731,17 @@ class AsyncProxyClient:
         return await self._send(_Api.release(lease_id, group_ids))
 
     async def ack(
-        self, *, lease_id: str, group_ids: list[str], step: int, status: AckStatus, note: str | None = None
+        self,
+        *,
+        lease_id: str,
+        group_ids: list[str],
+        step: int,
+        status: AckStatus,
+        note: str | None = None,
+        audits: dict[str, EpisodeAudit] | None = None,
     ) -> list[Group]:
-        return await self._send(_Api.ack(lease_id, group_ids, step, status, note))
+        """Ack leased groups for ``step``; ``audits``: the fidelity audit of each of their episodes."""
+        return await self._send(_Api.ack(lease_id, group_ids, step, status, note, audits))
 
     async def report_step(self, step: int, metrics: dict[str, Any]) -> None:
         await self._send(_Api.report_step(step, metrics))

@@ -144,6 +144,8 @@ class EpisodeOut(BaseModel):
     created_at: float
     finished_at: float | None
     calls: list[CallOut] | None = None
+    train_audit: dict[str, Any] | None = None
+    """The trainer's ``EpisodeAudit`` once its group was trained (kept as sent, so older rows read)."""
 
 
 class CreatedEpisode(EpisodeOut):
@@ -277,12 +279,42 @@ class RenewOut(BaseModel):
     lease_expires_at: float
 
 
+class EpisodeAudit(_In):
+    """What the trainer made of one episode (``trainer/audit.py``), sent with its group's ack and
+    kept on the episode: whether what was trained is what was sampled."""
+
+    step: StoredInt = Field(ge=0)
+    calls: int = Field(ge=0)
+    calls_failed: int = Field(ge=0)
+    calls_deduped: int = Field(ge=0)
+    """Retries: earlier calls with the prompt of a later one that no call continued."""
+    calls_context_only: int = Field(ge=0)
+    """Calls kept out of the loss (greedy, penalized, excluded or unmasked constrained, inexact)."""
+    calls_merged: int = Field(ge=0)
+    """Calls appended to the sample of the call they continue."""
+    breaks: int = Field(ge=0)
+    """Calls that started a new sample (their prompt did not extend the episode so far)."""
+    samples: int = Field(ge=0)
+    samples_truncated: int = Field(ge=0)
+    tokens_trained: int = Field(ge=0)
+    tokens_under_grammar: int = Field(ge=0)
+    """Trained tokens scored under the engine's rebuilt grammar mask."""
+    tokens_forced: int = Field(ge=0)
+    """Constrained tokens the grammar forced: no decision, out of the loss."""
+    gap_mean: FiniteFloat | None = None
+    """Mean |trainer - engine| log-prob (nats) of the tokens compared; None: none compared."""
+    gap_max: FiniteFloat | None = None
+    gap_tokens: int = Field(0, ge=0)
+
+
 class AckIn(_In):
     lease_id: str = Field(min_length=1)
     group_ids: list[str] = Field(min_length=1)
     step: StoredInt = Field(ge=0)
     status: AckStatus = "trained"
     note: str | None = Field(None, max_length=4000)
+    audits: dict[str, EpisodeAudit] | None = None
+    """Episode id -> its audit, for episodes of these groups (a trained ack)."""
 
 
 class StepIn(_In):

@@ -111,6 +111,7 @@ SCHEMA = pa.schema(
         ("calls", pa.list_(_CALL)),
         ("metadata", pa.string()),
         ("reward_metadata", pa.string()),
+        ("fidelity", pa.string()),
     ]
 )
 """One row per episode. JSON-valued fields of free shape (metadata, tools, notes) are JSON text, so
@@ -326,6 +327,37 @@ def episode_row(episode: EpisodeRecord, advantage: float | None) -> dict[str, An
         "calls": [_call(c, episode.call_rewards) for c in calls],
         "metadata": _json(episode.metadata),
         "reward_metadata": _json(episode.reward_metadata),
+        "fidelity": _json(fidelity(episode)),
+    }
+
+
+def fidelity(episode: EpisodeRecord) -> dict[str, Any]:
+    """Whether what was trained is what was sampled, for one episode: what the proxy did to its
+    calls (spliced, splice skipped and why, refused, answered to a client that had left) and, once
+    its group was trained, the trainer's audit from the ack (``trainer/audit.py``; None before)."""
+    calls = episode.calls or []
+    spliced = unchanged = 0
+    skipped: dict[str, int] = {}
+    for call in calls:
+        note = (call.notes or {}).get("splice")
+        if not isinstance(note, dict):
+            continue
+        if "skipped" in note:
+            reason = str(note["skipped"])
+            skipped[reason] = skipped.get(reason, 0) + 1
+        elif note.get("changed"):
+            spliced += 1
+        else:
+            unchanged += 1
+    return {
+        "calls": len(calls),
+        "answered": sum(c.status_code == 200 for c in calls),
+        "refused": sum(bool((c.notes or {}).get("refused")) for c in calls),
+        "not_delivered": sum(c.status_code == 499 for c in calls),
+        "spliced": spliced,
+        "splice_unchanged": unchanged,
+        "splice_skipped": skipped,
+        "trainer": episode.train_audit,
     }
 
 

@@ -62,6 +62,9 @@ log = logging.getLogger("flywheel.relay")
 PATHS: dict[CallKind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 SSE_DONE = b"data: [DONE]\n\n"
 
+ClientGone = Callable[[], Awaitable[bool]]
+"""Whether the client has left (Starlette's ``Request.is_disconnected``)."""
+
 
 @dataclass
 class Relay:
@@ -84,11 +87,17 @@ class Relay:
     """Tasks that outlive their request (recording a disconnected stream); drained on shutdown."""
 
     async def respond(
-        self, kind: CallKind, body: dict[str, Any], episode_id: str | None, translation: Translation | None = None
+        self,
+        kind: CallKind,
+        body: dict[str, Any],
+        episode_id: str | None,
+        translation: Translation | None = None,
+        client_gone: ClientGone | None = None,
     ) -> Response:
-        """Run the call and answer it; ``episode_id`` None: passthrough (sent, not recorded)."""
+        """Run the call and answer it; ``episode_id`` None: passthrough (sent, not recorded).
+        ``client_gone`` (the request's ``is_disconnected``) tells a non-streamed answer no one will read."""
         try:
-            call = ModelCall(self, kind, body, episode_id, translation)
+            call = ModelCall(self, kind, body, episode_id, translation, client_gone)
         except FlywheelError as exc:  # refused before anything was sent (a sampling rule): made visible
             route = translation.api if translation else ("chat" if kind == "chat" else "completions")
             own = translation.client_request if translation else body
@@ -131,8 +140,10 @@ class ModelCall:
         body: dict[str, Any],
         episode_id: str | None,
         translation: Translation | None = None,
+        client_gone: ClientGone | None = None,
     ) -> None:
         self.relay = relay
+        self.client_gone = client_gone
         self.kind = kind
         self.body = body
         self.translation = translation
@@ -286,6 +297,11 @@ class ModelCall:
             await self.record_error(exc)
             self._observe(exc.status_code, None)
             raise
+        if self.recorded and self.client_gone is not None and await self.client_gone():
+            # The client left (an SDK timeout) before the answer: what was generated is kept, as not
+            # delivered, so its retry is the call the agent acted on and this one is never trained.
+            await self._record_disconnect(captured, None, "client disconnected before the answer")
+            return Response(status_code=499)  # written to nobody
         if self.recorded:
             await self.relay.recorder.record(self._new_call(status=200, captured=captured, error=None, ttft_ms=None))
             if self.translation is None and (strip_for_client(data, self.wants, self.kind) or raw is None):
@@ -464,16 +480,21 @@ class ModelCall:
         finally:
             await close()
             if not finished and self.recorded:  # the client went away mid-stream: keep what happened
-                _spawn(self.relay.background, self._record_disconnect(capture, ttft_ms))
+                _spawn(self.relay.background, self._record_left_stream(capture, ttft_ms))
 
-    async def _record_disconnect(self, capture: StreamCapture | None, ttft_ms: float | None) -> None:
+    async def _record_left_stream(self, capture: StreamCapture | None, ttft_ms: float | None) -> None:
         captured = capture.result() if capture is not None else None
+        await self._record_disconnect(captured, ttft_ms, "client disconnected mid-stream")
+
+    async def _record_disconnect(self, captured: Captured | None, ttft_ms: float | None, message: str) -> None:
+        """Record a call whose answer never reached its client: status 499 (nginx's "client closed
+        request"), never trained, never continued by a splice."""
         call = self._new_call(
             status=499,
             captured=captured,
             ttft_ms=ttft_ms,
             error={
-                "message": "client disconnected mid-stream",
+                "message": message,
                 "type": "client_disconnected",
                 "param": None,
                 "code": None,

@@ -37,6 +37,8 @@ class LeaseRecord:
     expires_at: float = 0.0
     trained: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    audits: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    """Trained group id -> episode id -> fidelity audit (``trainer/audit.py``), sent with the ack."""
 
 
 @dataclass

@@ -215,6 +215,8 @@ class Batch:
     skipped_few: int = 0
     skipped_empty: int = 0
     stats: DataStats = field(default_factory=DataStats)
+    episodes: dict[str, DataStats] = field(default_factory=dict)
+    """The counters of each episode of the trained groups: its fidelity audit (``audit``)."""
 
 
 # -- calls to turns ------------------------------------------------------------------------------
@@ -536,46 +538,68 @@ def _abandon_rule(group: Group, rules: Rules) -> Abandoned:
 
 
 def _members(
-    group: Group, rules: Rules, retokenize: Retokenizer | None, masker: Masker | None, stats: DataStats
+    group: Group,
+    rules: Rules,
+    retokenize: Retokenizer | None,
+    masker: Masker | None,
+    group_stats: DataStats,
+    episodes: dict[str, DataStats],
 ) -> list[_Member]:
     members: list[_Member] = []
     abandon = _abandon_rule(group, rules)
     for episode in group.episodes or []:
-        if episode.status == "rewarded" and episode.reward is not None:
-            reward = float(episode.reward)
-        elif episode.status == "abandoned":
-            blameless = (episode.abandon_reason or "").startswith(NOT_THE_AGENTS_DOING)
-            if abandon != "penalize" or blameless:
-                stats.episodes_abandoned_skipped += 1
-                continue
-            stats.episodes_abandoned_penalized += 1
-            reward = rules.abandoned_reward
-        else:
-            continue
-        per_choice = _choice_members(episode) if episode.status == "rewarded" else None
-        if per_choice is not None:
-            for n, (choice, choice_reward) in enumerate(sorted(per_choice.items())):
-                choice_stats = DataStats()
-                turns = member_turns(episode, retokenize=retokenize, stats=choice_stats, choice=choice, masker=masker)
-                samples = episode_samples(
-                    episode,
-                    group_id=group.id,
-                    max_seq_len=rules.max_seq_len,
-                    stats=choice_stats,
-                    choice=choice,
-                    turns=turns,
-                )
-                choice_stats.choices_unused = 0  # the other choices are members of their own
-                if n:  # the call was counted with the first choice
-                    choice_stats.calls = 0
-                stats.add(choice_stats)
-                stats.choice_members += 1
-                stats.call_rewards_used += 1
-                members.append(_Member(f"{episode.id}#{choice}", choice_reward, samples, [0.0] * len(turns)))
-            continue
-        turns = member_turns(episode, retokenize=retokenize, stats=stats, masker=masker)
-        samples = episode_samples(episode, group_id=group.id, max_seq_len=rules.max_seq_len, stats=stats, turns=turns)
-        members.append(_Member(episode.id, reward, samples, _turn_rewards(episode, turns, rules, stats)))
+        stats = episodes.setdefault(episode.id, DataStats())
+        members += _episode_members(episode, group, rules, abandon, retokenize, masker, stats)
+        group_stats.add(stats)
+    return members
+
+
+def _episode_members(
+    episode: Episode,
+    group: Group,
+    rules: Rules,
+    abandon: Abandoned,
+    retokenize: Retokenizer | None,
+    masker: Masker | None,
+    stats: DataStats,
+) -> list[_Member]:
+    """The episode's group members (itself, or its choices with per-choice rewards); ``stats`` its counters."""
+    members: list[_Member] = []
+    if episode.status == "rewarded" and episode.reward is not None:
+        reward = float(episode.reward)
+    elif episode.status == "abandoned":
+        blameless = (episode.abandon_reason or "").startswith(NOT_THE_AGENTS_DOING)
+        if abandon != "penalize" or blameless:
+            stats.episodes_abandoned_skipped += 1
+            return members
+        stats.episodes_abandoned_penalized += 1
+        reward = rules.abandoned_reward
+    else:
+        return members
+    per_choice = _choice_members(episode) if episode.status == "rewarded" else None
+    if per_choice is not None:
+        for n, (choice, choice_reward) in enumerate(sorted(per_choice.items())):
+            choice_stats = DataStats()
+            turns = member_turns(episode, retokenize=retokenize, stats=choice_stats, choice=choice, masker=masker)
+            samples = episode_samples(
+                episode,
+                group_id=group.id,
+                max_seq_len=rules.max_seq_len,
+                stats=choice_stats,
+                choice=choice,
+                turns=turns,
+            )
+            choice_stats.choices_unused = 0  # the other choices are members of their own
+            if n:  # the call was counted with the first choice
+                choice_stats.calls = 0
+            stats.add(choice_stats)
+            stats.choice_members += 1
+            stats.call_rewards_used += 1
+            members.append(_Member(f"{episode.id}#{choice}", choice_reward, samples, [0.0] * len(turns)))
+        return members
+    turns = member_turns(episode, retokenize=retokenize, stats=stats, masker=masker)
+    samples = episode_samples(episode, group_id=group.id, max_seq_len=rules.max_seq_len, stats=stats, turns=turns)
+    members.append(_Member(episode.id, reward, samples, _turn_rewards(episode, turns, rules, stats)))
     return members
 
 
@@ -676,8 +700,8 @@ def build_batch(
     kept: list[tuple[Group, list[_Member], list[list[float]]]] = []
     compared: list[float] = []
     for group in groups:
-        stats = DataStats()
-        members = _members(group, rules, retokenize, masker, stats)
+        stats, episodes = DataStats(), dict[str, DataStats]()
+        members = _members(group, rules, retokenize, masker, stats, episodes)
         batch.stats.add(stats)
         if len(members) < rules.min_rewarded:
             batch.skipped[group.id] = (
@@ -702,6 +726,7 @@ def build_batch(
             batch.skipped_empty += 1
             continue
         kept.append((group, members, values))
+        batch.episodes.update(episodes)
     if not kept:
         return batch
     pooled = [torch.tensor([v for vs in values for v in vs], dtype=torch.float64) for _, _, values in kept]

@@ -57,6 +57,19 @@ KEEP_SNAPSHOTS = 4
 
 
 @dataclass
+class EpisodeGap:
+    """|trainer - engine| log-prob over an episode's compared tokens (nats)."""
+
+    total: float = 0.0
+    tokens: int = 0
+    max: float = 0.0
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.tokens if self.tokens else None
+
+
+@dataclass
 class StepStats:
     loss: float = 0.0
     policy_loss: float = 0.0
@@ -78,6 +91,8 @@ class StepStats:
     outside: int = 0
     """Sampled tokens outside the trainer's top-k/top-p/min-p set (boundary rounding), kept in it."""
     sums: dict[str, float] = field(default_factory=dict, repr=False)
+    episode_gaps: dict[str, EpisodeGap] = field(default_factory=dict, repr=False)
+    """Engine mismatch per episode (the tokens compared above): the episode's fidelity audit."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -104,6 +119,8 @@ class Learner:
         """Adapter states by the policy version they were published as (the newest is the weights')."""
         self.weights_version: int | None = None
         """The version the current weights were published as; None once a step changed them unpublished."""
+        self._gaps: dict[str, EpisodeGap] = {}
+        """The running step's engine mismatch per episode."""
 
     def remember(self, version: int, state: dict[str, Tensor] | None = None) -> None:
         """The current weights are now served as ``version`` (just published, or resumed from it)."""
@@ -145,6 +162,7 @@ class Learner:
         mine = self.world.share(micro)
         sums: dict[str, float] = {}
         maxes: dict[str, float] = {}
+        self._gaps = {}
         if self.world.leader:
             self._check_stale(samples, sums, maxes)
         olds = self._old_logps(mine)
@@ -169,6 +187,7 @@ class Learner:
             tolerance=cfg.engine_logp_tolerance,
         )
         stats.seconds = time.perf_counter() - started
+        stats.episode_gaps = self._gaps  # this rank's share under data parallelism (the leader's is reported)
         if stats.finite:
             self.weights_version = None  # the weights moved: no served version holds them until published
         return stats
@@ -220,6 +239,7 @@ class Learner:
         fresh = mb.versions == self.weights_version if self.weights_version is not None else None
         if fresh is not None:
             _engine_gap(trainer, engine, mb.modes, fresh, cfg.engine_logp_tolerance, sums, maxes)
+            _episode_gaps(mb, trainer, engine, fresh, self._gaps)
         stale = (mb.versions >= 0) & ~torch.isnan(engine)
         if fresh is not None:
             stale &= ~fresh
@@ -247,15 +267,9 @@ class Learner:
                 for mb in pack(chosen, self.config.micro_batch_tokens):
                     out = self.policy.logprobs(mb, reference=version == 0)
                     engine = mb.behaviour_logps[mb.rows, mb.cols]
-                    _engine_gap(
-                        out.logps,
-                        engine,
-                        mb.modes,
-                        mb.versions == version,
-                        self.config.engine_logp_tolerance,
-                        sums,
-                        maxes,
-                    )
+                    served = mb.versions == version
+                    _engine_gap(out.logps, engine, mb.modes, served, self.config.engine_logp_tolerance, sums, maxes)
+                    _episode_gaps(mb, out.logps, engine, served, self._gaps)
         finally:
             self.policy.load_adapter_state(current)
 
@@ -289,6 +303,21 @@ def _engine_gap(
     for name, rows in ((m, known & (modes == i)) for i, m in enumerate(MODES)):
         _add(name, diff[rows], tolerance, sums, maxes)
     _add("all", diff[known], tolerance, sums, maxes)
+
+
+def _episode_gaps(mb: MicroBatch, trainer: Tensor, engine: Tensor, served: Tensor, gaps: dict[str, EpisodeGap]) -> None:
+    """Add the compared tokens' |trainer - engine| to their episodes' gaps."""
+    known = served & ~torch.isnan(engine)
+    if not bool(known.any()):
+        return
+    diff = (trainer - engine).abs()[known]
+    rows = mb.rows[known]
+    for row in torch.unique(rows).tolist():
+        mine = diff[rows == row]
+        gap = gaps.setdefault(mb.samples[row].episode_id, EpisodeGap())
+        gap.total += float(mine.sum())
+        gap.tokens += int(mine.numel())
+        gap.max = max(gap.max, float(mine.max()))
 
 
 def _add(group: str, diff: Tensor, tolerance: float, sums: dict[str, float], maxes: dict[str, float]) -> None:

@@ -38,7 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from contract.client import Demand, Group, ProxyClient, ProxyError
+from contract.schemas import EpisodeAudit
 from contract.vocabulary import AckStatus
+from trainer.audit import group_audits
 from trainer.checkpoint import Checkpoints, CheckpointState, LeaseRecord
 from trainer.config import TrainerConfig
 from trainer.data import Batch, ChatRetokenizer, Rules, Sample, build_batch, staleness
@@ -240,7 +242,7 @@ class Trainer:
             if not ids:
                 continue
             try:
-                self._ack_groups(lease.lease_id, ids, step, status, note)
+                self._ack_groups(lease.lease_id, ids, step, status, note, lease.audits)
             except ProxyError as exc:
                 if exc.status == 404:
                     raise ProxyError(
@@ -257,7 +259,7 @@ class Trainer:
                     continue
                 for group_id in ids:  # acks are all or nothing: the groups still held are acked one by one
                     try:
-                        self._ack_groups(lease.lease_id, [group_id], step, status, note)
+                        self._ack_groups(lease.lease_id, [group_id], step, status, note, lease.audits)
                     except ProxyError as one:
                         if one.status != 409:
                             raise
@@ -265,16 +267,26 @@ class Trainer:
                             f"[warning] ack of group {group_id} ({status}) for step {step} refused: {one.message}"
                         )
 
-    def _ack_groups(self, lease_id: str, ids: list[str], step: int, status: AckStatus, note: str | None) -> None:
-        """One ack. A lease that lapsed since the step was committed (a restart, a slow disk) is
-        renewed and the ack retried: the renewal succeeds only if nobody claimed the groups meanwhile."""
+    def _ack_groups(
+        self,
+        lease_id: str,
+        ids: list[str],
+        step: int,
+        status: AckStatus,
+        note: str | None,
+        audits: dict[str, dict[str, dict[str, Any]]],
+    ) -> None:
+        """One ack, with the fidelity audits of its groups' episodes. A lease that lapsed since the
+        step was committed (a restart, a slow disk) is renewed and the ack retried: the renewal
+        succeeds only if nobody claimed the groups meanwhile."""
+        mine = {e: EpisodeAudit.model_validate(a) for g in ids for e, a in audits.get(g, {}).items()} or None
         try:
-            self.client.ack(lease_id=lease_id, group_ids=ids, step=step, status=status, note=note)
+            self.client.ack(lease_id=lease_id, group_ids=ids, step=step, status=status, note=note, audits=mine)
         except ProxyError as exc:
             if exc.code != "lease_expired":
                 raise
             self.client.renew(lease_id=lease_id, group_ids=ids, lease_s=self.config.lease_s)
-            self.client.ack(lease_id=lease_id, group_ids=ids, step=step, status=status, note=note)
+            self.client.ack(lease_id=lease_id, group_ids=ids, step=step, status=status, note=note, audits=mine)
 
     def _publish(self, step: int) -> dict[str, Any]:
         version = self.version_base + step
@@ -403,6 +415,9 @@ class Trainer:
         if lost:
             self._drop_lost(step, leases, lost)
             return True
+        audits = group_audits(batch, groups, stats.episode_gaps, step)
+        for lease in leases:
+            lease.audits = {g: {e: a.model_dump() for e, a in audits[g].items()} for g in lease.trained if g in audits}
         metrics = step_metrics(
             batch, groups, stats, current=current, stale=stale, wait_s=wait_s, pass_threshold=cfg.pass_threshold
         )

@@ -49,7 +49,7 @@ async def _handle(request: Request, kind: CallKind, path_episode: str | None, *,
         route: CallApi = "chat" if kind == "chat" else "completions"
         await refused(svc.metrics, svc.recorder, exc, route=route, kind=kind, episode_id=episode_id, body=body)
         raise
-    return await svc.relay.respond(kind, body, episode_id)
+    return await svc.relay.respond(kind, body, episode_id, client_gone=request.is_disconnected)
 
 
 async def _models(request: Request) -> Response:

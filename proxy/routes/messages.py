@@ -37,7 +37,7 @@ async def _handle(request: Request, path_episode: str | None, *, recorded: bool)
         await refused(svc.metrics, svc.recorder, exc, route="messages", episode_id=episode_id, body=body)
         raise
     svc.metrics.on_compat("messages", translation.ledger.counts())
-    return await svc.relay.respond("chat", translation.chat, episode_id, translation)
+    return await svc.relay.respond("chat", translation.chat, episode_id, translation, request.is_disconnected)
 
 
 async def _count_tokens(request: Request, path_episode: str | None, *, recorded: bool) -> Response:

@@ -59,7 +59,7 @@ async def _handle(request: Request, path_episode: str | None, *, recorded: bool)
         await refused(svc.metrics, svc.recorder, exc, route="responses", episode_id=episode_id, body=body)
         raise
     svc.metrics.on_compat("responses", ledger.counts())
-    return await svc.relay.respond("chat", translation.chat, episode_id, translation)
+    return await svc.relay.respond("chat", translation.chat, episode_id, translation, request.is_disconnected)
 
 
 @router.post("/v1/responses")

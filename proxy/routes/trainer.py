@@ -71,7 +71,12 @@ async def renew(body: RenewIn, svc: ServicesDep, _: AdminDep) -> RenewOut:
 @router.post("/ack", response_model=ListOut)
 async def ack(body: AckIn, svc: ServicesDep, _: AdminDep) -> ListOut:
     groups = await svc.repo.ack_groups(
-        lease_id=body.lease_id, group_ids=body.group_ids, step=body.step, status=body.status, note=body.note
+        lease_id=body.lease_id,
+        group_ids=body.group_ids,
+        step=body.step,
+        status=body.status,
+        note=body.note,
+        audits={e: a.model_dump() for e, a in body.audits.items()} if body.audits else None,
     )
     svc.admission.acked(len(groups))
     return ListOut(data=[GroupOut.model_validate(g) for g in groups])

@@ -81,6 +81,8 @@ class Episode(Base):
     abandon_reason: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[float]
     finished_at: Mapped[float | None]
+    train_audit: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    """What the trainer made of the episode (sent with its group's ack; migration 0007)."""
 
 
 class Call(Base):

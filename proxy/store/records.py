@@ -82,6 +82,7 @@ class EpisodeRecord:
     created_at: float
     finished_at: float | None
     calls: list[CallRecord] | None = None
+    train_audit: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Final
 
@@ -743,9 +743,17 @@ class Repository:
         return now + lease_s
 
     async def ack_groups(
-        self, *, lease_id: str, group_ids: Sequence[str], step: int, status: AckStatus, note: str | None = None
+        self,
+        *,
+        lease_id: str,
+        group_ids: Sequence[str],
+        step: int,
+        status: AckStatus,
+        note: str | None = None,
+        audits: Mapping[str, dict[str, Any]] | None = None,
     ) -> list[GroupRecord]:
-        """Mark leased groups ``trained`` (or ``skipped``) by ``step``; all or nothing.
+        """Mark leased groups ``trained`` (or ``skipped``) by ``step``; all or nothing. ``audits``:
+        episode id -> the trainer's fidelity audit, kept on episodes of these groups only.
 
         The rule: an ack needs a live lease. Acking the same groups again with the same lease and
         step is a no-op (a retry, or a restarted trainer finishing its checkpoint). Otherwise a
@@ -784,10 +792,27 @@ class Repository:
                         code="lease_expired",
                     )
                 todo.append(group)
+            if audits and todo:
+                await self._keep_audits(session, [g.id for g in todo], audits)
             for group in todo:
                 group.train_status, group.trained_step, group.train_note = status, step, note
                 group.lease_expires_at = None
         return [group_record(g) for g in rows.values()]
+
+    async def _keep_audits(
+        self, session: AsyncSession, group_ids: Sequence[str], audits: Mapping[str, dict[str, Any]]
+    ) -> None:
+        """Store each audit on its episode; one naming an episode outside the acked groups refuses the ack."""
+        episodes = (
+            await session.scalars(select(Episode).where(Episode.id.in_(list(audits)), Episode.group_id.in_(group_ids)))
+        ).all()
+        unknown = sorted(set(audits) - {e.id for e in episodes})
+        if unknown:
+            raise InvalidRequest(
+                f"audits name episodes that are not in the acked groups: {', '.join(unknown[:5])}", param="audits"
+            )
+        for episode in episodes:
+            episode.train_audit = audits[episode.id]
 
     async def add_trainer_step(self, *, step: int, metrics: dict[str, Any]) -> TrainerStepRecord:
         """Store a step's metrics; a retried report of the same step replaces the first."""

@@ -187,6 +187,7 @@ def episode_record(row: Episode, calls: list[CallRecord] | None = None) -> Episo
         created_at=row.created_at,
         finished_at=row.finished_at,
         calls=calls,
+        train_audit=row.train_audit,
     )
 
 

@@ -336,7 +336,14 @@ async def episode(request: Request, episode_id: str, svc: ServicesDep, pages: Pa
     if record.group_id is not None:
         group = await svc.repo.get_group(record.group_id)
         advantage = views.advantages(group.episodes or []).get(record.id)
-    return pages.render(request, "episode.html", episode=record, calls=views.conversation(record), advantage=advantage)
+    return pages.render(
+        request,
+        "episode.html",
+        episode=record,
+        calls=views.conversation(record),
+        advantage=advantage,
+        fidelity=ex.fidelity(record),
+    )
 
 
 _MEDIA = {"jsonl": "application/x-ndjson", "parquet": "application/vnd.apache.parquet"}

@@ -67,7 +67,11 @@ def test_fresh_tokens_are_compared_per_mode_and_unknown_is_none(policy: LoraPoli
     ]
     learner = learner_for(policy)
     learner.weights_version = 0  # a zero adapter: the weights are the base model, version 0
-    engine = learner.step(samples).engine
+    stats = learner.step(samples)
+    engine = stats.engine
+    for sample, offset in zip(samples, OFFSETS.values(), strict=True):  # each episode's own gap (its audit)
+        gap = stats.episode_gaps[sample.episode_id]
+        assert gap.mean == pytest.approx(offset, abs=1e-4) and gap.tokens == sample.num_loss_tokens
     for mode, offset in OFFSETS.items():
         assert engine[f"policy/engine_logp_diff_mean_{mode}"] == pytest.approx(offset, abs=1e-4)
         assert engine[f"policy/engine_logp_diff_max_{mode}"] == pytest.approx(offset, abs=1e-4)
@@ -97,8 +101,10 @@ def test_stale_tokens_are_rescored_under_the_version_that_served_them(policy: Lo
             if "lora_B" in name:
                 param.add_(0.05)
     learner.remember(4)
-    engine = learner.step(old).engine
+    stats = learner.step(old)
+    engine = stats.engine
     assert engine["policy/engine_logp_diff_mean"] == pytest.approx(0.02, abs=1e-4)  # under v3's adapter
+    assert stats.episode_gaps["Old answer."].mean == pytest.approx(0.02, abs=1e-4)  # re-scored, not the stale gap
     assert engine["policy/stale_logp_tokens"] > 0
     assert abs(engine["policy/stale_logp_diff_mean"] - 0.02) > 1e-3  # the current weights differ: staleness
     assert learner.weights_version is None  # the step moved the weights
