@@ -64,7 +64,7 @@ from contract.schemas import (
     StepIn,
 )
 from contract.tokens import rejoin_ids, rejoin_messages
-from contract.vocabulary import AckStatus, CallKind, EpisodeStatus, GroupStatus, TrainStatus
+from contract.vocabulary import AckStatus, CallKind, EpisodeStatus, GroupStatus, TrainMode, TrainStatus
 
 __all__ = [
     "AsyncProxyClient",
@@ -160,7 +160,7 @@ class Demand:
     """What a trainer takes, sent with its claims: the proxy admits new groups from it (``proxy/admission.py``)."""
 
     groups_per_step: int
-    mode: Literal["sync", "async"]
+    mode: TrainMode
 
 
 # -- replies ---------------------------------------------------------------------------------------

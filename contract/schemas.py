@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from contract.vocabulary import AckStatus, CallApi, CallKind, EpisodeStatus, GroupStatus, TrainStatus
+from contract.vocabulary import AckStatus, CallApi, CallKind, EpisodeStatus, GroupStatus, TrainMode, TrainStatus
 
 
 def _finite_json(value: Any, path: str = "") -> Any:
@@ -224,7 +224,7 @@ class ClaimIn(_In):
         description="groups the trainer trains per policy version (default max_groups); with max_staleness it "
         "sets how many groups POST /groups admits ahead of the trainer",
     )
-    mode: Literal["sync", "async"] | None = Field(None, description="the trainer's mode (reported by GET /admission)")
+    mode: TrainMode | None = Field(None, description="the trainer's mode (reported by GET /admission)")
     calls: Literal["whole", "delta"] = Field(
         "whole",
         description="delta: a call that continues an earlier call of its episode comes as stored, its prompt ids "
@@ -236,7 +236,7 @@ class ClaimIn(_In):
 class TrainerDemandOut(BaseModel):
     groups_per_step: int
     max_staleness: int | None
-    mode: Literal["sync", "async"] | None
+    mode: TrainMode | None
     seconds_per_step: float | None
     seconds_since_seen: float
 

@@ -30,3 +30,11 @@ CallApi = Literal["chat", "completions", "responses", "messages"]
 Abandoned = Literal["skip", "penalize"]
 """What the trainer does with a group's abandoned episodes: leave them out, or count them as members
 at ``abandoned_reward``; a workflow says which in its groups' metadata (``abandoned``)."""
+TrainMode = Literal["sync", "async"]
+"""How a trainer generates and trains: ``sync`` waits for each step's groups on the current version;
+``async`` trains groups served by versions up to ``max_staleness`` behind (reported at claim)."""
+SamplingMode = Literal["sampled", "truncated", "constrained", "penalized", "greedy"]
+"""How the engine sampled a recorded call (``notes.sampling.mode``, decided by ``proxy/sampling.py``)."""
+TRAINED_MODES: tuple[SamplingMode, ...] = ("sampled", "truncated", "constrained")
+"""The modes whose tokens the trainer trains (the trainer scores each as sampled; the export's loss mask
+follows it); penalized and greedy calls are context only."""

@@ -37,13 +37,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Literal
 
+from contract.vocabulary import TrainMode
 from proxy.errors import BacklogFull
 from proxy.settings import AdmissionSettings
 from proxy.store.repository import Repository
-
-TrainMode = Literal["sync", "async"]
 
 
 @dataclass

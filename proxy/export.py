@@ -36,14 +36,12 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from contract.vocabulary import EpisodeStatus
+from contract.vocabulary import TRAINED_MODES, EpisodeStatus
 from proxy.store.records import CallRecord, EpisodeRecord
 from proxy.store.repository import Repository
 from proxy.store.rows import json_text
 
 Format = Literal["jsonl", "parquet"]
-TRAINED_MODES = ("sampled", "truncated", "constrained")
-"""Sampling modes whose tokens the trainer trains (``trainer.data.MODES``)."""
 
 _TOOL_CALL = pa.struct(
     [

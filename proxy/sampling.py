@@ -40,15 +40,16 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
+from contract.vocabulary import SamplingMode
 from proxy.errors import InvalidRequest
 from proxy.grammar import UNKNOWN
 from proxy.settings import Constrained, Penalties
 
 log = logging.getLogger("flywheel.sampling")
 
-Mode = Literal["sampled", "truncated", "constrained", "penalized", "greedy"]
+Mode = SamplingMode
 """How the trainer treats a call: ``sampled`` (temperature only) and ``truncated`` (top-k/top-p/min-p
 as well) are reproduced exactly; ``constrained`` (grammar mask) per ``constrained``; ``penalized``
 and ``greedy`` are context only."""

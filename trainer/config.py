@@ -20,13 +20,13 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from contract.keyfile import key_file_keys
-from contract.vocabulary import Abandoned
+from contract.vocabulary import Abandoned, TrainMode
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 ScaleRewards = Literal["group", "batch", "none"]
 ImportanceLevel = Literal["token", "sequence"]
 CorrectionMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
-Mode = Literal["sync", "async"]
+
 DType = Literal["auto", "bfloat16", "float32"]
 TurnCredit = Literal["episode", "discounted"]
 AbandonedRule = Literal["workflow", Abandoned]
@@ -178,7 +178,7 @@ class TrainerConfig:
     """An episode with reward at or above this counts as passed (the pass-rate metric only)."""
 
     # -- rollout coupling ------------------------------------------------------------------------------
-    mode: Mode = "async"
+    mode: TrainMode = "async"
     """``sync``: train only on groups whose every call came from the current policy version.
     ``async``: train on anything within ``max_staleness`` versions while rollouts continue."""
     max_staleness: int | None = None

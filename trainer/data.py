@@ -50,12 +50,12 @@ import torch
 
 from contract.client import Call, Episode, Group
 from contract.tokens import continues, extends
-from contract.vocabulary import Abandoned
+from contract.vocabulary import TRAINED_MODES, Abandoned
 from trainer.config import ScaleRewards, TurnCredit
 from trainer.loss import group_advantages
 
 NAN = float("nan")
-MODES = ("sampled", "truncated", "constrained")
+MODES = TRAINED_MODES
 """Sampling modes whose tokens are trained; a token's ``modes`` entry indexes this (-1: not sampled)."""
 NOT_THE_AGENTS_DOING = ("no reward within", "interrupted:", "infrastructure: ")
 """Abandon reasons never penalized: the proxy's deadline reaper (the workflow never reported), a
