@@ -13,7 +13,12 @@ SECTION = GuardSection(probe_every=5, max_drop=0.1, patience=2, window=3, max_cu
 
 
 def healthy(step: int) -> dict[str, float]:
-    return {"signals/cut_fraction": 0.05, "policy/entropy": 0.5, "reward/mean": 0.3 + 0.01 * step}
+    return {
+        "signals/cut_fraction": 0.05,
+        "policy/entropy": 0.5,
+        "reward/mean": 0.3 + 0.01 * step,
+        "policy/engine_logp_diff_mean": 0.003,
+    }
 
 
 def test_probes_are_due_once_per_multiple_of_probe_every() -> None:
@@ -65,13 +70,20 @@ def test_answers_cut_at_the_token_limit_make_a_collapse_after_patience_windows()
     guard = Guard(SECTION)
     for step in range(1, 7):
         guard.observe_step(step, healthy(step))
-    cut = {"signals/cut_fraction": 0.9, "policy/entropy": 1.2, "reward/mean": 0.05, "signals/tool_call_missing": 0.4}
+    cut = {
+        "signals/cut_fraction": 0.9,
+        "policy/entropy": 1.2,
+        "reward/mean": 0.05,
+        "signals/tool_call_missing": 0.4,
+        "policy/engine_logp_diff_mean": 2.5,
+    }
     for step in range(7, 12):
         guard.observe_step(step, cut)
     verdict = guard.verdict
     assert verdict.collapsed and verdict.at_step is not None and 7 < verdict.at_step <= 11
     assert verdict.reasons[0].startswith("answers cut at the token limit: ")
-    assert [w.split(" ")[0] for w in verdict.warnings] == ["sampling", "train"]  # entropy up, reward down
+    # entropy up, reward down, the engine gap far above numeric noise
+    assert [w.split(" ")[0] for w in verdict.warnings] == ["sampling", "train", "engine/trainer"]
     quiet = Guard(SECTION)
     for step in range(1, 30):
         quiet.observe_step(step, healthy(step))
