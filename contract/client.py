@@ -64,7 +64,7 @@ from contract.schemas import (
     StepIn,
 )
 from contract.tokens import rejoin_ids, rejoin_messages
-from contract.vocabulary import AckStatus, CallKind, EpisodeStatus, GroupStatus, TrainMode, TrainStatus
+from contract.vocabulary import AbandonCause, AckStatus, CallKind, EpisodeStatus, GroupStatus, TrainMode, TrainStatus
 
 __all__ = [
     "AsyncProxyClient",
@@ -196,6 +196,7 @@ class Episode(_Reply):
     reward: float | None = None
     call_rewards: dict[str, float] | None = None
     abandon_reason: str | None = None
+    abandon_cause: AbandonCause | None = None
     calls: list[Call] | None = None
     train_audit: dict[str, Any] | None = None
 
@@ -350,8 +351,8 @@ class _Api:
         return _Request("POST", f"/episodes/{episode_id}/reward", "safe", Episode.model_validate, body)
 
     @staticmethod
-    def abandon(episode_id: str, reason: str) -> _Request[Episode]:
-        body = AbandonIn.model_construct(reason=reason[:4000] or "abandoned")  # the proxy's limits on a reason
+    def abandon(episode_id: str, reason: str, cause: AbandonCause) -> _Request[Episode]:
+        body = AbandonIn.model_construct(reason=reason[:4000] or "abandoned", cause=cause)  # the proxy's limits
         return _Request("POST", f"/episodes/{episode_id}/abandon", "safe", Episode.model_validate, body)
 
     @staticmethod
@@ -550,9 +551,9 @@ class ProxyClient:
         """Finish an episode with its reward; ``call_rewards`` keyed by call ordinal (or ``"ordinal:choice"``)."""
         return self._send(_Api.reward(episode_id, reward, call_rewards, metadata))
 
-    def abandon(self, episode_id: str, reason: str) -> Episode:
+    def abandon(self, episode_id: str, reason: str, cause: AbandonCause = "agent") -> Episode:
         """Finish an episode without a reward (never trained on); the reason is cut to the proxy's 4000 characters."""
-        return self._send(_Api.abandon(episode_id, reason))
+        return self._send(_Api.abandon(episode_id, reason, cause))
 
     # -- policy and training (trainers) ----------------------------------------------------------
 
@@ -694,8 +695,8 @@ class AsyncProxyClient:
     ) -> Episode:
         return await self._send(_Api.reward(episode_id, reward, call_rewards, metadata))
 
-    async def abandon(self, episode_id: str, reason: str) -> Episode:
-        return await self._send(_Api.abandon(episode_id, reason))
+    async def abandon(self, episode_id: str, reason: str, cause: AbandonCause = "agent") -> Episode:
+        return await self._send(_Api.abandon(episode_id, reason, cause))
 
     # -- policy and training (trainers) ----------------------------------------------------------
 

@@ -14,7 +14,16 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from contract.vocabulary import AckStatus, CallApi, CallKind, EpisodeStatus, GroupStatus, TrainMode, TrainStatus
+from contract.vocabulary import (
+    AbandonCause,
+    AckStatus,
+    CallApi,
+    CallKind,
+    EpisodeStatus,
+    GroupStatus,
+    TrainMode,
+    TrainStatus,
+)
 
 
 def _finite_json(value: Any, path: str = "") -> Any:
@@ -71,6 +80,7 @@ class RewardIn(_In):
 
 class AbandonIn(_In):
     reason: str = Field(min_length=1, max_length=4000)
+    cause: AbandonCause = "agent"
 
 
 class EpisodeKey(BaseModel):
@@ -141,6 +151,7 @@ class EpisodeOut(BaseModel):
     call_rewards: dict[str, float] | None
     reward_metadata: dict[str, Any] | None
     abandon_reason: str | None
+    abandon_cause: AbandonCause | None = None
     created_at: float
     finished_at: float | None
     calls: list[CallOut] | None = None

@@ -38,3 +38,10 @@ SamplingMode = Literal["sampled", "truncated", "constrained", "penalized", "gree
 TRAINED_MODES: tuple[SamplingMode, ...] = ("sampled", "truncated", "constrained")
 """The modes whose tokens the trainer trains (the trainer scores each as sampled; the export's loss mask
 follows it); penalized and greedy calls are context only."""
+AbandonCause = Literal["agent", "deadline", "interrupted", "infrastructure"]
+"""Why an episode was abandoned, said by whoever abandons it: ``agent`` (the episode failed by its own
+doing: an error, a time limit, no answer), ``deadline`` (the proxy's reaper: no call or reward within
+``episodes.deadline_s``), ``interrupted`` (a runner stopped mid-episode), ``infrastructure`` (model
+calls the proxy or engine failed, or the judge did). The reason stays free text for people."""
+BLAMELESS: tuple[AbandonCause, ...] = ("deadline", "interrupted", "infrastructure")
+"""Causes that are not the agent's doing: the trainer never penalizes such an abandon."""

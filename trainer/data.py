@@ -25,7 +25,7 @@ choice is a group member of its own.
 
 Group members and their advantages (``build_batch``): rewarded episodes (or choices), plus
 abandoned episodes when ``abandoned`` is ``penalize`` (reward ``abandoned_reward``), except those
-abandoned for reasons that are not the agent's doing (``NOT_THE_AGENTS_DOING``).
+abandoned for reasons that are not the agent's doing (``contract.vocabulary.BLAMELESS``: its ``abandon_cause``).
 ``turn_credit: episode`` gives every token of a member the member's group-relative advantage;
 ``discounted`` gives each turn t the return G_t = c_t + gamma * G_{t+1} (G of the last turn = its
 call reward + the episode reward), normalised over all turns of the group's members (AReaL's
@@ -50,16 +50,13 @@ import torch
 
 from contract.client import Call, Episode, Group
 from contract.tokens import continues, extends
-from contract.vocabulary import TRAINED_MODES, Abandoned
+from contract.vocabulary import BLAMELESS, TRAINED_MODES, Abandoned
 from trainer.config import ScaleRewards, TurnCredit
 from trainer.loss import group_advantages
 
 NAN = float("nan")
 MODES = TRAINED_MODES
 """Sampling modes whose tokens are trained; a token's ``modes`` entry indexes this (-1: not sampled)."""
-NOT_THE_AGENTS_DOING = ("no reward within", "interrupted:", "infrastructure: ")
-"""Abandon reasons never penalized: the proxy's deadline reaper (the workflow never reported), a
-runner stopped mid-episode, and model calls the proxy or engine failed (workflows/runner.py)."""
 Retokenizer = Callable[[Call], tuple[list[int], list[int]] | None]
 """(prompt ids, completion ids) rebuilt from a call's messages and reply text, or None."""
 Masker = Callable[[dict[str, Any] | None, Sequence[int], Sequence[int]], "torch.Tensor | str"]
@@ -568,7 +565,7 @@ def _episode_members(
     if episode.status == "rewarded" and episode.reward is not None:
         reward = float(episode.reward)
     elif episode.status == "abandoned":
-        blameless = (episode.abandon_reason or "").startswith(NOT_THE_AGENTS_DOING)
+        blameless = episode.abandon_cause in BLAMELESS
         if abandon != "penalize" or blameless:
             stats.episodes_abandoned_skipped += 1
             return members

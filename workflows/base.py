@@ -106,7 +106,8 @@ class Outcome:
 
 
 INFRASTRUCTURE = "infrastructure: "
-"""Prefix of abandon reasons that are not the agent's doing (the trainer never penalizes them)."""
+"""How the reason of an abandon with cause ``infrastructure`` starts, for people reading it; the
+trainer goes by the cause (``contract.vocabulary.BLAMELESS``), never by the words."""
 
 
 class EpisodeFailed(Exception):

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 from contract.client import AsyncProxyClient, CreatedGroup, EpisodeKey, ProxyError, ProxyUnreachable
+from contract.vocabulary import AbandonCause
 from workflows.base import EPISODE_POOL, INFRASTRUCTURE, Endpoint, Episode, EpisodeFailed, Outcome, Split, Workflow
 from workflows.judge import JUDGE_FAILED, Judge, JudgedGroup, JudgeStats, RewardMode, abandon, reward_group
 
@@ -201,6 +202,11 @@ def _infrastructure(exc: BaseException) -> bool:
         or isinstance(exc, ConnectionError)
         or name in ("APIConnectionError", "APITimeoutError", "ConnectError", "ReadError", "RemoteProtocolError")
     )
+
+
+def cause_of(exc: BaseException) -> AbandonCause:
+    """Whose doing an episode's error was: the proxy's or engine's (never penalized), else the agent's."""
+    return "infrastructure" if _infrastructure(exc) else "agent"
 
 
 def describe_error(exc: BaseException) -> str:
@@ -387,7 +393,9 @@ class Runner:
             for episode_id in played:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(
-                        self.client.abandon(episode_id, "interrupted: the runner stopped mid-judgement")
+                        self.client.abandon(
+                            episode_id, "interrupted: the runner stopped mid-judgement", cause="interrupted"
+                        )
                     )
             raise
         except Exception as exc:  # a bug or an odd endpoint: the episodes still end, with the reason
@@ -434,10 +442,14 @@ class Runner:
                 _check_outcome(outcome, self.config.reward)
             except asyncio.CancelledError:
                 with contextlib.suppress(Exception):
-                    await asyncio.shield(self.client.abandon(key.id, "interrupted: the runner stopped mid-episode"))
+                    await asyncio.shield(
+                        self.client.abandon(key.id, "interrupted: the runner stopped mid-episode", cause="interrupted")
+                    )
                 raise
             except Exception as exc:  # the agent failed: abandon with its error, never a made-up reward
-                result = await self._finish(key.id, group_id, task_id, started, None, describe_error(exc))
+                result = await self._finish(
+                    key.id, group_id, task_id, started, None, describe_error(exc), cause=cause_of(exc)
+                )
             else:
                 if self.judge is not None:  # rewarded once the whole group has ended (_judged)
                     return _Played(key.id, outcome, started)
@@ -448,7 +460,14 @@ class Runner:
         return result
 
     async def _finish(
-        self, episode_id: str, group_id: str, task_id: str, started: float, outcome: Outcome | None, error: str | None
+        self,
+        episode_id: str,
+        group_id: str,
+        task_id: str,
+        started: float,
+        outcome: Outcome | None,
+        error: str | None,
+        cause: AbandonCause = "agent",
     ) -> EpisodeResult:
         status: Status
         if outcome is not None and outcome.reward is None:  # _check_outcome lets it through only for the judge
@@ -460,7 +479,7 @@ class Runner:
                 )
                 status = "rewarded"
             else:
-                await self.client.abandon(episode_id, error or "abandoned")
+                await self.client.abandon(episode_id, error or "abandoned", cause=cause)
                 status = "abandoned"
         except ProxyError as exc:
             status, error = "error", f"{error + '; ' if error else ''}could not finish the episode: {exc}"

@@ -150,7 +150,7 @@ async def reward_episode(episode_id: str, body: RewardIn, svc: ServicesDep, _: A
 @router.post("/episodes/{episode_id}/abandon", response_model=EpisodeOut)
 async def abandon_episode(episode_id: str, body: AbandonIn, svc: ServicesDep, _: AdminDep) -> EpisodeOut:
     """Finish an episode without a reward (the agent failed): it never enters training."""
-    episode = await svc.repo.abandon(canonical_id(episode_id), reason=body.reason)
+    episode = await svc.repo.abandon(canonical_id(episode_id), reason=body.reason, cause=body.cause)
     svc.gate.closed(episode.id)
     svc.metrics.episodes.labels("abandoned").inc()
     return EpisodeOut.model_validate(episode)

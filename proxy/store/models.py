@@ -27,7 +27,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from contract.vocabulary import CallApi, CallKind, EpisodeStatus, GroupStatus, TrainStatus
+from contract.vocabulary import AbandonCause, CallApi, CallKind, EpisodeStatus, GroupStatus, TrainStatus
 
 
 class Base(DeclarativeBase):
@@ -79,6 +79,8 @@ class Episode(Base):
     call_rewards: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     reward_metadata: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     abandon_reason: Mapped[str | None] = mapped_column(Text)
+    abandon_cause: Mapped[AbandonCause | None] = mapped_column(String(16))
+    """Who or what ended it without a reward (migration 0008); the trainer reads it, never the reason."""
     created_at: Mapped[float]
     finished_at: Mapped[float | None]
     train_audit: Mapped[dict[str, Any] | None] = mapped_column(JSON)

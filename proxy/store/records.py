@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from contract.vocabulary import CallApi, CallKind, EpisodeStatus, GroupStatus, TrainStatus
+from contract.vocabulary import AbandonCause, CallApi, CallKind, EpisodeStatus, GroupStatus, TrainStatus
 
 
 @dataclass(slots=True)
@@ -83,6 +83,7 @@ class EpisodeRecord:
     finished_at: float | None
     calls: list[CallRecord] | None = None
     train_audit: dict[str, Any] | None = None
+    abandon_cause: AbandonCause | None = None
 
 
 @dataclass(slots=True)

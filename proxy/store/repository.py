@@ -23,7 +23,7 @@ from sqlalchemy import Select, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, async_sessionmaker
 
-from contract.vocabulary import AckStatus, EpisodeStatus, GroupStatus, TrainStatus
+from contract.vocabulary import AbandonCause, AckStatus, EpisodeStatus, GroupStatus, TrainStatus
 from proxy.errors import Conflict, EpisodeClosed, FlywheelError, InvalidRequest, NotFound, RecordingFailed
 from proxy.store.browse import Browse
 from proxy.store.db import CONNECT_TIMEOUT_S, is_sqlite, make_engine, sqlite_file
@@ -431,14 +431,14 @@ class Repository:
                 param="call_rewards",
             )
 
-    async def abandon(self, episode_id: str, *, reason: str) -> EpisodeRecord:
+    async def abandon(self, episode_id: str, *, reason: str, cause: AbandonCause = "agent") -> EpisodeRecord:
         async with self._write() as session:
             row = await self._episode_for_update(session, episode_id)
             if row.status == REWARDED:
                 raise Conflict(f"episode {episode_id} is already rewarded", code="episode_rewarded")
             if row.status == OPEN:
                 now = time.time()
-                row.status, row.abandon_reason, row.finished_at = ABANDONED, reason, now
+                row.status, row.abandon_reason, row.abandon_cause, row.finished_at = ABANDONED, reason, cause, now
                 self._tails.drop(episode_id)
                 await session.flush()
                 await self._complete_group(session, row.group_id, now)
@@ -476,7 +476,12 @@ class Repository:
             await session.execute(
                 update(Episode)
                 .where(Episode.id.in_(ids))
-                .values(status=ABANDONED, abandon_reason=f"no reward within {idle_s:.0f}s", finished_at=now)
+                .values(
+                    status=ABANDONED,
+                    abandon_reason=f"no reward within {idle_s:.0f}s",
+                    abandon_cause="deadline",
+                    finished_at=now,
+                )
             )
             for group_id in groups:
                 await self._complete_group(session, group_id, now)

@@ -188,6 +188,7 @@ def episode_record(row: Episode, calls: list[CallRecord] | None = None) -> Episo
         finished_at=row.finished_at,
         calls=calls,
         train_audit=row.train_audit,
+        abandon_cause=row.abandon_cause,
     )
 
 

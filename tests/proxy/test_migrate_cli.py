@@ -40,3 +40,34 @@ def test_migrate_stops_at_the_revision_asked_for_then_goes_on_to_head(
     rest = runner.invoke(cli, ["migrate"])
     assert rest.exit_code == 0, rest.output
     assert _stored_revision(path) == head
+
+
+def test_migration_0008_gives_existing_abandons_their_cause_from_the_old_reason_prefixes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "flywheel.db"
+    monkeypatch.setenv("FLYWHEEL_STORE__URL", f"sqlite+aiosqlite:///{path}")
+    runner = CliRunner()
+    assert runner.invoke(cli, ["migrate", "--revision", "0007"]).exit_code == 0
+    reasons = {
+        "reaped": ("abandoned", "no reward within 900s"),
+        "stopped": ("abandoned", "interrupted: the runner stopped mid-episode"),
+        "engine": ("abandoned", "infrastructure: APIConnectionError: boom"),
+        "crashed": ("abandoned", "agent crashed 100%_of the time"),
+        "open": ("open", None),
+    }
+    with contextlib.closing(sqlite3.connect(path)) as conn, conn:
+        conn.executemany(
+            "INSERT INTO episodes (id, metadata, status, abandon_reason, created_at) VALUES (?, '{}', ?, ?, 0)",
+            [(k, status, reason) for k, (status, reason) in reasons.items()],
+        )
+    assert runner.invoke(cli, ["migrate"]).exit_code == 0
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        causes = dict(conn.execute("SELECT id, abandon_cause FROM episodes").fetchall())
+    assert causes == {
+        "reaped": "deadline",
+        "stopped": "interrupted",
+        "engine": "infrastructure",
+        "crashed": "agent",
+        "open": None,
+    }

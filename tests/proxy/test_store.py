@@ -251,7 +251,7 @@ async def test_reward_completes_the_group_once_all_are_finished(repo: Repository
     await repo.set_reward(a, reward=1.0, call_rewards=None, metadata=None)
     await repo.set_reward(b, reward=0.0, call_rewards=None, metadata={"why": "wrong"})
     assert (await repo.get_group(group.id)).status == "open"
-    await repo.abandon(c, reason="agent crashed")
+    assert (await repo.abandon(c, reason="agent crashed")).abandon_cause == "agent"
     done = await repo.get_group(group.id)
     assert done.status == "complete" and done.completed_at is not None
     assert done.counts == {"rewarded": 2, "abandoned": 1}
@@ -296,6 +296,7 @@ async def test_idle_episodes_are_abandoned_and_unblock_their_group(repo: Reposit
     assert await repo.abandon_expired(idle_s=0.01) == 1
     stored = await repo.get_episode(c)
     assert stored.status == "abandoned" and "no reward" in (stored.abandon_reason or "")
+    assert stored.abandon_cause == "deadline"  # not the agent's doing: the trainer never penalizes it
     assert (await repo.get_group(group.id)).status == "complete"
 
 

@@ -478,9 +478,14 @@ def test_abandoned_episodes_are_penalized_or_skipped_by_choice(rule: Abandoned, 
         id="crashed",
         status="abandoned",
         abandon_reason="agent crashed: context overflow",
+        abandon_cause="agent",
         calls=[call(0, SYSTEM, [14, EOS])],
     )
-    reaped = Episode(id="reaped", status="abandoned", abandon_reason="no reward within 900s", calls=[])
+    # The cause decides, never the words: a reaped episode whose reason reads like an agent's failure
+    # is still not penalized.
+    reaped = Episode(
+        id="reaped", status="abandoned", abandon_reason="agent gave no answer", abandon_cause="deadline", calls=[]
+    )
     ok = [Episode(id=f"ok{i}", status="rewarded", reward=1.0, calls=[call(0, SYSTEM, [10 + i, EOS])]) for i in range(2)]
     group_ = Group(id="g", task_id="t", status="complete", episodes=[*ok, crashed, reaped])
     batch = build_batch([group_], rules=Rules(min_rewarded=2, scale_rewards="none", abandoned=rule))

@@ -104,9 +104,10 @@ async def reward_group(
 
 
 async def abandon(client: AsyncProxyClient, episode_id: str, reason: str) -> Settled:
-    """Abandon one episode with ``reason``; a refusal by the proxy is an ``error``, not an exception."""
+    """Abandon one episode the judge could not score (cause ``infrastructure``: not the agent's doing);
+    a refusal by the proxy is an ``error``, not an exception."""
     try:
-        await client.abandon(episode_id, reason)
+        await client.abandon(episode_id, reason, cause="infrastructure")
     except ProxyError as exc:
         return Settled(episode_id, "error", None, f"{reason}; could not abandon the episode: {exc}")
     return Settled(episode_id, "abandoned", None, reason)
