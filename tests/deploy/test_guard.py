@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from deploy.guard import Guard
 from deploy.run_config import GuardSection, RunConfigError
 
+DATA = Path(__file__).parent / "data"
 SECTION = GuardSection(probe_every=5, max_drop=0.1, patience=2, window=3, max_cut_fraction=0.5)
 
 
@@ -111,3 +115,34 @@ def test_off_watches_nothing() -> None:
 def test_bad_settings_are_refused(fields: dict[str, float], message: str) -> None:
     with pytest.raises(RunConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         GuardSection(**fields)  # type: ignore[arg-type]
+
+
+def _replay(name: str) -> tuple[Guard, dict[str, Any]]:
+    """Feed a recorded run's step metrics and probes to a guard with the default settings, in the
+    order the launcher does (a probe after its step)."""
+    run = json.loads((DATA / name).read_text())
+    guard = Guard(GuardSection(action="warn"))
+    probes = {p["step"]: p for p in run["probes"]}
+    for metrics in run["steps"]:
+        step = metrics["step"]
+        guard.observe_step(step, {k: v for k, v in metrics.items() if v is not None})
+        if step in probes:
+            guard.observe_probe(step, probes[step]["version"], probes[step]["score"])
+    guard.final_check(run["steps"][-1]["step"])
+    return guard, run
+
+
+def test_the_recorded_issue_28_collapse_is_caught_and_the_masked_run_is_not() -> None:
+    """Issue 28 on real metrics: the calc agent, seed 1, 54 steps on one machine (the files say
+    which), trained with its constrained tool-call tokens scored without the engine's grammar mask
+    (the rule before the fix) and with it."""
+    unmasked, run = _replay("issue28_calc_seed1_unmasked.json")
+    verdict = unmasked.verdict
+    assert verdict.collapsed and verdict.best is not None and verdict.best.step == 10, verdict
+    assert verdict.at_step is not None and verdict.at_step <= 30
+    assert any(w.startswith("engine/trainer log-prob gap") for w in verdict.warnings), verdict.warnings
+    assert run["eval_after"] < run["eval_before"]  # what a rollback to the best probe saves
+
+    masked, run = _replay("issue28_calc_seed1_masked.json")
+    assert not masked.verdict.collapsed and masked.verdict.warnings == [], masked.verdict
+    assert run["eval_after"] > run["eval_before"] + 0.15
