@@ -94,8 +94,11 @@ def test_two_short_steps_publish_an_adapter_that_serves_later_episodes(
     assert (run_dir / "learning_curve.png").stat().st_size > 10_000
     guard = report["guard"]
     assert guard["action"] == "rollback" and guard["best_probe"] is not None and guard["last_probe"]["step"] == 2
-    assert sorted(p.name for p in run_dir.glob("eval_probe-*.json")) == ["eval_probe-1.json", "eval_probe-2.json"]
-    assert json.loads((run_dir / "eval_probe-1.json").read_text())["split"] == "val"
+    # A probe scores the adapter serving when the launcher sees a step; two fast steps seen at once
+    # get one probe (the last), so step 1's is there only on a slower machine.
+    probes = sorted(p.name for p in run_dir.glob("eval_probe-*.json"))
+    assert probes[-1] == "eval_probe-2.json" and set(probes) <= {"eval_probe-1.json", "eval_probe-2.json"}, probes
+    assert json.loads((run_dir / probes[0]).read_text())["split"] == "val"
     if guard["rolled_back_to"] is not None:  # two steps cannot show a collapse, but a fall of 0.1 on 4 tasks can
         assert guard["collapsed"] and guard["best_probe"]["version"] < guard["rolled_back_to"]
     with sqlite3.connect(run_dir / "flywheel.db") as db:
