@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from contract.client import Group
 from contract.schemas import EpisodeAudit
-from trainer.data import Batch, DataStats
+from trainer.data import Batch, DataStats, Sample
 from trainer.learner import EpisodeGap
 
 CONTEXT_ONLY = (
@@ -27,9 +27,8 @@ CONTEXT_ONLY = (
 """Counters of calls the agent acted on that the rules keep out of the loss (context, or dropped)."""
 
 
-def audit(stats: DataStats, batch: Batch, episode_id: str, gap: EpisodeGap | None, step: int) -> EpisodeAudit:
-    """One episode's audit: its counters, its trained tokens and its engine gap (None: not compared)."""
-    samples = [s for s in batch.samples if s.episode_id == episode_id]
+def audit(stats: DataStats, samples: Sequence[Sample], gap: EpisodeGap | None, step: int) -> EpisodeAudit:
+    """One episode's audit: its counters, its samples' trained tokens and its engine gap (None: not compared)."""
     return EpisodeAudit(
         step=step,
         calls=stats.calls,
@@ -54,12 +53,15 @@ def group_audits(
 ) -> dict[str, dict[str, EpisodeAudit]]:
     """Group id -> episode id -> audit, for the groups the step trained."""
     trained = set(batch.trained)
+    samples: dict[str, list[Sample]] = {}
+    for sample in batch.samples:  # one pass, not one per episode
+        samples.setdefault(sample.episode_id, []).append(sample)
     out: dict[str, dict[str, EpisodeAudit]] = {}
     for group in groups:
         if group.id not in trained:
             continue
         out[group.id] = {
-            e.id: audit(batch.episodes[e.id], batch, e.id, gaps.get(e.id), step)
+            e.id: audit(batch.episodes[e.id], samples.get(e.id, []), gaps.get(e.id), step)
             for e in group.episodes or []
             if e.id in batch.episodes
         }
