@@ -14,7 +14,7 @@ Workloads (token ids drawn at random from a 150k vocabulary, message text ~4 cha
   e.g. tau2's), re-stored in both layouts.
 
 "Before" writes each call whole in the JSON layout every store used before migration 0004 (the
-rows those writers wrote, ``encoding`` 0); "after" goes through ``Repository.insert_calls`` one call
+rows those writers wrote, ``encoding`` 0); "after" goes through ``Calls.insert`` (``repo.calls``) one call
 per commit, as a live agent's calls arrive. Sizes, per backend:
 
 - SQLite: the bytes stored in the ``calls`` rows (sum of each column's length) and the database's
@@ -253,7 +253,7 @@ async def measure(url: str, layout: str, workload: list[list[NewCall]]) -> dict[
             try:
                 for calls in workload:
                     for call in calls:
-                        await repo.insert_calls([call])
+                        await repo.calls.insert([call])
             finally:
                 await repo.close()
         seconds = time.perf_counter() - started
@@ -264,7 +264,7 @@ async def measure(url: str, layout: str, workload: list[list[NewCall]]) -> dict[
     try:
         read_started = time.perf_counter()
         for eid in ids:
-            await repo.get_episode(eid)
+            await repo.episodes.get_episode(eid)
         read_s = time.perf_counter() - read_started
     finally:
         await repo.close()

@@ -5,7 +5,7 @@ page should cost about the same on a large store as on a small one; this measure
 store (SQLite in a temp dir, and PostgreSQL in a database of its own on the local server, dropped
 afterwards) and each size, the store is filled with groups of 4 episodes, each episode with two
 recorded chat calls (a tool call and its answer, ~150 prompt ids, ~30 sampled ids with logprobs):
-groups and episodes by bulk insert of the ORM tables, the calls through ``Repository.insert_calls``
+groups and episodes by bulk insert of the ORM tables, the calls through ``Calls.insert``
 (the recorder's writer, so the call rows are exactly what the proxy stores), then rewards, group
 completion and train status by bulk update, plus trainer steps and policy versions for the overview;
 on PostgreSQL then ANALYZE (the statistics autovacuum would have gathered on a store that grew).
@@ -166,7 +166,7 @@ async def fill(url: str, episodes: int, seed: int = 0) -> dict[str, float]:
             insert_s += time.perf_counter() - t
             t = time.perf_counter()
             batch = [c for m in members for c in _calls(m["id"], rng, m["created_at"])]
-            outcome = await repo.insert_calls(batch)
+            outcome = await repo.calls.insert(batch)
             assert all(o is None for o in outcome), [o for o in outcome if o is not None][:3]
             calls_s += time.perf_counter() - t
         t = time.perf_counter()

@@ -10,7 +10,7 @@ the trainer's last claim count as ahead too until this proxy publishes (or the t
 again, which it does after publishing): a group created between an ack and its publish would be
 sampled on the version that publish makes old. The limit is that
 times ``admission.slack``, or ``admission.max_backlog_groups`` when set; the backlog is counted in
-the store (open groups and complete, untrained ones: ``Repository.count_backlog``).
+the store (open groups and complete, untrained ones: ``Episodes.count_backlog``).
 
 A refused group gets 429 ``backlog_full`` with ``Retry-After``: about the time the trainer needs to
 take the excess (its measured time per step, scaled by how far over the limit the backlog is),
@@ -164,7 +164,7 @@ class Admission:
             yield
             return
         async with self._lock:
-            backlog = await self.repo.count_backlog() + self.settling
+            backlog = await self.repo.episodes.count_backlog() + self.settling
             if backlog >= limit:
                 self.refused += 1
                 over = backlog - limit + 1
@@ -181,7 +181,7 @@ class Admission:
         return State(
             enabled=self.settings.enabled,
             limit=self.limit(),
-            backlog=await self.repo.count_backlog(),
+            backlog=await self.repo.episodes.count_backlog(),
             settling=self.settling,
             trainers=self._live(),
             refused=self.refused,

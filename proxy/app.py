@@ -36,6 +36,7 @@ from proxy.policy_table import PolicyTable
 from proxy.recorder import Recorder
 from proxy.relay import Relay
 from proxy.routes import chat, episodes, messages, ops, policy, probe, responses, trainer
+from proxy.routes.mounts import MOUNTS, model_router
 from proxy.sampling import SamplingDefaults
 from proxy.settings import Settings
 from proxy.splice import Splicer
@@ -170,8 +171,8 @@ def create_app(
         )
         metrics = Metrics()
         upstreams = Upstreams(settings, transport)
-        policies = PolicyTable(settings.policy, store, upstreams)
-        recorder = Recorder(store, batch_max=settings.store.batch_max, on_batch=metrics.on_batch)
+        policies = PolicyTable(settings.policy, store.versions, upstreams)
+        recorder = Recorder(store.calls, batch_max=settings.store.batch_max, on_batch=metrics.on_batch)
         relay = Relay(
             upstreams=upstreams,
             policies=policies,
@@ -218,7 +219,7 @@ def create_app(
                 _every(
                     settings.episodes.reaper_interval_s,
                     "reaper",
-                    lambda: store.abandon_expired(idle_s=settings.episodes.deadline_s),
+                    lambda: store.episodes.abandon_expired(idle_s=settings.episodes.deadline_s),
                 )
             ),
         ]
@@ -248,7 +249,10 @@ def create_app(
         lifespan=lifespan,
         description="OpenAI-compatible proxy that records agent episodes for RL training.",
     )
-    for module in (chat, responses, messages, episodes, policy, trainer, ops, probe):
+    model_routes = (*chat.ROUTES, *responses.ROUTES, *messages.ROUTES)
+    for mount in MOUNTS:  # each model route once, served under every base URL
+        app.include_router(model_router(mount, model_routes), prefix=mount.prefix)
+    for module in (episodes, policy, trainer, ops, probe):
         app.include_router(module.router)
     ui.install(app, keys.admin_keys)
 

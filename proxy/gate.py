@@ -63,7 +63,7 @@ class EpisodeGate:
         now = time.monotonic()
         if seen is not None and now - seen < self._ttl_s:
             return
-        state = await self._repo.episode_state(episode_id)
+        state = await self._repo.episodes.episode_state(episode_id)
         if state is None:
             self._open.pop(episode_id, None)
             raise NotFound(f"episode {episode_id} not found", param="episode_id", code="episode_not_found")

@@ -18,7 +18,7 @@ from typing import Any
 from proxy.errors import Conflict, InvalidRequest, UpstreamError, UpstreamUnavailable
 from proxy.settings import PolicySettings
 from proxy.store.records import PolicyVersionRecord
-from proxy.store.repository import Repository
+from proxy.store.versions import Versions
 from proxy.upstream import Replica, Upstreams
 
 log = logging.getLogger("flywheel.policy")
@@ -28,9 +28,9 @@ class PolicyTable:
     """The published policy versions as a routing table: a requested model name to the adapter name
     sent upstream and its version (``resolve``); publishing adds a version and switches the aliases."""
 
-    def __init__(self, settings: PolicySettings, repo: Repository, upstreams: Upstreams) -> None:
+    def __init__(self, settings: PolicySettings, versions: Versions, upstreams: Upstreams) -> None:
         self.settings = settings
-        self._repo = repo
+        self._versions = versions
         self._upstreams = upstreams
         self._aliases = frozenset(settings.aliases)
         self._version_name = re.compile(re.escape(settings.adapter_prefix) + r"(\d+)$")
@@ -51,7 +51,7 @@ class PolicyTable:
         return model in self._aliases
 
     async def refresh(self) -> None:
-        latest = await self._repo.current_policy()
+        latest = await self._versions.current()
         if latest is not None and (self.current is None or latest.version > self.current.version):
             self.current = latest
 
@@ -72,7 +72,7 @@ class PolicyTable:
             # The store's version, not only this replica's last refresh: another proxy may have published
             # since, and loading a version it already holds would replace the adapter serving under that name.
             await self.refresh()
-            version = version if version is not None else await self._repo.next_policy_version()
+            version = version if version is not None else await self._versions.next_number()
             current = self.current.version if self.current else 0
             if version <= current:
                 raise Conflict(
@@ -93,11 +93,9 @@ class PolicyTable:
                 if res is not None:  # it missed the adapter: out of rotation until the health loop syncs it
                     log.warning("adapter load failed", extra={"replica": replica.name, "error": repr(res)})
                     replica.healthy = False
-            record = await self._repo.add_policy_version(
-                version=version, name=name, adapter_path=adapter_path, metadata=metadata
-            )
+            record = await self._versions.add(version=version, name=name, adapter_path=adapter_path, metadata=metadata)
             self.current = record
-            kept = {v.name for v in self._kept(await self._repo.list_policy_versions(self.settings.keep_versions))}
+            kept = {v.name for v in self._kept(await self._versions.list(self.settings.keep_versions))}
             await asyncio.gather(*(self._unload_except(r, kept) for r in loaded), return_exceptions=True)
             log.info("policy published", extra={"version": version, "adapter": name, "replicas": len(loaded)})
             return record
@@ -147,7 +145,7 @@ class PolicyTable:
     async def sync_replica(self, replica: Replica) -> None:
         """Make a (re)started replica hold the kept versions before it takes traffic again."""
         served = {m["id"] for m in await self._upstreams.list_models(replica)}
-        kept = self._kept(await self._repo.list_policy_versions(self.settings.keep_versions))
+        kept = self._kept(await self._versions.list(self.settings.keep_versions))
         for record in kept:
             if record.name not in served:
                 await self._load(replica, record.name, record.adapter_path)

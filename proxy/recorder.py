@@ -11,19 +11,29 @@ was rewarded or abandoned meanwhile (``EpisodeClosed``, 409) while the rest of i
 The batch loop outlives everything but its own shutdown: a failing ``on_batch`` callback (the
 metrics) is logged and counted (``callback_errors``), and commits go on. Were the loop ever to end
 early, ``record()`` refuses calls instead of leaving them waiting for a loop that is gone.
+
+It writes through a ``CallWriter``: the store's ``Calls`` (``repo.calls``), or a test's stand-in.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from proxy.errors import FlywheelError, RecordingFailed, StoreUnavailable
 from proxy.store.records import NewCall
-from proxy.store.repository import Repository
 
 log = logging.getLogger("flywheel.recorder")
+
+
+class CallWriter(Protocol):
+    """What the recorder needs of the store: one batch of calls in one transaction."""
+
+    async def insert(self, calls: Sequence[NewCall]) -> list[FlywheelError | None]:
+        """Per call, None (committed) or why it was refused; raises if the batch did not commit."""
+        ...
 
 
 def _failed(exc: Exception) -> RecordingFailed:
@@ -35,9 +45,9 @@ def _failed(exc: Exception) -> RecordingFailed:
 
 class Recorder:
     def __init__(
-        self, repo: Repository, *, batch_max: int = 512, on_batch: Callable[[int, float], None] | None = None
+        self, calls: CallWriter, *, batch_max: int = 512, on_batch: Callable[[int, float], None] | None = None
     ) -> None:
-        self._repo = repo
+        self._calls = calls
         self._batch_max = batch_max
         self._pending: list[tuple[NewCall, asyncio.Future[None]]] = []
         self._wake = asyncio.Event()
@@ -84,7 +94,7 @@ class Recorder:
             del self._pending[: len(batch)]
             started = loop.time()
             try:
-                outcomes: list[FlywheelError | None] = await self._repo.insert_calls([call for call, _ in batch])
+                outcomes: list[FlywheelError | None] = await self._calls.insert([call for call, _ in batch])
             except Exception as exc:  # the store is down, full or refused: every waiter gets a clear error
                 log.error("recording failed", extra={"calls": len(batch), "error": repr(exc)})
                 error = _failed(exc)

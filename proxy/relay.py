@@ -1,21 +1,21 @@
 """The life of one model call, from the client's request to its acknowledged record.
 
-A route validates the request and finds its episode; ``Relay.respond`` does the rest: resolve the
-requested model to the served adapter (``policy_table.py``), fill omitted sampling fields
-(``sampling.py``), keep engine-killing requests away from the engine (``_protect``), splice the
+A route validates the request and finds its episode; ``Relay.respond`` does the rest, and
+``ModelCall`` reads in that order: resolve the requested model to the served adapter
+(``policy_table.py``), fill omitted sampling fields (``sampling.py``, the grammar from
+``grammar.py``), keep engine-killing requests away from the engine (``_protect``), splice the
 sampled ids of earlier turns into a follow-up prompt (``splice.py``), send to a replica
-(``upstream.py``), capture the exact ids and log-probs (``capture.py``), record (``recorder.py``)
-and only then answer: a plain call after its record committed, a stream with its final event held
-back until then. A call in another API (``dialects/``) runs as its chat request and is answered in
-its own API.
+(``upstream.py``), capture the exact ids and log-probs (``capture.py``), record (``call_record.py``,
+through ``recorder.py``) and only then answer: a plain call after its record committed, a stream
+with its final event held back until then (``streaming.py``). A call in another API
+(``dialects/``) runs as its chat request and is answered in its own API.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,43 +24,26 @@ import orjson
 from fastapi.responses import Response, StreamingResponse
 
 from contract.vocabulary import CallKind
-from proxy.answers import READ_ERRORS, check_answer, check_chunk, json_object, malformed, reading, unreadable
-from proxy.capture import (
-    Captured,
-    StreamCapture,
-    Wants,
-    capture_response,
-    prepare,
-    sampled,
-    single_prompt,
-    strip_for_client,
-    usage_only,
-)
-from proxy.dialects.base import EventStream, Translation
-from proxy.errors import (
-    EpisodeClosed,
-    FlywheelError,
-    RecordingFailed,
-    UnsafeRequest,
-    UpstreamError,
-    UpstreamUnavailable,
-)
+from proxy.answers import check_answer, json_object, reading
+from proxy.call_record import CallRecord
+from proxy.capture import Wants, capture_response, prepare, sampled, single_prompt, strip_for_client
+from proxy.dialects.base import Translation
+from proxy.errors import FlywheelError, UnsafeRequest, UpstreamError, UpstreamUnavailable
 from proxy.grammar import Grammars
 from proxy.metrics import Metrics
 from proxy.policy_table import PolicyTable
 from proxy.recorder import Recorder
-from proxy.refusals import refused, report
+from proxy.refusals import refused
 from proxy.sampling import SamplingDefaults, settle_grammar
 from proxy.sampling import resolve as resolve_sampling
 from proxy.settings import SamplingSettings
 from proxy.splice import Plan, Splicer, SpliceUnavailable
-from proxy.store.records import NewCall
-from proxy.upstream import Replica, Upstreams, answer_error, map_transport_error
+from proxy.streaming import StreamRelay, sse_events
+from proxy.upstream import Replica, Upstreams, answer_error
 
 log = logging.getLogger("flywheel.relay")
 
 PATHS: dict[CallKind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
-SSE_DONE = b"data: [DONE]\n\n"
 
 ClientGone = Callable[[], Awaitable[bool]]
 """Whether the client has left (Starlette's ``Request.is_disconnected``)."""
@@ -129,8 +112,11 @@ def _protect(body: dict[str, Any], replica: Replica) -> dict[str, Any] | None:
 class ModelCall:
     """One recorded (or passthrough) model call from request to acknowledged record.
 
-    ``translation``: a call in another API (``proxy/dialects``), run as its chat request and
-    answered in its own API.
+    Its life reads top to bottom: the constructor resolves the model and fills in the sampling;
+    ``respond`` settles the grammar, then ``complete`` or ``open_stream`` protect the engine,
+    splice, send, capture, record (``call_record.py``) and answer, a stream through
+    ``streaming.py``. ``translation``: a call in another API (``proxy/dialects``), run as its chat
+    request and answered in its own API.
     """
 
     def __init__(
@@ -147,125 +133,30 @@ class ModelCall:
         self.kind = kind
         self.body = body
         self.translation = translation
-        self.events: EventStream | None = None
         self.episode_id = episode_id
         self.recorded = episode_id is not None
-        self.started = time.time()
-        self.t0 = time.perf_counter()
-        self.model_served, self.version = relay.policies.resolve(body["model"])
-        self.sampling: dict[str, Any] | None = None
-        if self.recorded:
+        model_served, version = relay.policies.resolve(body["model"])  # the adapter serving the model
+        self.record = CallRecord(
+            recorder=relay.recorder,
+            metrics=relay.metrics,
+            kind=kind,
+            body=body,
+            episode_id=episode_id,
+            translation=translation,
+            model_served=model_served,
+            version=version,
+        )
+        if self.recorded:  # what vLLM samples with is sent explicitly, and recorded
             if kind == "completion":
                 single_prompt(body)
             self.upstream_body, self.wants = prepare(body, kind)
             rules = relay.sampling_rules
-            self.sampling = resolve_sampling(
+            self.record.sampling = resolve_sampling(
                 self.upstream_body, relay.sampling, penalties=rules.penalties, constrained=rules.constrained
             )
         else:
             self.upstream_body, self.wants = dict(body), Wants(token_ids=True, logprobs=True)
-        self.upstream_body["model"] = self.model_served
-        self.notes: dict[str, Any] | None = None
-        self.splice_note: dict[str, Any] | None = None
-        self.replica: Replica | None = None
-        self.streamed_choices = False
-        """A parsed stream carried at least one choice (a stream without any is malformed)."""
-
-    def headers(self) -> dict[str, str]:
-        out = {}
-        if self.version is not None:
-            out["x-policy-version"] = str(self.version)
-        if self.notes and self.notes.get("dropped"):
-            out["x-flywheel-dropped"] = ",".join(self.notes["dropped"])
-        return out
-
-    def _body_for(self, replica: Replica) -> dict[str, Any]:
-        """The upstream body as ``replica`` may take it (``_protect``)."""
-        body = dict(self.upstream_body)
-        self.notes = _protect(body, replica)
-        if self.notes:
-            self.relay.metrics.dropped.labels("seed").inc()
-        return body
-
-    async def send(self, stream: bool) -> httpx.Response:
-        """Send upstream; a replica that refuses the connection is skipped for the next one."""
-        tried: tuple[Replica, ...] = ()
-        last: UpstreamError | None = None
-        for _ in self.relay.upstreams.replicas:
-            replica = self.relay.upstreams.pick(self.episode_id, exclude=tried)
-            body = self._body_for(replica)
-            self.replica = replica
-            replica.in_flight += 1
-            try:
-                return await self.relay.upstreams.send(
-                    replica, "POST", PATHS[self.kind], content=orjson.dumps(body), stream=stream
-                )
-            except UpstreamUnavailable as exc:
-                last = exc
-                tried += (replica,)
-            finally:
-                replica.in_flight -= 1
-        assert last is not None
-        raise last
-
-    def _new_call(
-        self, *, status: int, captured: Captured | None, error: dict[str, Any] | None, ttft_ms: float | None
-    ) -> NewCall:
-        assert self.episode_id is not None
-        return NewCall(
-            episode_id=self.episode_id,
-            kind=self.kind,
-            stream=bool(self.body.get("stream")),
-            request=self.body,
-            response=captured.response if captured else None,
-            status_code=status,
-            error=error,
-            prompt_token_ids=captured.prompt_token_ids if captured else None,
-            choices=captured.choices if captured else [],
-            exact_ids=captured.exact_ids if captured else False,
-            model_requested=self.body["model"],
-            model_served=self.model_served,
-            policy_version=self.version,
-            replica=self.replica.name if self.replica else None,
-            started_at=self.started,
-            latency_ms=(time.perf_counter() - self.t0) * 1000,
-            ttft_ms=ttft_ms,
-            prompt_tokens=captured.prompt_tokens if captured else None,
-            completion_tokens=captured.completion_tokens if captured else None,
-            notes=_noted(self._notes(), captured),
-            api=self.translation.api if self.translation else ("chat" if self.kind == "chat" else "completions"),
-            client_request=self.translation.client_request if self.translation else None,
-            response_id=self.translation.response_id if self.translation else None,
-        )
-
-    def _notes(self) -> dict[str, Any] | None:
-        """What the proxy changed or decided on the way: a dropped seed, the effective sampling, the splice."""
-        notes = dict(self.notes or {})
-        if self.sampling is not None:
-            notes["sampling"] = self.sampling
-        if self.splice_note is not None:
-            notes["splice"] = self.splice_note
-        if self.translation is not None and self.translation.compat:
-            notes["compat"] = self.translation.compat
-        return notes or None
-
-    async def record_error(self, error: FlywheelError) -> None:
-        route = self.translation.api if self.translation else ("chat" if self.kind == "chat" else "completions")
-        report(self.relay.metrics, error, route=route, episode_id=self.episode_id)  # a 4xx is a refusal
-        if self.recorded:
-            call = self._new_call(status=error.status_code, captured=None, error=error.body()["error"], ttft_ms=None)
-            try:
-                await self.relay.recorder.record(call)
-            except (RecordingFailed, EpisodeClosed):
-                log.error("could not record a failed call", extra={"episode": self.episode_id})
-
-    def _observe(self, status: int, captured: Captured | None) -> None:
-        m = self.relay.metrics
-        m.requests.labels(self.kind, str(status)).inc()
-        m.latency.labels(self.kind).observe(time.perf_counter() - self.t0)
-        if captured:
-            m.tokens.labels("prompt").inc(captured.prompt_tokens or 0)
-            m.tokens.labels("completion").inc(captured.completion_tokens or 0)
+        self.upstream_body["model"] = model_served
 
     async def respond(self) -> Response:
         """The answer: a stream when the (chat) body asks for one, else one JSON body."""
@@ -278,54 +169,20 @@ class ModelCall:
         """Record the grammar vLLM will sample this call under, as the engine itself renders it, so
         the trainer can score its tokens under the same mask (``grammar.py``)."""
         grammars = self.relay.grammars
-        if self.sampling is None or grammars is None:
+        sampling = self.record.sampling
+        if sampling is None or grammars is None:
             return
         replica = self.relay.upstreams.pick(self.episode_id)
         found = await grammars.lookup(replica, self.kind, self.upstream_body)
-        settle_grammar(self.sampling, found, constrained=self.relay.sampling_rules.constrained)
+        settle_grammar(sampling, found, constrained=self.relay.sampling_rules.constrained)
 
-    # -- non-streamed ------------------------------------------------------------------------
-
-    async def complete(self) -> Response:
-        try:
-            data, raw = await self._fetch()
-            with reading(self.source):  # everything read from the answer is read before the record
-                captured = capture_response(data, self.kind) if self.recorded else None
-                if self.translation is not None:
-                    raw = orjson.dumps(self.translation.response(data))
-        except FlywheelError as exc:
-            await self.record_error(exc)
-            self._observe(exc.status_code, None)
-            raise
-        if self.recorded and self.client_gone is not None and await self.client_gone():
-            # The client left (an SDK timeout) before the answer: what was generated is kept, as not
-            # delivered, so its retry is the call the agent acted on and this one is never trained.
-            await self._record_disconnect(captured, None, "client disconnected before the answer")
-            return Response(status_code=499)  # written to nobody
-        if self.recorded:
-            await self.relay.recorder.record(self._new_call(status=200, captured=captured, error=None, ttft_ms=None))
-            if self.translation is None and (strip_for_client(data, self.wants, self.kind) or raw is None):
-                raw = orjson.dumps(data)
-        assert raw is not None
-        self._observe(200, captured)
-        return Response(raw, media_type="application/json", headers=self.headers())
-
-    @property
-    def source(self) -> str:
-        """The replica that answered, for error messages."""
-        return self.replica.name if self.replica else "?"
-
-    async def _fetch(self) -> tuple[dict[str, Any], bytes | None]:
-        """The upstream's answer, parsed, and its bytes (None when the proxy built the answer)."""
-        planned = await self._splice()
-        if planned is not None:
-            assert self.relay.splicer is not None
-            replica, body, plan = planned
-            return check_answer(await self.relay.splicer.complete(replica, body, plan), self.kind, self.source), None
-        response = await self.send(stream=False)
-        if response.status_code >= 400:
-            raise answer_error(response.status_code, response.content, self.replica)
-        return check_answer(json_object(response.content, self.source), self.kind, self.source), response.content
+    def _body_for(self, replica: Replica) -> dict[str, Any]:
+        """The upstream body as ``replica`` may take it (``_protect``)."""
+        body = dict(self.upstream_body)
+        self.record.dropped = _protect(body, replica)
+        if self.record.dropped:
+            self.relay.metrics.dropped.labels("seed").inc()
+        return body
 
     async def _splice(self) -> tuple[Replica, dict[str, Any], Plan] | None:
         """A follow-up chat call whose prompt needs the sampled ids of an earlier turn spliced in:
@@ -354,213 +211,110 @@ class ModelCall:
         if isinstance(plan, str):
             self._no_splice(plan)
             return None
-        self.splice_note = plan.note
+        self.record.splice = plan.note
         if not plan.note["changed"]:  # the render already holds the sampled ids: the ordinary route is cheaper
             self.relay.metrics.splices.labels("unchanged").inc()
             return None
         self.relay.metrics.splices.labels("spliced").inc()
-        self.replica = replica
+        self.record.replica = replica
         return replica, body, plan
 
     def _no_splice(self, why: str) -> None:
-        self.splice_note = {"skipped": why}
+        self.record.splice = {"skipped": why}
         self.relay.metrics.splices.labels("skipped").inc()
         log.warning("follow-up call not spliced", extra={"episode": self.episode_id, "why": why})
+
+    async def send(self, stream: bool) -> httpx.Response:
+        """Send upstream; a replica that refuses the connection is skipped for the next one."""
+        tried: tuple[Replica, ...] = ()
+        last: UpstreamError | None = None
+        for _ in self.relay.upstreams.replicas:
+            replica = self.relay.upstreams.pick(self.episode_id, exclude=tried)
+            body = self._body_for(replica)
+            self.record.replica = replica
+            replica.in_flight += 1
+            try:
+                return await self.relay.upstreams.send(
+                    replica, "POST", PATHS[self.kind], content=orjson.dumps(body), stream=stream
+                )
+            except UpstreamUnavailable as exc:
+                last = exc
+                tried += (replica,)
+            finally:
+                replica.in_flight -= 1
+        assert last is not None
+        raise last
+
+    def headers(self) -> dict[str, str]:
+        """What the answer tells the client besides its body: the policy version, a dropped field."""
+        out = {}
+        if self.record.version is not None:
+            out["x-policy-version"] = str(self.record.version)
+        dropped = self.record.dropped
+        if dropped and dropped.get("dropped"):
+            out["x-flywheel-dropped"] = ",".join(dropped["dropped"])
+        return out
+
+    # -- non-streamed ------------------------------------------------------------------------
+
+    async def complete(self) -> Response:
+        """Fetch, capture, record, then answer: the client gets its body only after the record committed."""
+        record = self.record
+        try:
+            data, raw = await self._fetch()
+            with reading(record.source):  # everything read from the answer is read before the record
+                captured = capture_response(data, self.kind) if self.recorded else None
+                if self.translation is not None:
+                    raw = orjson.dumps(self.translation.response(data))
+        except FlywheelError as exc:
+            await record.failed(exc)
+            raise
+        if self.recorded and self.client_gone is not None and await self.client_gone():
+            # The client left (an SDK timeout) before the answer: what was generated is kept, as not
+            # delivered, so its retry is the call the agent acted on and this one is never trained.
+            await record.left(captured, None, "client disconnected before the answer")
+            return Response(status_code=499)  # written to nobody
+        if self.recorded:
+            await record.answered(captured, None)
+            if self.translation is None and (strip_for_client(data, self.wants, self.kind) or raw is None):
+                raw = orjson.dumps(data)
+        assert raw is not None
+        record.observe(200, captured)
+        return Response(raw, media_type="application/json", headers=self.headers())
+
+    async def _fetch(self) -> tuple[dict[str, Any], bytes | None]:
+        """The upstream's answer, parsed, and its bytes (None when the proxy built the answer)."""
+        planned = await self._splice()
+        if planned is not None:
+            assert self.relay.splicer is not None
+            answer = await self.relay.splicer.complete(*planned)
+            return check_answer(answer, self.kind, self.record.source), None
+        response = await self.send(stream=False)
+        if response.status_code >= 400:
+            raise answer_error(response.status_code, response.content, self.record.replica)
+        data = json_object(response.content, self.record.source)
+        return check_answer(data, self.kind, self.record.source), response.content
 
     # -- streamed ----------------------------------------------------------------------------
 
     async def open_stream(self) -> StreamingResponse:
+        """Open the upstream stream and hand it to ``streaming.py``; its final event waits for the record."""
         try:
             planned = await self._splice()
             if planned is not None:
-                events, close = self._spliced_events(*planned)
+                assert self.relay.splicer is not None
+                upstream, close = sse_events(self.relay.splicer.stream(*planned))
             else:
                 response = await self.send(stream=True)
                 if response.status_code >= 400:
                     text = await response.aread()
                     await response.aclose()
-                    raise answer_error(response.status_code, text, self.replica)
-                events, close = response.aiter_raw(), response.aclose
+                    raise answer_error(response.status_code, text, self.record.replica)
+                upstream, close = response.aiter_raw(), response.aclose
         except FlywheelError as exc:
-            await self.record_error(exc)
-            self._observe(exc.status_code, None)
+            await self.record.failed(exc)
             raise
         headers = {"cache-control": "no-cache", "x-accel-buffering": "no", **self.headers()}
-        if self.translation is not None:
-            self.events = self.translation.stream()
-        return StreamingResponse(self._relay(events, close), media_type="text/event-stream", headers=headers)
-
-    def _spliced_events(
-        self, replica: Replica, body: dict[str, Any], plan: Plan
-    ) -> tuple[AsyncIterator[bytes], Callable[[], Awaitable[None]]]:
-        """The spliced stream as the SSE bytes vLLM's chat route would send."""
-        assert self.relay.splicer is not None
-        chunks = self.relay.splicer.stream(replica, body, plan)
-
-        async def events() -> AsyncGenerator[bytes, None]:
-            async for chunk in chunks:
-                yield b"data: " + orjson.dumps(chunk) + b"\n\n"
-            yield SSE_DONE
-
-        relayed = events()
-
-        async def close() -> None:
-            await relayed.aclose()
-            await chunks.aclose()
-
-        return relayed, close
-
-    async def _relay(self, events: AsyncIterator[bytes], close: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
-        """Forward events as they arrive, capturing them; [DONE] only after the record commits."""
-        capture = StreamCapture(self.kind) if self.recorded else None
-        buffer = b""
-        ttft_ms: float | None = None
-        saw_done = False
-        finished = False
-        error: FlywheelError | None = None
-        try:
-            try:
-                async for raw in events:
-                    buffer += raw
-                    if b"\r" in buffer:
-                        buffer = buffer.replace(b"\r\n", b"\n")
-                    start, outs = 0, []
-                    while (cut := buffer.find(b"\n\n", start)) >= 0:
-                        out, content, done, upstream_error = self._event(buffer[start:cut], capture)
-                        start = cut + 2
-                        saw_done = saw_done or done
-                        if upstream_error is not None:
-                            error = upstream_error
-                            break
-                        if content and ttft_ms is None:
-                            ttft_ms = (time.perf_counter() - self.t0) * 1000
-                            self.relay.metrics.ttft.observe(ttft_ms / 1000)
-                        if out is not None:
-                            outs.append(out)
-                    buffer = buffer[start:]
-                    if outs:  # what arrived together leaves together: one write, not one per event
-                        yield outs[0] if len(outs) == 1 else b"".join(outs)
-                    if error is not None:  # the stream ends at the upstream's error: nothing after it is read
-                        break
-            except httpx.TransportError as exc:
-                assert self.replica is not None
-                error = map_transport_error(exc, self.replica)
-            except FlywheelError as exc:  # a spliced stream's token API call failed
-                error = exc
-            if error is None and not saw_done:
-                error = UpstreamError("upstream closed the stream before [DONE]", code="incomplete_stream")
-            if error is None and not self.streamed_choices and (capture is not None or self.events is not None):
-                error = malformed(self.source, "a stream without choices")
-            captured, ending = None, b""
-            if error is None:
-                try:
-                    with reading(self.source):  # what the record and the last event read, before the record
-                        captured = capture.result() if capture is not None else None
-                        ending = SSE_DONE if self.events is None else self.events.done()
-                except UpstreamError as exc:
-                    error = exc
-            if error is not None:
-                await self.record_error(error)
-                self._observe(error.status_code, None)
-                yield self._error_event(error)
-                finished = True
-                return
-            if self.recorded:
-                call = self._new_call(status=200, captured=captured, error=None, ttft_ms=ttft_ms)
-                try:
-                    await self.relay.recorder.record(call)
-                except (RecordingFailed, EpisodeClosed) as exc:  # a refused record is an error event, no [DONE]
-                    self._observe(exc.status_code, captured)
-                    yield self._error_event(exc)
-                    finished = True
-                    return
-            self._observe(200, captured)
-            finished = True
-            yield ending
-        finally:
-            await close()
-            if not finished and self.recorded:  # the client went away mid-stream: keep what happened
-                _spawn(self.relay.background, self._record_left_stream(capture, ttft_ms))
-
-    async def _record_left_stream(self, capture: StreamCapture | None, ttft_ms: float | None) -> None:
-        captured = capture.result() if capture is not None else None
-        await self._record_disconnect(captured, ttft_ms, "client disconnected mid-stream")
-
-    async def _record_disconnect(self, captured: Captured | None, ttft_ms: float | None, message: str) -> None:
-        """Record a call whose answer never reached its client: status 499 (nginx's "client closed
-        request"), never trained, never continued by a splice."""
-        call = self._new_call(
-            status=499,
-            captured=captured,
-            ttft_ms=ttft_ms,
-            error={
-                "message": message,
-                "type": "client_disconnected",
-                "param": None,
-                "code": None,
-            },
-        )
-        self._observe(499, None)
-        await self.relay.recorder.record(call)
-
-    def _error_event(self, error: FlywheelError) -> bytes:
-        """The event that ends a failed stream, in the client's API."""
-        if self.events is not None:
-            return self.events.error(error)
-        return b"data: " + error.json() + b"\n\n"
-
-    def _event(
-        self, event: bytes, capture: StreamCapture | None
-    ) -> tuple[bytes | None, bool, bool, FlywheelError | None]:
-        """(bytes for the client, carried content, was [DONE], upstream error)."""
-        data = None
-        for line in event.split(b"\n"):
-            if line.startswith(b"data:"):
-                data = line[5:].strip()
-        if data is None:  # comments, event names: pass through (a dialect's client gets only its events)
-            return (event + b"\n\n" if self.events is None else None), False, False, None
-        if data == b"[DONE]":
-            return None, False, True, None
-        if capture is None and self.events is None:
-            return event + b"\n\n", True, False, None
-        try:
-            chunk = check_chunk(json_object(data, self.source), self.kind, self.source)
-        except UpstreamError as exc:
-            return None, False, False, exc
-        if "error" in chunk and "choices" not in chunk:
-            err = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
-            return (
-                None,
-                False,
-                False,
-                UpstreamError(f"upstream error mid-stream: {err.get('message')}", code="upstream_error"),
-            )
-        self.streamed_choices = self.streamed_choices or bool(chunk.get("choices"))
-        try:
-            content = capture.feed(chunk) if capture is not None else bool(chunk.get("choices"))
-            translated = self.events.chunk(chunk) if self.events is not None else None
-        except READ_ERRORS as exc:
-            return None, False, False, unreadable(self.source, exc)
-        except UpstreamError as exc:
-            return None, False, False, exc
-        if self.events is not None:
-            return translated or None, content, False, None
-        if usage_only(chunk, self.wants):  # the proxy asked for it (to count the ids), not the client
-            return None, content, False, None
-        if strip_for_client(chunk, self.wants, self.kind):
-            return b"data: " + orjson.dumps(chunk) + b"\n\n", content, False, None
-        return event + b"\n\n", content, False, None
-
-
-def _noted(notes: dict[str, Any] | None, captured: Captured | None) -> dict[str, Any] | None:
-    """The call's notes plus, for ids that are not exact, why (``inexact``: reasons and counts)."""
-    if captured is None or captured.inexact is None:
-        return notes
-    return {**(notes or {}), "inexact": captured.inexact}
-
-
-def _spawn(tasks: set[asyncio.Task[Any]], coro: Any) -> None:
-    """Run ``coro`` past its request, held in ``tasks`` so it is not collected and is drained on shutdown."""
-    task = asyncio.get_running_loop().create_task(coro)
-    tasks.add(task)
-    task.add_done_callback(tasks.discard)
+        events = self.translation.stream() if self.translation is not None else None
+        stream = StreamRelay(self.record, wants=self.wants, events=events, background=self.relay.background)
+        return StreamingResponse(stream.relay(upstream, close), media_type="text/event-stream", headers=headers)

@@ -302,7 +302,7 @@ class Splicer:
         """The newest of the episode's last ``depth`` chat calls that ``body``'s messages continue
         under the same render-shaping fields; None when the episode has no earlier call (nothing
         sampled to splice), else why none is continued."""
-        calls = await self.repo.recent_calls(episode_id, limit=self.depth)
+        calls = await self.repo.calls.recent(episode_id, limit=self.depth)
         if not calls:
             return None
         messages = body["messages"]

@@ -1,8 +1,8 @@
 """The OpenAI surface: chat completions, completions and models, recorded per episode.
 
-Three mounts of the same handlers: ``/v1`` (episode from a header or the episode key),
-``/episodes/{id}/v1`` (episode in the base URL) and ``/passthrough/v1`` (unrecorded: user
-simulators and judges). A route validates the body and finds the episode; the relay
+Each handler is served on the three mounts (``mounts.py``): ``/v1`` (episode from a header or the
+episode key), ``/episodes/{id}/v1`` (episode in the base URL) and ``/passthrough/v1`` (unrecorded:
+user simulators and judges). A route validates the body and finds the episode; the relay
 (``proxy/relay.py``) runs and records the call.
 """
 
@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 import orjson
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import Response
 
 from contract.vocabulary import CallApi, CallKind
@@ -20,8 +20,7 @@ from proxy.deps import episode_of, identify, json_body, services_of
 from proxy.errors import FlywheelError, InvalidRequest
 from proxy.gate import canonical_id, identify_episode
 from proxy.refusals import refused
-
-router = APIRouter(tags=["openai"])
+from proxy.routes.mounts import ModelRoute
 
 
 def _validate(body: dict[str, Any], kind: CallKind) -> None:
@@ -72,54 +71,26 @@ async def _models(request: Request) -> Response:
     return Response(orjson.dumps({"object": "list", "data": models}), media_type="application/json")
 
 
-# Model routes check the key inside the handler (``identify``), not through FastAPI's dependency
-# machinery: one plain call on the hottest path.
+async def chat_completions(request: Request, path_episode: str | None, *, recorded: bool) -> Response:
+    return await _handle(request, "chat", path_episode, recorded=recorded)
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(request: Request) -> Response:
-    return await _handle(request, "chat", None, recorded=True)
+async def completions(request: Request, path_episode: str | None, *, recorded: bool) -> Response:
+    return await _handle(request, "completion", path_episode, recorded=recorded)
 
 
-@router.post("/v1/completions")
-async def completions(request: Request) -> Response:
-    return await _handle(request, "completion", None, recorded=True)
-
-
-@router.get("/v1/models")
-async def models(request: Request) -> Response:
-    identify(request)
-    return await _models(request)
-
-
-@router.post("/episodes/{episode_id}/v1/chat/completions")
-async def episode_chat_completions(episode_id: str, request: Request) -> Response:
-    return await _handle(request, "chat", episode_id, recorded=True)
-
-
-@router.post("/episodes/{episode_id}/v1/completions")
-async def episode_completions(episode_id: str, request: Request) -> Response:
-    return await _handle(request, "completion", episode_id, recorded=True)
-
-
-@router.get("/episodes/{episode_id}/v1/models")
-async def episode_models(episode_id: str, request: Request) -> Response:
+async def models(request: Request, path_episode: str | None, *, recorded: bool) -> Response:
+    """The served models and the policy aliases; under an episode's base URL, an episode key may
+    only list under its own episode."""
     who = identify(request)
-    identify_episode(request.headers, canonical_id(episode_id), who)
+    if path_episode is not None:
+        identify_episode(request.headers, canonical_id(path_episode), who)
     return await _models(request)
 
 
-@router.post("/passthrough/v1/chat/completions")
-async def passthrough_chat(request: Request) -> Response:
-    return await _handle(request, "chat", None, recorded=False)
-
-
-@router.post("/passthrough/v1/completions")
-async def passthrough_completions(request: Request) -> Response:
-    return await _handle(request, "completion", None, recorded=False)
-
-
-@router.get("/passthrough/v1/models")
-async def passthrough_models(request: Request) -> Response:
-    identify(request)
-    return await _models(request)
+ROUTES = (
+    ModelRoute("POST", "/chat/completions", chat_completions, "openai"),
+    ModelRoute("POST", "/completions", completions, "openai"),
+    ModelRoute("GET", "/models", models, "openai"),
+)
+"""Served on each mount (``mounts.py``)."""

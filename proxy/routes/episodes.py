@@ -60,7 +60,7 @@ async def create_group(body: GroupCreate, svc: ServicesDep, _: AdminDep, request
         )
     try:
         async with svc.admission.admit():
-            group = await svc.repo.create_group(
+            group = await svc.repo.episodes.create_group(
                 task_id=body.task_id, size=body.size, metadata=body.metadata, episode_metadata=body.episode_metadata
             )
     except BacklogFull:
@@ -86,7 +86,7 @@ async def list_groups(
     limit: Limit = 100,
     offset: int = Query(0, ge=0, le=MAX_STORED_INT),
 ) -> ListOut:
-    groups = await svc.repo.list_groups(
+    groups = await svc.repo.episodes.list_groups(
         status=status, task_id=task_id, train_status=train_status, leased=leased, limit=limit, offset=offset
     )
     return ListOut(data=[GroupOut.model_validate(g) for g in groups])
@@ -94,13 +94,13 @@ async def list_groups(
 
 @router.get("/groups/{group_id}", response_model=GroupOut)
 async def get_group(group_id: str, svc: ServicesDep, _: AdminDep) -> GroupOut:
-    return GroupOut.model_validate(await svc.repo.get_group(canonical_id(group_id, param="group_id")))
+    return GroupOut.model_validate(await svc.repo.episodes.get_group(canonical_id(group_id, param="group_id")))
 
 
 @router.post("/episodes", status_code=201, response_model=CreatedEpisode)
 async def create_episode(body: EpisodeCreate, svc: ServicesDep, _: AdminDep, request: Request) -> CreatedEpisode:
     """Create a lone episode (no group): recorded like any other, never trained on by GRPO."""
-    episode = await svc.repo.create_episode(task_id=body.task_id, metadata=body.metadata)
+    episode = await svc.repo.episodes.create_episode(task_id=body.task_id, metadata=body.metadata)
     svc.metrics.episodes.labels("created").inc()
     key = _key(svc, request, episode.id)
     return CreatedEpisode.model_validate(
@@ -118,7 +118,7 @@ async def list_episodes(
     limit: Limit = 100,
     offset: int = Query(0, ge=0, le=MAX_STORED_INT),
 ) -> ListOut:
-    episodes = await svc.repo.list_episodes(
+    episodes = await svc.repo.episodes.list_episodes(
         status=status,
         group_id=canonical_id(group_id, param="group_id") if group_id else None,
         task_id=task_id,
@@ -132,13 +132,13 @@ async def list_episodes(
 async def get_episode(
     episode_id: str, svc: ServicesDep, _: AdminDep, calls: bool = Query(True, description="include the recorded calls")
 ) -> EpisodeOut:
-    return EpisodeOut.model_validate(await svc.repo.get_episode(canonical_id(episode_id), with_calls=calls))
+    return EpisodeOut.model_validate(await svc.repo.episodes.get_episode(canonical_id(episode_id), with_calls=calls))
 
 
 @router.post("/episodes/{episode_id}/reward", response_model=EpisodeOut)
 async def reward_episode(episode_id: str, body: RewardIn, svc: ServicesDep, _: AdminDep) -> EpisodeOut:
     """Finish an episode with its reward. The same payload again is a no-op; a different one is 409."""
-    episode, changed = await svc.repo.set_reward(
+    episode, changed = await svc.repo.episodes.set_reward(
         canonical_id(episode_id), reward=body.reward, call_rewards=body.call_rewards, metadata=body.metadata
     )
     svc.gate.closed(episode.id)
@@ -150,7 +150,7 @@ async def reward_episode(episode_id: str, body: RewardIn, svc: ServicesDep, _: A
 @router.post("/episodes/{episode_id}/abandon", response_model=EpisodeOut)
 async def abandon_episode(episode_id: str, body: AbandonIn, svc: ServicesDep, _: AdminDep) -> EpisodeOut:
     """Finish an episode without a reward (the agent failed): it never enters training."""
-    episode = await svc.repo.abandon(canonical_id(episode_id), reason=body.reason, cause=body.cause)
+    episode = await svc.repo.episodes.abandon(canonical_id(episode_id), reason=body.reason, cause=body.cause)
     svc.gate.closed(episode.id)
     svc.metrics.episodes.labels("abandoned").inc()
     return EpisodeOut.model_validate(episode)

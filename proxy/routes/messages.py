@@ -1,4 +1,4 @@
-"""``POST /v1/messages`` and ``/v1/messages/count_tokens`` on the three mounts (Anthropic Messages API).
+"""``POST /v1/messages`` and ``/v1/messages/count_tokens`` on the three mounts (``mounts.py``): Anthropic.
 
 A message call runs as a recorded chat call (``proxy/dialects/messages.py``); errors answer in
 Anthropic's shape (``app.py``), and ``x-api-key`` is accepted as everywhere. The Anthropic SDKs
@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import Response
 
 from proxy.answers import json_object, malformed
@@ -20,9 +20,8 @@ from proxy.deps import episode_of, identify, json_body, services_of
 from proxy.dialects.messages import MessagesTranslation, count_tokens_chat
 from proxy.errors import FlywheelError
 from proxy.refusals import refused
+from proxy.routes.mounts import ModelRoute
 from proxy.upstream import answer_error
-
-router = APIRouter(tags=["anthropic"])
 
 
 async def _handle(request: Request, path_episode: str | None, *, recorded: bool) -> Response:
@@ -60,31 +59,16 @@ async def _count_tokens(request: Request, path_episode: str | None, *, recorded:
     return Response(orjson.dumps({"input_tokens": count}), media_type="application/json")
 
 
-@router.post("/v1/messages")
-async def messages(request: Request) -> Response:
-    return await _handle(request, None, recorded=True)
+async def messages(request: Request, path_episode: str | None, *, recorded: bool) -> Response:
+    return await _handle(request, path_episode, recorded=recorded)
 
 
-@router.post("/v1/messages/count_tokens")
-async def count_tokens(request: Request) -> Response:
-    return await _count_tokens(request, None, recorded=True)
+async def count_tokens(request: Request, path_episode: str | None, *, recorded: bool) -> Response:
+    return await _count_tokens(request, path_episode, recorded=recorded)
 
 
-@router.post("/episodes/{episode_id}/v1/messages")
-async def episode_messages(episode_id: str, request: Request) -> Response:
-    return await _handle(request, episode_id, recorded=True)
-
-
-@router.post("/episodes/{episode_id}/v1/messages/count_tokens")
-async def episode_count_tokens(episode_id: str, request: Request) -> Response:
-    return await _count_tokens(request, episode_id, recorded=True)
-
-
-@router.post("/passthrough/v1/messages")
-async def passthrough_messages(request: Request) -> Response:
-    return await _handle(request, None, recorded=False)
-
-
-@router.post("/passthrough/v1/messages/count_tokens")
-async def passthrough_count_tokens(request: Request) -> Response:
-    return await _count_tokens(request, None, recorded=False)
+ROUTES = (
+    ModelRoute("POST", "/messages", messages, "anthropic"),
+    ModelRoute("POST", "/messages/count_tokens", count_tokens, "anthropic"),
+)
+"""Served on each mount (``mounts.py``)."""

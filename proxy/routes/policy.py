@@ -22,7 +22,7 @@ async def current_policy(svc: ServicesDep, _: AdminDep) -> PolicyOut:
 
 @router.get("/versions", response_model=ListOut)
 async def policy_versions(svc: ServicesDep, _: AdminDep) -> ListOut:
-    return ListOut(data=[PolicyOut.model_validate(v) for v in await svc.repo.list_policy_versions()])
+    return ListOut(data=[PolicyOut.model_validate(v) for v in await svc.repo.versions.list()])
 
 
 @router.post("/publish", status_code=201, response_model=PolicyOut)

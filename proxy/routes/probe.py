@@ -12,11 +12,14 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from proxy.routes.mounts import MOUNTS
+
 router = APIRouter(tags=["ops"])
 
-BASES = ("", "/v1", "/passthrough", "/passthrough/v1", "/episodes/{episode_id}", "/episodes/{episode_id}/v1")
-"""Every base URL the proxy hands out or documents: root (Anthropic SDKs), ``/v1`` (OpenAI SDKs),
-their passthrough and episode-scoped forms."""
+BASES = tuple(dict.fromkeys(base for mount in MOUNTS for base in (mount.prefix.removesuffix("/v1"), mount.prefix)))
+"""Every base URL the proxy hands out or documents: each mount of the model routes (OpenAI SDKs)
+and the URL above it (Anthropic SDKs, which append ``/v1/messages``): root, ``/v1``, their
+episode-scoped and passthrough forms."""
 _OK = b'{"status":"ok"}'
 
 

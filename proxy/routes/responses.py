@@ -1,4 +1,4 @@
-"""``POST /v1/responses`` on the three mounts, run as a recorded chat call (``proxy/dialects/responses.py``).
+"""``POST /v1/responses`` on the three mounts (``mounts.py``), run as a recorded chat call (``dialects/responses.py``).
 
 ``previous_response_id`` names an earlier answer of the same episode, resolved from the store:
 a response the store does not hold (or made with ``store: false``) is a 404, one of another
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import Response
 
 from proxy.compat import Ledger
@@ -17,8 +17,7 @@ from proxy.deps import Services, episode_of, identify, json_body, services_of
 from proxy.dialects.responses import ResponsesTranslation, history_of, parse
 from proxy.errors import FlywheelError, InvalidRequest, NotFound, PermissionDenied
 from proxy.refusals import refused
-
-router = APIRouter(tags=["openai"])
+from proxy.routes.mounts import ModelRoute
 
 
 async def _history(svc: Services, response_id: str, episode_id: str | None) -> list[dict[str, Any]]:
@@ -27,7 +26,7 @@ async def _history(svc: Services, response_id: str, episode_id: str | None) -> l
             "'previous_response_id' needs a recorded episode; passthrough answers are not stored",
             param="previous_response_id",
         )
-    call = await svc.repo.call_by_response_id(response_id)
+    call = await svc.repo.calls.by_response_id(response_id)
     if call is None or call.api != "responses" or (call.client_request or {}).get("store") is False:
         raise NotFound(
             f"no stored response '{response_id}' (answers made with store: false are not kept)",
@@ -62,16 +61,9 @@ async def _handle(request: Request, path_episode: str | None, *, recorded: bool)
     return await svc.relay.respond("chat", translation.chat, episode_id, translation, request.is_disconnected)
 
 
-@router.post("/v1/responses")
-async def responses(request: Request) -> Response:
-    return await _handle(request, None, recorded=True)
+async def responses(request: Request, path_episode: str | None, *, recorded: bool) -> Response:
+    return await _handle(request, path_episode, recorded=recorded)
 
 
-@router.post("/episodes/{episode_id}/v1/responses")
-async def episode_responses(episode_id: str, request: Request) -> Response:
-    return await _handle(request, episode_id, recorded=True)
-
-
-@router.post("/passthrough/v1/responses")
-async def passthrough_responses(request: Request) -> Response:
-    return await _handle(request, None, recorded=False)
+ROUTES = (ModelRoute("POST", "/responses", responses, "openai"),)
+"""Served on each mount (``mounts.py``)."""

@@ -4,7 +4,7 @@ Exactly once: a group is offered only while untrained and unleased (or its lease
 trainer renews its lease while a step runs and once more before it commits the step, and drops the
 step if the lease was lost. An ack needs the live lease that holds the group; acking the same step
 again is a no-op, so a trainer that crashed after its checkpoint can re-ack safely (renewing
-first if the lease lapsed meanwhile; see ``Repository.ack_groups``).
+first if the lease lapsed meanwhile; see ``Leases.ack`` in ``store/leases.py``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ router = APIRouter(prefix="/trainer", tags=["trainer"])
 async def claim(body: ClaimIn, svc: ServicesDep, _: AdminDep) -> ClaimOut:
     await svc.policies.refresh()
     current = svc.policies.current.version if svc.policies.current else 0
-    result = await svc.repo.claim_groups(
+    result = await svc.repo.leases.claim(
         owner=body.trainer_id,
         max_groups=body.max_groups,
         lease_s=body.lease_s,
@@ -62,7 +62,7 @@ async def claim(body: ClaimIn, svc: ServicesDep, _: AdminDep) -> ClaimOut:
 @router.post("/renew", response_model=RenewOut)
 async def renew(body: RenewIn, svc: ServicesDep, _: AdminDep) -> RenewOut:
     """Extend a lease while its step trains; 409 ``lease_lost`` if any of its groups was claimed again."""
-    expires = await svc.repo.renew_lease(lease_id=body.lease_id, group_ids=body.group_ids, lease_s=body.lease_s)
+    expires = await svc.repo.leases.renew(lease_id=body.lease_id, group_ids=body.group_ids, lease_s=body.lease_s)
     if body.trainer_id is not None:
         svc.admission.renewed(body.trainer_id)
     return RenewOut(lease_id=body.lease_id, lease_expires_at=expires)
@@ -70,7 +70,7 @@ async def renew(body: RenewIn, svc: ServicesDep, _: AdminDep) -> RenewOut:
 
 @router.post("/ack", response_model=ListOut)
 async def ack(body: AckIn, svc: ServicesDep, _: AdminDep) -> ListOut:
-    groups = await svc.repo.ack_groups(
+    groups = await svc.repo.leases.ack(
         lease_id=body.lease_id,
         group_ids=body.group_ids,
         step=body.step,
@@ -85,12 +85,12 @@ async def ack(body: AckIn, svc: ServicesDep, _: AdminDep) -> ListOut:
 @router.post("/release")
 async def release(body: ReleaseIn, svc: ServicesDep, _: AdminDep) -> dict[str, int]:
     """Give leased, untrained groups back now instead of when the lease expires."""
-    return {"released": await svc.repo.release_groups(lease_id=body.lease_id, group_ids=body.group_ids)}
+    return {"released": await svc.repo.leases.release(lease_id=body.lease_id, group_ids=body.group_ids)}
 
 
 @router.post("/steps", status_code=201)
 async def report_step(body: StepIn, svc: ServicesDep, _: AdminDep) -> dict[str, object]:
-    record = await svc.repo.add_trainer_step(step=body.step, metrics=body.metrics)
+    record = await svc.repo.steps.add(step=body.step, metrics=body.metrics)
     return {"step": record.step, "metrics": record.metrics, "created_at": record.created_at}
 
 
@@ -101,7 +101,7 @@ async def list_steps(
     since_step: int = Query(-1, ge=-1, le=MAX_STORED_INT),
     limit: int = Query(1000, ge=1, le=10000),
 ) -> ListOut:
-    steps = await svc.repo.list_trainer_steps(since_step=since_step, limit=limit)
+    steps = await svc.repo.steps.list(since_step=since_step, limit=limit)
     return ListOut(data=[{"step": s.step, "metrics": s.metrics, "created_at": s.created_at} for s in steps])
 
 
@@ -126,5 +126,5 @@ async def admission(svc: ServicesDep, _: AdminDep) -> AdmissionOut:
             )
             for name, d in state.trainers.items()
         },
-        groups=await svc.repo.count_groups(),
+        groups=await svc.repo.episodes.count_groups(),
     )

@@ -62,8 +62,8 @@ def _before(created_at: Any, row_id: Any, cursor: Cursor | None) -> Any:
 
 
 class Browse:
-    """The dashboard's reads, on the repository's read engine (one short session per method;
-    ``sessions`` is the repository's, which turns a store failure into ``StoreUnavailable``)."""
+    """The dashboard's reads, on the store's read engine (one short session per method;
+    ``sessions`` is ``Sessions.read``, which turns a store failure into ``StoreUnavailable``)."""
 
     def __init__(
         self, sessions: Callable[[], AbstractAsyncContextManager[AsyncSession]], counts_ttl_s: float = COUNTS_TTL_S

@@ -115,7 +115,7 @@ def _last_tail(conn: sqlite3.Connection, episode_id: str) -> Tail | None:
 def _insert_calls(
     conn: sqlite3.Connection, calls: Sequence[NewCall], bases: Mapping[str, Tail | None]
 ) -> tuple[dict[str, str | None], dict[str, Tail], Layout]:
-    """``Repository.insert_calls``' transaction, on the writer thread; returns the refused episodes
+    """``Calls.insert``' transaction, on the writer thread; returns the refused episodes
     (id -> status, None if missing), whose calls were not written, the episodes' new last calls
     and how the calls were stored."""
     episode_ids = sorted({c.episode_id for c in calls})

@@ -206,7 +206,7 @@ async def logout() -> Response:
 
 @router.get("/")
 async def overview(request: Request, svc: ServicesDep, pages: Pages = Viewer) -> HTMLResponse:
-    versions = await svc.repo.list_policy_versions(limit=50)
+    versions = await svc.repo.versions.list(limit=50)
     counts = await svc.repo.browse.counts()
     rate, span = pages.rate.update(_tokens(svc))
     return pages.render(request, "overview.html", versions=versions, counts=counts, rate=rate, rate_span=span)
@@ -225,7 +225,7 @@ def _tokens(svc: Services) -> float:
 @router.get("/api/overview")
 async def overview_data(svc: ServicesDep, pages: Pages = Viewer, since_step: int = Query(-1, ge=-1)) -> JSONResponse:
     """The live feed: trainer steps after ``since_step``, counts, and this replica's token counters and rate."""
-    steps = await svc.repo.list_trainer_steps(since_step=since_step, limit=5000)
+    steps = await svc.repo.steps.list(since_step=since_step, limit=5000)
     counts = await svc.repo.browse.counts()
     current = svc.policies.current
     rate, span = pages.rate.update(_tokens(svc))
@@ -289,10 +289,10 @@ async def groups(
 async def compare(request: Request, group_id: str, svc: ServicesDep, pages: Pages = Viewer) -> HTMLResponse:
     """A group's episodes side by side: rewards, advantages, and each one's conversation."""
     try:
-        group = await svc.repo.get_group(canonical_id(group_id, param="group_id"))
+        group = await svc.repo.episodes.get_group(canonical_id(group_id, param="group_id"))
     except (NotFound, InvalidRequest):
         return pages.render(request, "missing.html", status_code=404, what="group", ident=group_id)
-    members = [await svc.repo.get_episode(e.id) for e in group.episodes or []]
+    members = [await svc.repo.episodes.get_episode(e.id) for e in group.episodes or []]
     return pages.render(
         request,
         "compare.html",
@@ -329,12 +329,12 @@ async def episodes(
 @router.get("/episodes/{episode_id}")
 async def episode(request: Request, episode_id: str, svc: ServicesDep, pages: Pages = Viewer) -> HTMLResponse:
     try:
-        record = await svc.repo.get_episode(canonical_id(episode_id))
+        record = await svc.repo.episodes.get_episode(canonical_id(episode_id))
     except (NotFound, InvalidRequest):
         return pages.render(request, "missing.html", status_code=404, what="episode", ident=episode_id)
     advantage = None
     if record.group_id is not None:
-        group = await svc.repo.get_group(record.group_id)
+        group = await svc.repo.episodes.get_group(record.group_id)
         advantage = views.advantages(group.episodes or []).get(record.id)
     return pages.render(
         request,

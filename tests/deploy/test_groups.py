@@ -75,7 +75,7 @@ async def _group(proxy: ProxyProcess, repo: Repository, rewards: tuple[float | N
     assert created.status_code == 201, created.text
     for key, reward in zip(created.json()["episode_keys"], rewards, strict=True):
         for _ in range(calls):
-            await repo.insert_calls([stored_call(key["id"], version=0)])
+            await repo.calls.insert([stored_call(key["id"], version=0)])
         if reward is None:
             assert _post(proxy, f"/episodes/{key['id']}/abandon", {"reason": "scripted"}).status_code == 200
         else:
@@ -100,7 +100,7 @@ async def _known_store(proxy: ProxyProcess, notes: dict[str, str]) -> dict[str, 
     repo = Repository(proxy.store_url)
     try:
         await _group(proxy, repo, (1.0, 0.0))
-        await repo.add_policy_version(version=2, name="policy-v2", adapter_path="/a", metadata={})
+        await repo.versions.add(version=2, name="policy-v2", adapter_path="/a", metadata={})
         assert _claim(proxy, 2, max_staleness=1)["stale"] == 1  # two versions behind, one allowed
         trained = await _group(proxy, repo, (1.0, 0.0), calls=2)
         skipped = {await _group(proxy, repo, (1.0, 1.0)): note for note in notes.values()}

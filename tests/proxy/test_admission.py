@@ -145,7 +145,7 @@ async def test_retry_after_follows_the_trainers_step_time_and_a_quiet_trainer_is
         assert admission.retry_after(1) == 5
         assert admission.retry_after(100) == 60  # capped
         for _ in range(8):
-            await repo.create_group(task_id="t", size=1, metadata={})
+            await repo.episodes.create_group(task_id="t", size=1, metadata={})
         with pytest.raises(BacklogFull) as refused:
             async with admission.admit():
                 pytest.fail("admitted over the limit")
@@ -157,7 +157,7 @@ async def test_retry_after_follows_the_trainers_step_time_and_a_quiet_trainer_is
         clock.now += 301.0
         assert admission.limit() is None  # the trainer went quiet: open again
         admission.claimed("t", groups_per_step=4, max_staleness=1, mode="async", leased=0)
-        await repo.create_group(task_id="t", size=1, metadata={})  # 9 ahead, limit 8
+        await repo.episodes.create_group(task_id="t", size=1, metadata={})  # 9 ahead, limit 8
         admission.acked(4)
         admission.published()  # the acked groups' version is out: they no longer hold places
         assert admission.settling == 0

@@ -67,7 +67,9 @@ async def _seed(repo: Repository, groups: int) -> list[str]:
     """``groups`` groups of 3: two tool-calling episodes rewarded (0.0 and 1.0), one abandoned."""
     rewarded = []
     for g in range(groups):
-        group = await repo.create_group(task_id=f"calc-{g}" if g % 2 == 0 else f"math-{g}", size=3, metadata={})
+        group = await repo.episodes.create_group(
+            task_id=f"calc-{g}" if g % 2 == 0 else f"math-{g}", size=3, metadata={}
+        )
         first, second, third = [e.id for e in group.episodes or []]
         for eid, reward in ((first, 1.0), (second, 0.0)):
             system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
@@ -76,14 +78,14 @@ async def _seed(repo: Repository, groups: int) -> list[str]:
                 {"role": "assistant", "content": None, "tool_calls": [TOOL]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "4"},
             ]
-            await repo.insert_calls(
+            await repo.calls.insert(
                 [_call(eid, system, [7, 8, 9], [-0.5, 0.0, -1.0], {"mode": "constrained", "grammar": {"json": "{}"}})]
             )
-            await repo.insert_calls([_call(eid, follow, [10, 11], [-0.25, -2.0], {"mode": "sampled"})])
-            await repo.set_reward(eid, reward=reward, call_rewards={"0": 0.3}, metadata={"g": g})
+            await repo.calls.insert([_call(eid, follow, [10, 11], [-0.25, -2.0], {"mode": "sampled"})])
+            await repo.episodes.set_reward(eid, reward=reward, call_rewards={"0": 0.3}, metadata={"g": g})
             rewarded.append(eid)
-        await repo.insert_calls([_call(third, [{"role": "user", "content": "hi"}], [5], [-0.1], {"mode": "greedy"})])
-        await repo.abandon(third, reason="gave up")
+        await repo.calls.insert([_call(third, [{"role": "user", "content": "hi"}], [5], [-0.1], {"mode": "greedy"})])
+        await repo.episodes.abandon(third, reason="gave up")
     return rewarded
 
 

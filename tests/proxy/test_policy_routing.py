@@ -20,6 +20,8 @@ from proxy.errors import Conflict, InvalidRequest, UpstreamError, UpstreamUnavai
 from proxy.policy_table import PolicyTable
 from proxy.store.records import PolicyVersionRecord
 from proxy.store.repository import Repository
+from proxy.store.sessions import Sessions
+from proxy.store.versions import Versions
 from proxy.upstream import Upstreams
 from tests.proxy.conftest import fake_upstream, make_settings
 
@@ -60,7 +62,7 @@ class Cluster:
         self.respond = respond
         self._upstreams: list[Upstreams] = []
 
-    def proxy(self, repo: Repository | None = None) -> Proxy:
+    def proxy(self, versions: Versions | None = None) -> Proxy:
         def respond(request: httpx.Request, body: dict[str, Any]) -> httpx.Response | None:
             return self.respond(request, body) if self.respond else None  # tests change it as they go
 
@@ -68,7 +70,7 @@ class Cluster:
         for replica in upstreams.replicas:
             replica.healthy = True  # as the health loop leaves them once the engines answer
         self._upstreams.append(upstreams)
-        return Proxy(PolicyTable(self.settings.policy, repo or self.repo, upstreams), upstreams)
+        return Proxy(PolicyTable(self.settings.policy, versions or self.repo.versions, upstreams), upstreams)
 
     def table(self) -> PolicyTable:
         return self.proxy().table
@@ -156,17 +158,18 @@ async def test_another_replicas_publish_is_seen_on_refresh(cluster: Cluster) -> 
 
 
 async def test_the_refresh_loop_outlives_a_store_failure(sqlite_url: str) -> None:
-    class FlakyRepository(Repository):
+    class FlakyVersions(Versions):
         failures = 2
 
-        async def current_policy(self) -> PolicyVersionRecord | None:
+        async def current(self) -> PolicyVersionRecord | None:
             if self.failures:
                 self.failures -= 1
                 raise ConnectionError("database is unreachable")
-            return await super().current_policy()
+            return await super().current()
 
     cluster = Cluster(sqlite_url, refresh_s=0.01)
-    flaky = FlakyRepository(sqlite_url)
+    sessions = Sessions(sqlite_url)
+    flaky = FlakyVersions(sessions)
     try:
         await publish(cluster.table(), "/a/1")
         table = cluster.proxy(flaky).table
@@ -180,7 +183,7 @@ async def test_the_refresh_loop_outlives_a_store_failure(sqlite_url: str) -> Non
             loop.cancel()
         assert flaky.failures == 0 and table.resolve("policy") == ("policy-v1", 1)
     finally:
-        await flaky.close()
+        await sessions.close()
         await cluster.close()
 
 
@@ -195,7 +198,7 @@ async def test_publish_loads_the_adapter_on_every_replica_then_switches(cluster:
     assert sorted(cluster.loads()) == [(host, "policy-v1") for host in HOSTS]
     assert all(r.adapters == {"policy-v1"} for r in upstreams.replicas)
     assert table.resolve("policy") == ("policy-v1", 1)
-    stored = await cluster.repo.current_policy()
+    stored = await cluster.repo.versions.current()
     assert stored is not None and (stored.version, stored.adapter_path) == (1, "/a/1")
 
 
@@ -296,7 +299,7 @@ async def test_a_publish_no_replica_takes_leaves_the_old_version_serving(
         assert getattr(failed.value, "status_code", None) == http and message in str(failed.value)
         assert ("VLLM_ALLOW_RUNTIME_LORA_UPDATING" in str(failed.value)) is hint
         assert table.resolve("policy") == ("policy-v1", 1)
-        stored = await cluster.repo.current_policy()
+        stored = await cluster.repo.versions.current()
         assert stored is not None and stored.version == 1
         assert cluster.engines == {host: {"policy-v1": "/a/1"} for host in HOSTS}  # nothing unloaded
         assert all(r.healthy for r in upstreams.replicas)  # a refused adapter takes no replica out of rotation
@@ -316,7 +319,7 @@ async def test_no_replica_at_all_is_unavailable(sqlite_url: str) -> None:
         with pytest.raises(UpstreamUnavailable) as failed:
             await publish(table, "/a/1")
         assert failed.value.status_code == 502 and table.current is None
-        assert await cluster.repo.current_policy() is None
+        assert await cluster.repo.versions.current() is None
     finally:
         await cluster.close()
 
@@ -342,7 +345,7 @@ async def test_a_conflicting_publish_from_a_lagging_replica_leaves_the_served_ad
     with pytest.raises(Conflict):
         await publish(lagging, "/trainer-b/2", version=2)
     assert cluster.engines == {host: {"policy-v1": "/a/1", "policy-v2": "/trainer-a/2"} for host in HOSTS}
-    stored = await cluster.repo.current_policy()
+    stored = await cluster.repo.versions.current()
     assert stored is not None and stored.adapter_path == "/trainer-a/2"
 
 

@@ -1,7 +1,7 @@
 """The recorder's group commit on a real SQLite store: when a call is acknowledged, how calls share
 transactions, what every waiter sees when a commit fails, and what closing promises.
 
-``GatedRepository`` is the real repository with a gate before each batch's insert, so a test can
+``GatedCalls`` is the real store's ``Calls`` with a gate before each batch's insert, so a test can
 hold one transaction open while more calls arrive, and make a chosen batch fail as a store would.
 """
 
@@ -15,34 +15,35 @@ import pytest
 
 from proxy.errors import FlywheelError, NotFound, RecordingFailed
 from proxy.recorder import Recorder
+from proxy.store.calls import Calls
 from proxy.store.records import NewCall
 from proxy.store.repository import Repository
 
 
-class GatedRepository(Repository):
-    """The real repository; ``gate`` holds each batch before its insert, ``fail_batches`` names the
+class GatedCalls:
+    """The real calls store; ``gate`` holds each batch before its insert, ``fail_batches`` names the
     batches (1-based) that raise as a store that is down would."""
 
-    def __init__(self, url: str) -> None:
-        super().__init__(url, min_rewarded=2)
+    def __init__(self, calls: Calls) -> None:
+        self._calls = calls
         self.gate = asyncio.Event()
         self.gate.set()
         self.entered = asyncio.Event()
         self.batches: list[int] = []
         self.fail_batches: set[int] = set()
 
-    async def insert_calls(self, calls: Sequence[NewCall]) -> list[FlywheelError | None]:
+    async def insert(self, calls: Sequence[NewCall]) -> list[FlywheelError | None]:
         self.batches.append(len(calls))
         self.entered.set()
         await self.gate.wait()
         if len(self.batches) in self.fail_batches:
             raise ConnectionError("database is unreachable")
-        return await super().insert_calls(calls)
+        return await self._calls.insert(calls)
 
 
 @pytest.fixture
-async def repo(sqlite_url: str) -> AsyncIterator[GatedRepository]:
-    repository = GatedRepository(sqlite_url)
+async def repo(sqlite_url: str) -> AsyncIterator[Repository]:
+    repository = Repository(sqlite_url, min_rewarded=2)
     try:
         yield repository
     finally:
@@ -50,8 +51,13 @@ async def repo(sqlite_url: str) -> AsyncIterator[GatedRepository]:
 
 
 @pytest.fixture
-async def episode_id(repo: GatedRepository) -> str:
-    return (await repo.create_episode(task_id="t", metadata={})).id
+def gated(repo: Repository) -> GatedCalls:
+    return GatedCalls(repo.calls)
+
+
+@pytest.fixture
+async def episode_id(repo: Repository) -> str:
+    return (await repo.episodes.create_episode(task_id="t", metadata={})).id
 
 
 def call(episode_id: str, marker: int = 0) -> NewCall:
@@ -78,11 +84,11 @@ def call(episode_id: str, marker: int = 0) -> NewCall:
     )
 
 
-async def held_first_batch(repo: GatedRepository, recorder: Recorder, episode_id: str) -> asyncio.Task[None]:
+async def held_first_batch(gated: GatedCalls, recorder: Recorder, episode_id: str) -> asyncio.Task[None]:
     """Close the gate and hand in one call: it is taken as batch 1 and held before its insert."""
-    repo.gate.clear()
+    gated.gate.clear()
     first = asyncio.create_task(recorder.record(call(episode_id, marker=-1)))
-    await asyncio.wait_for(repo.entered.wait(), 5)
+    await asyncio.wait_for(gated.entered.wait(), 5)
     return first
 
 
@@ -94,31 +100,35 @@ async def queued(recorder: Recorder, calls: list[NewCall]) -> list[asyncio.Task[
     return tasks
 
 
-async def test_a_call_is_acknowledged_only_once_its_batch_has_committed(repo: GatedRepository, episode_id: str) -> None:
-    recorder = Recorder(repo)
+async def test_a_call_is_acknowledged_only_once_its_batch_has_committed(
+    repo: Repository, gated: GatedCalls, episode_id: str
+) -> None:
+    recorder = Recorder(gated)
     recorder.start()
     try:
-        first = await held_first_batch(repo, recorder, episode_id)
+        first = await held_first_batch(gated, recorder, episode_id)
         await asyncio.sleep(0.05)
         assert not first.done() and recorder.queue_depth == 0  # taken into a batch, not yet committed
-        assert await repo.count_calls(episode_id) == 0
-        repo.gate.set()
+        assert await repo.calls.count(episode_id) == 0
+        gated.gate.set()
         await asyncio.wait_for(first, 5)
-        assert await repo.count_calls(episode_id) == 1
+        assert await repo.calls.count(episode_id) == 1
     finally:
-        repo.gate.set()
+        gated.gate.set()
         await recorder.close()
 
 
-async def test_every_acknowledged_call_is_readable_at_once_from_another_connection(repo: GatedRepository) -> None:
+async def test_every_acknowledged_call_is_readable_at_once_from_another_connection(
+    repo: Repository, gated: GatedCalls
+) -> None:
     """Each of many concurrent callers, the moment its own record() returns, finds its row stored."""
-    episodes = [(await repo.create_episode(task_id="t", metadata={})).id for _ in range(24)]
-    recorder = Recorder(repo)
+    episodes = [(await repo.episodes.create_episode(task_id="t", metadata={})).id for _ in range(24)]
+    recorder = Recorder(gated)
     recorder.start()
 
     async def record_then_count(episode: str) -> int:
         await recorder.record(call(episode))
-        return await repo.count_calls(episode)
+        return await repo.calls.count(episode)
 
     try:
         counts = await asyncio.gather(*(record_then_count(e) for e in episodes))
@@ -128,133 +138,141 @@ async def test_every_acknowledged_call_is_readable_at_once_from_another_connecti
 
 
 async def test_calls_arriving_during_a_commit_share_the_next_transaction(
-    repo: GatedRepository, episode_id: str
+    repo: Repository, gated: GatedCalls, episode_id: str
 ) -> None:
     reported: list[tuple[int, float]] = []
-    recorder = Recorder(repo, on_batch=lambda size, seconds: reported.append((size, seconds)))
+    recorder = Recorder(gated, on_batch=lambda size, seconds: reported.append((size, seconds)))
     recorder.start()
     try:
-        first = await held_first_batch(repo, recorder, episode_id)
+        first = await held_first_batch(gated, recorder, episode_id)
         rest = await queued(recorder, [call(episode_id, marker=i) for i in range(10)])
-        repo.gate.set()
+        gated.gate.set()
         await asyncio.wait_for(asyncio.gather(first, *rest), 5)
     finally:
-        repo.gate.set()
+        gated.gate.set()
         await recorder.close()
-    assert repo.batches == [1, 10]
+    assert gated.batches == [1, 10]
     assert [size for size, _ in reported] == [1, 10] and all(seconds >= 0 for _, seconds in reported)
-    stored = (await repo.get_episode(episode_id)).calls or []
+    stored = (await repo.episodes.get_episode(episode_id)).calls or []
     assert [c.prompt_token_ids[-1] for c in stored if c.prompt_token_ids] == [-1, *range(10)]  # arrival order
 
 
-async def test_batch_max_caps_the_calls_in_one_transaction(repo: GatedRepository, episode_id: str) -> None:
-    recorder = Recorder(repo, batch_max=4)
+async def test_batch_max_caps_the_calls_in_one_transaction(
+    repo: Repository, gated: GatedCalls, episode_id: str
+) -> None:
+    recorder = Recorder(gated, batch_max=4)
     recorder.start()
     try:
-        first = await held_first_batch(repo, recorder, episode_id)
+        first = await held_first_batch(gated, recorder, episode_id)
         rest = await queued(recorder, [call(episode_id, marker=i) for i in range(10)])
-        repo.gate.set()
+        gated.gate.set()
         await asyncio.wait_for(asyncio.gather(first, *rest), 5)
     finally:
-        repo.gate.set()
+        gated.gate.set()
         await recorder.close()
-    assert repo.batches == [1, 4, 4, 2]
-    assert await repo.count_calls(episode_id) == 11
+    assert gated.batches == [1, 4, 4, 2]
+    assert await repo.calls.count(episode_id) == 11
 
 
 async def test_a_failed_commit_fails_every_waiter_of_its_batch_and_the_next_batch_commits(
-    repo: GatedRepository, episode_id: str
+    repo: Repository, gated: GatedCalls, episode_id: str
 ) -> None:
-    recorder = Recorder(repo)
+    recorder = Recorder(gated)
     recorder.start()
     try:
-        first = await held_first_batch(repo, recorder, episode_id)
+        first = await held_first_batch(gated, recorder, episode_id)
         doomed = await queued(recorder, [call(episode_id, marker=i) for i in range(3)])
-        repo.fail_batches = {2}
-        repo.gate.set()
+        gated.fail_batches = {2}
+        gated.gate.set()
         outcomes = await asyncio.wait_for(asyncio.gather(first, *doomed, return_exceptions=True), 5)
         assert outcomes[0] is None
         for failed in outcomes[1:]:
             assert isinstance(failed, RecordingFailed)
             assert (failed.status_code, failed.type) == (503, "service_unavailable")
             assert "ConnectionError" in failed.message  # the store's failure is named, not swallowed
-        assert await repo.count_calls(episode_id) == 1
+        assert await repo.calls.count(episode_id) == 1
         await asyncio.wait_for(recorder.record(call(episode_id, marker=99)), 5)  # the recorder lives on
-        assert await repo.count_calls(episode_id) == 2 and repo.batches == [1, 3, 1]
+        assert await repo.calls.count(episode_id) == 2 and gated.batches == [1, 3, 1]
     finally:
-        repo.gate.set()
+        gated.gate.set()
         await recorder.close()
 
 
-async def test_a_refused_call_fails_alone_and_its_batch_commits(repo: GatedRepository, episode_id: str) -> None:
+async def test_a_refused_call_fails_alone_and_its_batch_commits(
+    repo: Repository, gated: GatedCalls, episode_id: str
+) -> None:
     missing = "00000000-0000-0000-0000-000000000000"
-    recorder = Recorder(repo)
+    recorder = Recorder(gated)
     recorder.start()
     try:
-        first = await held_first_batch(repo, recorder, episode_id)
+        first = await held_first_batch(gated, recorder, episode_id)
         mixed = await queued(recorder, [call(episode_id, marker=0), call(missing), call(episode_id, marker=1)])
-        repo.gate.set()
+        gated.gate.set()
         outcomes = await asyncio.wait_for(asyncio.gather(first, *mixed, return_exceptions=True), 5)
     finally:
-        repo.gate.set()
+        gated.gate.set()
         await recorder.close()
-    assert repo.batches == [1, 3]
+    assert gated.batches == [1, 3]
     assert outcomes[0] is None and outcomes[1] is None and outcomes[3] is None
     refused = outcomes[2]
     assert isinstance(refused, NotFound) and (refused.status_code, refused.code) == (404, "episode_not_found")
-    assert await repo.count_calls(episode_id) == 3 and await repo.count_calls(missing) == 0
+    assert await repo.calls.count(episode_id) == 3 and await repo.calls.count(missing) == 0
 
 
-async def test_a_caller_that_stops_waiting_still_has_its_call_committed(repo: GatedRepository, episode_id: str) -> None:
+async def test_a_caller_that_stops_waiting_still_has_its_call_committed(
+    repo: Repository, gated: GatedCalls, episode_id: str
+) -> None:
     """A client that disconnects cancels only its wait; the record it handed in is still written."""
-    recorder = Recorder(repo)
+    recorder = Recorder(gated)
     recorder.start()
     try:
-        first = await held_first_batch(repo, recorder, episode_id)
+        first = await held_first_batch(gated, recorder, episode_id)
         [gone] = await queued(recorder, [call(episode_id, marker=1)])
         first.cancel()
         gone.cancel()
-        repo.gate.set()
+        gated.gate.set()
         await asyncio.wait_for(recorder.record(call(episode_id, marker=2)), 5)
     finally:
-        repo.gate.set()
+        gated.gate.set()
         await recorder.close()
     assert first.cancelled() and gone.cancelled()
-    assert await repo.count_calls(episode_id) == 3
+    assert await repo.calls.count(episode_id) == 3
 
 
-async def test_close_drains_every_call_handed_in_before_it(repo: GatedRepository, episode_id: str) -> None:
-    recorder = Recorder(repo, batch_max=2)
+async def test_close_drains_every_call_handed_in_before_it(
+    repo: Repository, gated: GatedCalls, episode_id: str
+) -> None:
+    recorder = Recorder(gated, batch_max=2)
     recorder.start()
-    first = await held_first_batch(repo, recorder, episode_id)
+    first = await held_first_batch(gated, recorder, episode_id)
     rest = await queued(recorder, [call(episode_id, marker=i) for i in range(5)])
     closing = asyncio.create_task(recorder.close())
     await asyncio.sleep(0.05)
     assert not closing.done()  # it waits for the held transaction and everything queued behind it
-    repo.gate.set()
+    gated.gate.set()
     await asyncio.wait_for(closing, 5)
     assert all(t.done() and t.exception() is None for t in (first, *rest))
-    assert await repo.count_calls(episode_id) == 6 and repo.batches == [1, 2, 2, 1]
+    assert await repo.calls.count(episode_id) == 6 and gated.batches == [1, 2, 2, 1]
 
 
-async def test_a_call_after_close_is_refused_not_lost(repo: GatedRepository, episode_id: str) -> None:
-    recorder = Recorder(repo)
+async def test_a_call_after_close_is_refused_not_lost(repo: Repository, gated: GatedCalls, episode_id: str) -> None:
+    recorder = Recorder(gated)
     recorder.start()
     await recorder.close()
     with pytest.raises(RecordingFailed) as refused:
         await asyncio.wait_for(recorder.record(call(episode_id)), 5)
     assert (refused.value.status_code, refused.value.type) == (503, "service_unavailable")
-    assert await repo.count_calls(episode_id) == 0
+    assert await repo.calls.count(episode_id) == 0
 
 
 @pytest.mark.parametrize("yields", range(5))
 async def test_a_call_racing_close_is_committed_or_refused_never_left_waiting(
-    repo: GatedRepository, episode_id: str, yields: int
+    repo: Repository, gated: GatedCalls, episode_id: str, yields: int
 ) -> None:
     """A call handed in at any point while close() runs gets an answer: committed, or refused with
     RecordingFailed. ``yields`` moves the call across close()'s steps (the batch loop ending, then
     close() resuming)."""
-    recorder = Recorder(repo)
+    recorder = Recorder(gated)
     recorder.start()
     await asyncio.sleep(0)
     closing = asyncio.create_task(recorder.close())
@@ -266,28 +284,32 @@ async def test_a_call_racing_close_is_committed_or_refused_never_left_waiting(
     except RecordingFailed:
         committed = False
     await closing
-    assert await repo.count_calls(episode_id) == (1 if committed else 0)
+    assert await repo.calls.count(episode_id) == (1 if committed else 0)
 
 
-async def test_a_failing_on_batch_callback_is_counted_and_commits_go_on(repo: GatedRepository, episode_id: str) -> None:
+async def test_a_failing_on_batch_callback_is_counted_and_commits_go_on(
+    repo: Repository, gated: GatedCalls, episode_id: str
+) -> None:
     """The metrics callback raising (a negative count once did) must not end the batch loop: every
     later call would wait for ever."""
 
     def broken(size: int, seconds: float) -> None:
         raise ValueError("Counters can only be incremented by non-negative amounts.")
 
-    recorder = Recorder(repo, on_batch=broken)
+    recorder = Recorder(gated, on_batch=broken)
     recorder.start()
     try:
         for marker in range(3):
             await asyncio.wait_for(recorder.record(call(episode_id, marker=marker)), 5)
     finally:
         await recorder.close()
-    assert await repo.count_calls(episode_id) == 3 and recorder.callback_errors == 3
+    assert await repo.calls.count(episode_id) == 3 and recorder.callback_errors == 3
 
 
-async def test_a_recorder_whose_loop_has_ended_refuses_calls(repo: GatedRepository, episode_id: str) -> None:
-    recorder = Recorder(repo)
+async def test_a_recorder_whose_loop_has_ended_refuses_calls(
+    repo: Repository, gated: GatedCalls, episode_id: str
+) -> None:
+    recorder = Recorder(gated)
     recorder.start()
     assert recorder._task is not None
     recorder._task.cancel()  # the loop gone for any reason: nothing would ever take a call
@@ -295,4 +317,4 @@ async def test_a_recorder_whose_loop_has_ended_refuses_calls(repo: GatedReposito
     with pytest.raises(RecordingFailed) as refused:
         await asyncio.wait_for(recorder.record(call(episode_id)), 5)
     assert (refused.value.status_code, refused.value.type) == (503, "service_unavailable")
-    assert await repo.count_calls(episode_id) == 0
+    assert await repo.calls.count(episode_id) == 0

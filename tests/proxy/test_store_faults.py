@@ -18,7 +18,7 @@ async def test_a_postgresql_server_that_is_down_is_a_503_not_a_driver_error() ->
     repo = Repository(f"postgresql+asyncpg://postgres@127.0.0.1:{free_port()}/none", timeout_s=5)
     try:
         with pytest.raises(StoreUnavailable) as refused:
-            await repo.episode_state("00000000-0000-0000-0000-000000000000")
+            await repo.episodes.episode_state("00000000-0000-0000-0000-000000000000")
     finally:
         await repo.close()
     error = refused.value

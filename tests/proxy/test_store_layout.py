@@ -249,7 +249,7 @@ async def _write_legacy(url: str) -> None:
 async def _read(url: str) -> dict[str, list[CallRecord]]:
     repo = Repository(url)
     try:
-        return {eid: (await repo.get_episode(eid)).calls or [] for eid in episodes()}
+        return {eid: (await repo.episodes.get_episode(eid)).calls or [] for eid in episodes()}
     finally:
         await repo.close()
 
@@ -343,15 +343,15 @@ async def test_written_compactly_every_call_reads_back_as_the_json_layout_did(ur
     try:
         everything = [c for calls in episodes().values() for c in calls]
         # Batches that hold several calls of one episode, and one call per batch.
-        await repo.insert_calls(everything[:5])
+        await repo.calls.insert(everything[:5])
         for c in everything[5:-3]:
-            await repo.insert_calls([c])
+            await repo.calls.insert([c])
         assert repo.layout.base_reads == 1  # the odd-ids episode: none of its calls can be a base to cache
     finally:
         await repo.close()
     cold = Repository(new_url)  # a restarted proxy: the last calls are read back from the store
     try:
-        await cold.insert_calls(everything[-3:])  # the Responses agent's last three turns
+        await cold.calls.insert(everything[-3:])  # the Responses agent's last three turns
         assert cold.layout.base_reads == 1 and cold.layout.calls_delta == 3
     finally:
         await cold.close()
@@ -415,7 +415,7 @@ async def test_a_delta_claim_rejoins_to_the_whole_calls_in_fewer_bytes(urls: Any
         await engine.dispose()
     repo = Repository(new_url)
     try:
-        await repo.insert_calls([c for calls in episodes().values() for c in calls])
+        await repo.calls.insert([c for calls in episodes().values() for c in calls])
     finally:
         await repo.close()
 

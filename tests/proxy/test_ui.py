@@ -94,7 +94,7 @@ async def _tool_episode(repo: Repository, episode_id: str, answer: str) -> None:
         {"role": "assistant", "content": None, "tool_calls": [tool_call]},
         {"role": "tool", "tool_call_id": "call_calc_1", "content": "RESULT-391"},
     ]
-    outcome = await repo.insert_calls(
+    outcome = await repo.calls.insert(
         [
             _call(
                 episode_id,
@@ -108,7 +108,7 @@ async def _tool_episode(repo: Repository, episode_id: str, answer: str) -> None:
         ]
     )
     assert outcome == [None]
-    outcome = await repo.insert_calls(
+    outcome = await repo.calls.insert(
         [
             _call(
                 episode_id,
@@ -131,15 +131,15 @@ async def ui(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Repositor
     await migrate_async(url)
     async with running_app(make_settings(url), transport=fake_upstream()) as client:
         repo: Repository = client.app.state.services.repo  # type: ignore[attr-defined]
-        group = await repo.create_group(task_id="calc-17x23", size=3, metadata={})
+        group = await repo.episodes.create_group(task_id="calc-17x23", size=3, metadata={})
         ids = [e.id for e in group.episodes or []]
         await _tool_episode(repo, ids[0], "391")
         await _tool_episode(repo, ids[1], "390")
-        await repo.set_reward(ids[0], reward=1.0, call_rewards={"0": 0.3}, metadata=None)
-        await repo.set_reward(ids[1], reward=0.0, call_rewards=None, metadata=None)
-        await repo.add_policy_version(version=1, name="policy-v1", adapter_path="/adapters/policy-v1", metadata={})
+        await repo.episodes.set_reward(ids[0], reward=1.0, call_rewards={"0": 0.3}, metadata=None)
+        await repo.episodes.set_reward(ids[1], reward=0.0, call_rewards=None, metadata=None)
+        await repo.versions.add(version=1, name="policy-v1", adapter_path="/adapters/policy-v1", metadata={})
         for step in range(3):
-            await repo.add_trainer_step(step=step, metrics={"reward/mean": 0.1 * step, "loss/total": 1.0 - step / 10})
+            await repo.steps.add(step=step, metrics={"reward/mean": 0.1 * step, "loss/total": 1.0 - step / 10})
         yield client, repo, ids
 
 
@@ -338,7 +338,7 @@ async def test_compare_page_puts_the_group_side_by_side(ui: Any) -> None:
 async def test_episode_pages_are_disjoint_and_in_order(ui: Any) -> None:
     client, repo, _ = ui
     for _ in range(40):  # 120 more episodes; a group's episodes share created_at, so the id breaks ties
-        await repo.create_group(task_id="paging", size=3, metadata={})
+        await repo.episodes.create_group(task_id="paging", size=3, metadata={})
     await _login(client)
     seen: list[str] = []
     path = "/ui/episodes?task=paging"
@@ -406,7 +406,7 @@ async def test_a_judged_reward_shows_the_judges_verdict_on_the_episode_and_compa
         "answer": '{"trajectory_2": {"reason": "...", "score": 0.25}}',
     }
     metadata = {"reward_mode": "mix", "judge_weight": 0.5, "verifier_reward": 0.0, "judge": audit}
-    await repo.set_reward(ids[2], reward=0.125, call_rewards=None, metadata=metadata)
+    await repo.episodes.set_reward(ids[2], reward=0.125, call_rewards=None, metadata=metadata)
     await _login(client)
     page = (await client.get(f"/ui/episodes/{ids[2]}")).text
     assert "judge <code>judge-model-x</code>: score 0.25" in page

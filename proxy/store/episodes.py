@@ -1,0 +1,333 @@
+"""Episodes and their groups: created, read, rewarded, abandoned (by the agent or the idle sweep).
+
+Each public method is one transaction (``sessions.py``). A reward or an abandon locks the episode's
+group row, then the episode row (``_episode_for_update``), so two rewards of one group serialise and
+the last one completes the group; the idle sweep takes the same locks, group rows first, each sorted
+by id. A finished episode's cached last call is dropped from ``Tails``: no call extends it any more.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any, Final
+
+from sqlalchemy import func, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from contract.vocabulary import AbandonCause, EpisodeStatus, GroupStatus, TrainStatus
+from proxy.errors import Conflict, InvalidRequest, NotFound
+from proxy.store.delta import Tails
+from proxy.store.faults import translated
+from proxy.store.models import Call, Episode, Group
+from proxy.store.records import EpisodeRecord, GroupRecord
+from proxy.store.rows import episode_record, group_record, group_records
+from proxy.store.sessions import Sessions, calls_of, lock_group
+
+OPEN: Final = "open"
+REWARDED: Final = "rewarded"
+ABANDONED: Final = "abandoned"
+
+
+class Episodes:
+    """The episodes-and-groups aggregate; ``min_rewarded`` decides whether a finished group is
+    ``complete`` or ``failed``."""
+
+    def __init__(self, sessions: Sessions, tails: Tails, *, min_rewarded: int = 2) -> None:
+        self._sessions = sessions
+        self._tails = tails
+        self.min_rewarded = min_rewarded
+
+    async def create_group(
+        self,
+        *,
+        task_id: str,
+        size: int,
+        metadata: dict[str, Any],
+        episode_metadata: Sequence[dict[str, Any]] | None = None,
+    ) -> GroupRecord:
+        now = time.time()
+        group = Group(
+            id=str(uuid.uuid4()),
+            task_id=task_id,
+            size=size,
+            meta=metadata,
+            status=OPEN,
+            created_at=now,
+            train_status="pending",
+        )
+        episodes = [
+            Episode(
+                id=str(uuid.uuid4()),
+                group_id=group.id,
+                group_index=i,
+                task_id=task_id,
+                meta=(episode_metadata[i] if episode_metadata else {}),
+                status=OPEN,
+                created_at=now,
+            )
+            for i in range(size)
+        ]
+        async with self._sessions.write() as session:
+            session.add(group)
+            await session.flush()  # the group row first: episodes reference it
+            session.add_all(episodes)
+        return group_record(group, [episode_record(e) for e in episodes])
+
+    async def count_backlog(self) -> int:
+        """Groups the trainer has still to take: open (in flight) or complete, and not yet trained,
+        skipped or stale (leased ones included: they are being trained on the current version)."""
+        async with self._sessions.read() as session:
+            count = await session.scalar(
+                select(func.count())
+                .select_from(Group)
+                .where(Group.train_status == "pending", Group.status.in_((OPEN, "complete")))
+            )
+        return int(count or 0)
+
+    async def count_groups(self) -> dict[str, int]:
+        """Groups by training outcome: ``train_status`` for complete groups, ``open`` and ``failed`` apart."""
+        async with self._sessions.read() as session:
+            rows = (
+                await session.execute(
+                    select(Group.status, Group.train_status, func.count()).group_by(Group.status, Group.train_status)
+                )
+            ).all()
+        counts: dict[str, int] = {}
+        for status, train_status, n in rows:
+            key = train_status if status == "complete" else status
+            counts[key] = counts.get(key, 0) + int(n)
+        return counts
+
+    async def create_episode(self, *, task_id: str | None, metadata: dict[str, Any]) -> EpisodeRecord:
+        episode = Episode(
+            id=str(uuid.uuid4()), group_id=None, task_id=task_id, meta=metadata, status=OPEN, created_at=time.time()
+        )
+        async with self._sessions.write() as session:
+            session.add(episode)
+        return episode_record(episode)
+
+    async def episode_state(self, episode_id: str) -> tuple[str, str | None] | None:
+        """(status, group_id) of an episode, or None: the model routes' existence check."""
+        fast = self._sessions.fast
+        if fast is not None:
+            async with translated():
+                return await fast.episode_state(episode_id)
+        async with self._sessions.read() as session:
+            row = (
+                await session.execute(select(Episode.status, Episode.group_id).where(Episode.id == episode_id))
+            ).first()
+        return (row[0], row[1]) if row else None
+
+    async def get_episode(self, episode_id: str, *, with_calls: bool = True) -> EpisodeRecord:
+        async with self._sessions.read() as session:
+            row = await session.get(Episode, episode_id)
+            if row is None:
+                raise NotFound(f"episode {episode_id} not found", param="episode_id")
+            calls = await calls_of(session, [episode_id]) if with_calls else None
+        return episode_record(row, calls.get(episode_id, []) if calls is not None else None)
+
+    async def list_episodes(
+        self,
+        *,
+        status: EpisodeStatus | None = None,
+        group_id: str | None = None,
+        task_id: str | None = None,
+        limit: int = 100,
+        offset: int = 0,
+    ) -> list[EpisodeRecord]:
+        query = select(Episode).order_by(Episode.created_at.desc(), Episode.id).limit(limit).offset(offset)
+        if status:
+            query = query.where(Episode.status == status)
+        if group_id:
+            query = query.where(Episode.group_id == group_id)
+        if task_id:
+            query = query.where(Episode.task_id == task_id)
+        async with self._sessions.read() as session:
+            return [episode_record(row) for row in (await session.scalars(query)).all()]
+
+    async def get_group(self, group_id: str) -> GroupRecord:
+        async with self._sessions.read() as session:
+            row = await session.get(Group, group_id)
+            if row is None:
+                raise NotFound(f"group {group_id} not found", param="group_id")
+            episodes = (
+                await session.scalars(
+                    select(Episode).where(Episode.group_id == group_id).order_by(Episode.group_index, Episode.id)
+                )
+            ).all()
+        return group_record(row, [episode_record(e) for e in episodes])
+
+    async def list_groups(
+        self,
+        *,
+        status: GroupStatus | None = None,
+        task_id: str | None = None,
+        train_status: TrainStatus | None = None,
+        leased: bool | None = None,
+        limit: int = 100,
+        offset: int = 0,
+    ) -> list[GroupRecord]:
+        """Newest first; ``leased`` keeps the groups under a live trainer lease (True) or the others (False)."""
+        query = select(Group).order_by(Group.created_at.desc(), Group.id).limit(limit).offset(offset)
+        if status:
+            query = query.where(Group.status == status)
+        if task_id:
+            query = query.where(Group.task_id == task_id)
+        if train_status:
+            query = query.where(Group.train_status == train_status)
+        if leased is not None:
+            live = Group.lease_id.is_not(None) & (Group.lease_expires_at >= time.time())
+            query = query.where(live if leased else ~live)
+        async with self._sessions.read() as session:
+            return await group_records(session, (await session.scalars(query)).all())
+
+    # -- finishing: rewards, abandons, the idle sweep, group completion --------------------------
+
+    async def _complete_group(self, session: AsyncSession, group_id: str | None, now: float) -> None:
+        if group_id is None:
+            return
+        counts: dict[EpisodeStatus, int] = dict(
+            (
+                await session.execute(
+                    select(Episode.status, func.count()).where(Episode.group_id == group_id).group_by(Episode.status)
+                )
+            ).all()
+        )
+        if counts.get(OPEN, 0) > 0:
+            return
+        # A group smaller than min_rewarded (a lone episode whose n > 1 choices carry their own rewards)
+        # completes when all of it is rewarded: the trainer decides whether its members compare.
+        needed = min(self.min_rewarded, sum(counts.values()))
+        status: GroupStatus = "complete" if counts.get(REWARDED, 0) >= needed else "failed"
+        await session.execute(
+            update(Group).where(Group.id == group_id, Group.status == OPEN).values(status=status, completed_at=now)
+        )
+
+    async def _episode_for_update(self, session: AsyncSession, episode_id: str) -> Episode:
+        group_id = (await session.execute(select(Episode.group_id).where(Episode.id == episode_id))).scalar()
+        await lock_group(session, group_id)
+        row = (await session.scalars(select(Episode).where(Episode.id == episode_id).with_for_update())).first()
+        if row is None:
+            raise NotFound(f"episode {episode_id} not found", param="episode_id")
+        return row
+
+    async def set_reward(
+        self, episode_id: str, *, reward: float, call_rewards: dict[str, float] | None, metadata: dict[str, Any] | None
+    ) -> tuple[EpisodeRecord, bool]:
+        """Reward and finish an episode. Returns (episode, changed); the same payload twice is a
+        no-op, a different one is a ``Conflict``."""
+        async with self._sessions.write() as session:
+            row = await self._episode_for_update(session, episode_id)
+            if row.status == REWARDED:
+                same = (
+                    row.reward == reward
+                    and (row.call_rewards or None) == (call_rewards or None)
+                    and (row.reward_metadata or None) == (metadata or None)
+                )
+                if same:
+                    return episode_record(row), False
+                raise Conflict(
+                    f"episode {episode_id} already has a different reward ({row.reward})", code="reward_conflict"
+                )
+            if row.status == ABANDONED:
+                raise Conflict(
+                    f"episode {episode_id} was abandoned ({row.abandon_reason}); it takes no reward",
+                    code="episode_abandoned",
+                )
+            if call_rewards:
+                await _check_ordinals(session, episode_id, call_rewards)
+            now = time.time()
+            row.status, row.reward, row.finished_at = REWARDED, reward, now
+            self._tails.drop(episode_id)
+            row.call_rewards, row.reward_metadata = call_rewards or None, metadata or None
+            await session.flush()
+            await self._complete_group(session, row.group_id, now)
+            return episode_record(row), True
+
+    async def abandon(self, episode_id: str, *, reason: str, cause: AbandonCause = "agent") -> EpisodeRecord:
+        async with self._sessions.write() as session:
+            row = await self._episode_for_update(session, episode_id)
+            if row.status == REWARDED:
+                raise Conflict(f"episode {episode_id} is already rewarded", code="episode_rewarded")
+            if row.status == OPEN:
+                now = time.time()
+                row.status, row.abandon_reason, row.abandon_cause, row.finished_at = ABANDONED, reason, cause, now
+                self._tails.drop(episode_id)
+                await session.flush()
+                await self._complete_group(session, row.group_id, now)
+            return episode_record(row)
+
+    async def abandon_expired(self, *, idle_s: float) -> int:
+        """Abandon open episodes idle (no call, no reward) for ``idle_s``; returns how many."""
+        now = time.time()
+        last_call = (
+            select(func.max(Call.started_at)).where(Call.episode_id == Episode.id).correlate(Episode).scalar_subquery()
+        )
+        idle = select(Episode.id, Episode.group_id).where(
+            Episode.status == OPEN, func.coalesce(last_call, Episode.created_at) < now - idle_s
+        )
+        async with self._sessions.write() as session:
+            expired = (await session.execute(idle)).all()
+            if not expired:
+                return 0
+            groups = sorted({g for _, g in expired if g})
+            if groups:  # the lock order: group rows, then episode rows, each sorted by id
+                await session.execute(select(Group.id).where(Group.id.in_(groups)).order_by(Group.id).with_for_update())
+            # Locked, the episodes are checked again: a call or a reward may have come in since the scan.
+            ids = list(
+                (
+                    await session.scalars(
+                        idle.with_only_columns(Episode.id)
+                        .where(Episode.id.in_(sorted(e for e, _ in expired)))
+                        .order_by(Episode.id)
+                        .with_for_update()
+                    )
+                ).all()
+            )
+            if not ids:
+                return 0
+            await session.execute(
+                update(Episode)
+                .where(Episode.id.in_(ids))
+                .values(
+                    status=ABANDONED,
+                    abandon_reason=f"no reward within {idle_s:.0f}s",
+                    abandon_cause="deadline",
+                    finished_at=now,
+                )
+            )
+            for group_id in groups:
+                await self._complete_group(session, group_id, now)
+        return len(ids)
+
+
+async def _check_ordinals(session: AsyncSession, episode_id: str, call_rewards: dict[str, float]) -> None:
+    """Keys are ``"<ordinal>"`` (a call) or ``"<ordinal>:<choice>"`` (one choice of an n > 1 call)."""
+    count = (await session.execute(select(func.count()).where(Call.episode_id == episode_id))).scalar_one()
+    parsed = {k: k.partition(":") for k in call_rewards}
+    bad = [
+        k
+        for k, (ordinal, sep, choice) in parsed.items()
+        if not (ordinal.isdigit() and int(ordinal) < count and (not sep or choice.isdigit()))
+    ]
+    if bad:
+        raise InvalidRequest(
+            f"call_rewards names calls {bad} but the episode has {count} calls "
+            f"(keys: ordinals 0..{count - 1}, or '<ordinal>:<choice>')",
+            param="call_rewards",
+        )
+    wanted = {int(o) for o, sep, _ in parsed.values() if sep}
+    if not wanted:
+        return
+    rows = await session.execute(
+        select(Call.ordinal, Call.choices).where(Call.episode_id == episode_id, Call.ordinal.in_(wanted))
+    )
+    choices = {ordinal: len(stored or []) for ordinal, stored in rows.all()}
+    bad = [k for k, (o, sep, c) in parsed.items() if sep and int(c) >= choices.get(int(o), 0)]
+    if bad:
+        raise InvalidRequest(
+            f"call_rewards names choices {bad} that those calls do not have (choices per call: {choices})",
+            param="call_rewards",
+        )
