@@ -5,7 +5,7 @@ A route validates the request and finds its episode; ``Relay.respond`` does the 
 (``policy_table.py``), fill omitted sampling fields (``sampling.py``, the grammar from
 ``grammar.py``), keep engine-killing requests away from the engine (``_protect``), splice the
 sampled ids of earlier turns into a follow-up prompt (``splice.py``), send to a replica
-(``upstream.py``), capture the exact ids and log-probs (``capture.py``), record (``call_record.py``,
+(``upstream.py``), capture the exact ids and log-probs (``capture.py``), record (``recording.py``,
 through ``recorder.py``) and only then answer: a plain call after its record committed, a stream
 with its final event held back until then (``streaming.py``). A call in another API
 (``dialects/``) runs as its chat request and is answered in its own API.
@@ -25,7 +25,6 @@ from fastapi.responses import Response, StreamingResponse
 
 from contract.vocabulary import CallKind
 from proxy.answers import check_answer, json_object, reading
-from proxy.call_record import CallRecord
 from proxy.capture import Wants, capture_response, prepare, sampled, single_prompt, strip_for_client
 from proxy.dialects.base import Translation
 from proxy.errors import FlywheelError, UnsafeRequest, UpstreamError, UpstreamUnavailable
@@ -33,6 +32,7 @@ from proxy.grammar import Grammars
 from proxy.metrics import Metrics
 from proxy.policy_table import PolicyTable
 from proxy.recorder import Recorder
+from proxy.recording import Recording
 from proxy.refusals import refused
 from proxy.sampling import SamplingDefaults, settle_grammar
 from proxy.sampling import resolve as resolve_sampling
@@ -114,7 +114,7 @@ class ModelCall:
 
     Its life reads top to bottom: the constructor resolves the model and fills in the sampling;
     ``respond`` settles the grammar, then ``complete`` or ``open_stream`` protect the engine,
-    splice, send, capture, record (``call_record.py``) and answer, a stream through
+    splice, send, capture, record (``recording.py``) and answer, a stream through
     ``streaming.py``. ``translation``: a call in another API (``proxy/dialects``), run as its chat
     request and answered in its own API.
     """
@@ -136,7 +136,7 @@ class ModelCall:
         self.episode_id = episode_id
         self.recorded = episode_id is not None
         model_served, version = relay.policies.resolve(body["model"])  # the adapter serving the model
-        self.record = CallRecord(
+        self.record = Recording(
             recorder=relay.recorder,
             metrics=relay.metrics,
             kind=kind,

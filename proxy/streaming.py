@@ -21,10 +21,10 @@ import httpx
 import orjson
 
 from proxy.answers import READ_ERRORS, check_chunk, json_object, malformed, reading, unreadable
-from proxy.call_record import CallRecord
 from proxy.capture import StreamCapture, Wants, strip_for_client, usage_only
 from proxy.dialects.base import EventStream
 from proxy.errors import EpisodeClosed, FlywheelError, RecordingFailed, UpstreamError
+from proxy.recording import Recording
 from proxy.upstream import map_transport_error
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -59,7 +59,7 @@ class StreamRelay:
 
     def __init__(
         self,
-        record: CallRecord,
+        record: Recording,
         *,
         wants: Wants,
         events: EventStream | None,
@@ -77,8 +77,10 @@ class StreamRelay:
         self.streamed_choices = False
         """A parsed stream carried at least one choice (a stream without any is malformed)."""
         self.error: FlywheelError | None = None
-        self.acknowledged = False
-        """The record committed and the final event is on its way: nothing left to record."""
+        self.ended = False
+        """The call's ending is written (answered, failed, or refused by the store) and its last event
+        is on its way: a client leaving now leaves nothing to record (a second record would say 499
+        for a call already stored as failed)."""
 
     async def relay(self, upstream: AsyncIterator[bytes], close: Close) -> AsyncIterator[bytes]:
         """Forward events as they arrive, capturing them; [DONE] only after the record commits."""
@@ -100,7 +102,7 @@ class StreamRelay:
             finished = True
         finally:
             await close()
-            if not (finished or self.acknowledged) and self.record.episode_id is not None:
+            if not (finished or self.ended) and self.record.episode_id is not None:
                 # the client went away mid-stream: keep what happened
                 _spawn(self.background, self._record_left())
 
@@ -145,15 +147,17 @@ class StreamRelay:
                 error = exc
         if error is not None:
             await self.record.failed(error)
+            self.ended = True
             return self._error_event(error)
         if self.record.episode_id is not None:
             try:
                 await self.record.answered(captured, self.ttft_ms)
             except (RecordingFailed, EpisodeClosed) as exc:  # a refused record is an error event, no [DONE]
                 self.record.observe(exc.status_code, captured)
+                self.ended = True
                 return self._error_event(exc)
         self.record.observe(200, captured)
-        self.acknowledged = True
+        self.ended = True
         return ending
 
     async def _record_left(self) -> None:

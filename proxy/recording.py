@@ -1,6 +1,6 @@
 """The record of one model call: what it is built from, how each ending is written, and its metrics.
 
-``relay.py`` fills a ``CallRecord`` as the call runs (the replica it went to, the seed it dropped,
+``relay.py`` fills a ``Recording`` as the call runs (the replica it went to, the seed it dropped,
 its effective sampling, its splice) and ends it one of three ways: ``answered`` (a 200 with what
 ``capture.py`` read), ``failed`` (the error as the client gets it, no tokens) or ``left`` (a 499:
 the client went away before its answer). A passthrough call (no episode) is counted, never
@@ -29,7 +29,7 @@ log = logging.getLogger("flywheel.relay")
 
 
 @dataclass(slots=True, kw_only=True)
-class CallRecord:
+class Recording:
     """What one call's record is built from, filled in as the call runs."""
 
     recorder: Recorder
