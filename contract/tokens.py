@@ -1,7 +1,7 @@
 """Token-id prefixes: the one test of whether a call continues an earlier one.
 
 The trainer merges an episode's calls into one sample when a call's prompt ids start with the
-earlier prompt followed by its sampled ids (``trainer/data.py``); the store keeps such a call as a
+earlier prompt followed by its sampled ids (``trainer/merge.py``); the store keeps such a call as a
 delta on the earlier one (``proxy/store/delta.py``). Both ask these functions, so a call the
 trainer merges is a call the store can keep as a delta. They take lists of ids or the same ids
 packed as bytes (both sides in one form). The ``rejoin_*`` functions undo such a delta: the store

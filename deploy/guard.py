@@ -8,7 +8,7 @@ reports the collapsed one as its "after". The guard watches two kinds of evidenc
 - **probes**: every ``probe_every`` steps the launcher evaluates the current adapter greedily on the
   workflow's ``val`` split (train tasks held out of training, ``workflows/base.py``). A probe score
   more than ``max_drop`` below the best so far, ``patience`` probes in a row, is a collapse.
-- **signals** in the trainer's step metrics (``trainer/loop.py`` ``collapse_signals``): the share of
+- **signals** in the trainer's step metrics (``trainer/metrics.py`` ``collapse_signals``): the share of
   sampled answers cut at the token limit (``signals/cut_fraction``), calls that required a tool call
   and made none (``signals/tool_call_missing``), the sampling entropy (``policy/entropy``) and the
   train reward (``reward/mean``), each as the mean of the last ``window`` steps against the first

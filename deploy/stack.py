@@ -112,7 +112,7 @@ class Stack:
         self.restarts: list[str] = []
         if engine.url:  # an engine someone else runs (and supervises): route to it, start nothing
             env["FLYWHEEL_UPSTREAMS"] = json.dumps(
-                [{"name": "vllm-0", "url": engine.url, "seed_policy": engine.seed_policy}]
+                [{"name": "vllm-0", "url": engine.url, "seed_rule": engine.seed_rule}]
             )
         else:
             upstream_url = proxy_settings["upstreams"][0]["url"]

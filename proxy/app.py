@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from proxy.adapters import AdapterTable
 from proxy.admission import Admission
 from proxy.auth import KeyRing
 from proxy.deps import Services
@@ -32,7 +33,6 @@ from proxy.gate import EpisodeGate
 from proxy.grammar import Grammars
 from proxy.keyfile import KeyFile, Reload, initial_keys
 from proxy.metrics import Metrics
-from proxy.policy_table import PolicyTable
 from proxy.recorder import Recorder
 from proxy.relay import Relay
 from proxy.routes import chat, episodes, messages, ops, policy, probe, responses, trainer
@@ -171,11 +171,11 @@ def create_app(
         )
         metrics = Metrics()
         upstreams = Upstreams(settings, transport)
-        policies = PolicyTable(settings.policy, store.versions, upstreams)
+        adapters = AdapterTable(settings.policy, store.versions, upstreams)
         recorder = Recorder(store.calls, batch_max=settings.store.batch_max, on_batch=metrics.on_batch)
         relay = Relay(
             upstreams=upstreams,
-            policies=policies,
+            adapters=adapters,
             recorder=recorder,
             metrics=metrics,
             sampling=sampling,
@@ -194,7 +194,7 @@ def create_app(
             settings=settings,
             repo=store,
             upstreams=upstreams,
-            policies=policies,
+            adapters=adapters,
             recorder=recorder,
             keys=keys,
             gate=EpisodeGate(store),
@@ -210,11 +210,11 @@ def create_app(
         stop_sighup = key_file.on_sighup() if key_file is not None else (lambda: None)
         recorder.start()
         with contextlib.suppress(Exception):
-            await policies.refresh()
-        await upstreams.check_all(policies.sync_replica)
+            await adapters.refresh()
+        await upstreams.check_all(adapters.sync_replica)
         loops = [
-            asyncio.create_task(upstreams.health_loop(settings.health_interval_s, policies.sync_replica)),
-            asyncio.create_task(policies.refresh_loop()),
+            asyncio.create_task(upstreams.health_loop(settings.health_interval_s, adapters.sync_replica)),
+            asyncio.create_task(adapters.refresh_loop()),
             asyncio.create_task(
                 _every(
                     settings.episodes.reaper_interval_s,

@@ -8,13 +8,13 @@ from typing import Annotated, Any
 import orjson
 from fastapi import Depends, Request
 
+from proxy.adapters import AdapterTable
 from proxy.admission import Admission
 from proxy.auth import KeyRing, Principal, bearer
 from proxy.depth import MAX_DEPTH, too_deep
 from proxy.errors import AuthenticationFailed, InvalidRequest, PayloadTooLarge, PermissionDenied
 from proxy.gate import EpisodeGate, canonical_id, identify_episode
 from proxy.metrics import Metrics
-from proxy.policy_table import PolicyTable
 from proxy.recorder import Recorder
 from proxy.relay import Relay
 from proxy.settings import Settings
@@ -30,8 +30,8 @@ class Services:
     settings: Settings
     repo: Repository
     upstreams: Upstreams
-    policies: PolicyTable
-    """The published policy versions: which adapter a requested model means; publishing (``policy_table.py``)."""
+    adapters: AdapterTable
+    """The published policy versions: which adapter a requested model means; publishing (``adapters.py``)."""
     recorder: Recorder
     keys: KeyRing
     gate: EpisodeGate

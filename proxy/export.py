@@ -6,7 +6,7 @@ mask the trainer would use, the serving policy version, and the rewards and grou
 The schema is ``SCHEMA`` (README "Export" documents every column); a JSON Lines row has the same
 fields. Both formats load with Hugging Face ``datasets`` (``load_dataset("json" | "parquet")``).
 
-Per call, not merged: the trainer's merge of calls into samples (``trainer/data.py``) needs torch,
+Per call, not merged: the trainer's merge of calls into samples (``trainer/merge.py``) needs torch,
 which a proxy host may not have, so the export keeps each call whole; its ``prompt_token_ids``
 are what the merge works from (a call that extends the previous prompt + completion continues the
 same sequence). The loss mask follows the trainer's rule for one call: a choice is trained when the
@@ -225,7 +225,7 @@ def _reward(call_rewards: dict[str, float] | None, ordinal: int, index: int) -> 
 
 
 def call_trained(call: CallRecord) -> bool:
-    """Whether the trainer would train this call's sampled tokens (``trainer/data.py``): answered,
+    """Whether the trainer would train this call's sampled tokens (``trainer/turns.py``): answered,
     served by a policy version, exact ids, sampled in a trained mode."""
     return (
         _sampling(call)[2]

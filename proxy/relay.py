@@ -2,7 +2,7 @@
 
 A route validates the request and finds its episode; ``Relay.respond`` does the rest, and
 ``ModelCall`` reads in that order: resolve the requested model to the served adapter
-(``policy_table.py``), fill omitted sampling fields (``sampling.py``, the grammar from
+(``adapters.py``), fill omitted sampling fields (``sampling.py``, the grammar from
 ``grammar.py``), keep engine-killing requests away from the engine (``_protect``), splice the
 sampled ids of earlier turns into a follow-up prompt (``splice.py``), send to a replica
 (``upstream.py``), capture the exact ids and log-probs (``capture.py``), record (``recording.py``,
@@ -24,13 +24,13 @@ import orjson
 from fastapi.responses import Response, StreamingResponse
 
 from contract.vocabulary import CallKind
+from proxy.adapters import AdapterTable
 from proxy.answers import check_answer, json_object, reading
 from proxy.capture import Wants, capture_response, prepare, sampled, single_prompt, strip_for_client
 from proxy.dialects.base import Translation
 from proxy.errors import FlywheelError, UnsafeRequest, UpstreamError, UpstreamUnavailable
 from proxy.grammar import Grammars
 from proxy.metrics import Metrics
-from proxy.policy_table import PolicyTable
 from proxy.recorder import Recorder
 from proxy.recording import Recording
 from proxy.refusals import refused
@@ -54,7 +54,7 @@ class Relay:
     """What a model call needs, built once per app (``app.py``)."""
 
     upstreams: Upstreams
-    policies: PolicyTable
+    adapters: AdapterTable
     """Which adapter a requested model name is served by, and its policy version."""
     recorder: Recorder
     metrics: Metrics
@@ -95,7 +95,7 @@ def _protect(body: dict[str, Any], replica: Replica) -> dict[str, Any] | None:
     use offset"); after that every request answers 500."""
     if body.get("seed") is None or not sampled(body):
         return None
-    seed_rule = replica.settings.seed_policy
+    seed_rule = replica.settings.seed_rule
     if seed_rule == "refuse":
         raise UnsafeRequest(
             f"upstream {replica.name} cannot take 'seed' with temperature > 0 (its engine "
@@ -135,7 +135,7 @@ class ModelCall:
         self.translation = translation
         self.episode_id = episode_id
         self.recorded = episode_id is not None
-        model_served, version = relay.policies.resolve(body["model"])  # the adapter serving the model
+        model_served, version = relay.adapters.resolve(body["model"])  # the adapter serving the model
         self.record = Recording(
             recorder=relay.recorder,
             metrics=relay.metrics,

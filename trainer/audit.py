@@ -1,6 +1,6 @@
 """Per-episode fidelity audit: what of an episode's calls was trained, and how closely.
 
-The step's data counters (``trainer/data.py``) say what the rules did to a whole step; a user
+The step's data counters (``trainer/counters.py``) say what the rules did to a whole step; a user
 looking at one episode needs the same per episode: how many calls were deduped as retries, merged
 into one sequence or broken off, kept as context only, how many tokens were trained and how many
 of those were scored under the engine's grammar mask, and the engine/trainer log-prob gap on them. The trainer
@@ -13,8 +13,10 @@ from collections.abc import Sequence
 
 from contract.client import Group
 from contract.schemas import EpisodeAudit
-from trainer.data import Batch, DataStats, Sample
+from trainer.counters import DataStats
+from trainer.data import Batch
 from trainer.learner import EpisodeGap
+from trainer.sample import Sample
 
 CONTEXT_ONLY = (
     "calls_greedy",

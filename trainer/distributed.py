@@ -105,6 +105,15 @@ class World:
             torch.distributed.destroy_process_group()
 
 
+def to_cpu(value: Any) -> Any:
+    """A state dict with every tensor on the CPU (so another rank does not unpickle it onto this GPU)."""
+    if isinstance(value, dict):
+        return {k: to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(to_cpu(v) for v in value)
+    return value.cpu() if hasattr(value, "cpu") else value
+
+
 def init_world(timeout_s: float) -> World:
     """Join the process group torchrun (or accelerate) describes in the environment, if any.
 

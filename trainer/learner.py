@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 import torch
 
 from trainer.config import TrainerConfig
-from trainer.data import MODES, Sample
 from trainer.distributed import World
 from trainer.lora import LoraPolicy
 from trainer.loss import Totals, grpo_loss
 from trainer.packing import MicroBatch, pack
+from trainer.sample import MODES, Sample
 
 Tensor = torch.Tensor
 ENGINE_GROUPS = (*MODES, "all")

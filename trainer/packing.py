@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.data import Sample
+from trainer.sample import Sample
 
 Tensor = torch.Tensor
 
@@ -53,7 +53,7 @@ class MicroBatch:
     top_p: Tensor  # (N,) 1.0 = off
     min_p: Tensor  # (N,) 0.0 = off
     versions: Tensor  # (N,) int64 serving policy version, -1 unknown
-    modes: Tensor  # (N,) int64 index into trainer.data.MODES
+    modes: Tensor  # (N,) int64 index into trainer.sample.MODES
     seq_tokens: Tensor  # (B,) loss tokens the per-sequence mean divides by (the member's, per-episode)
     allowed: Tensor | None = None  # (N, words) int32 grammar bitmask per loss token (-1: no mask); None: none masked
 

@@ -4,8 +4,10 @@ The adapter goes to ``output_dir/adapters/v{N}`` (written under a temporary name
 vLLM never reads a half-written file); the proxy loads it on every replica under a new name
 (``policy-v{N}``: reloading one name reuses stale prefix-cache blocks) and switches routing. The
 call is idempotent here: if the proxy already has version N from this very directory (a retry, or
-a restart after a crash between publish and checkpoint), that counts as done. The last
-``keep_adapters`` directories stay on disk: the proxy reloads its kept versions from them when a
+a restart after a crash between publish and checkpoint), that counts as done. A step's publish
+(``publish_step``) first asks whether the proxy already has version N, and whose adapter it is: one
+another trainer published is never taken for this trainer's. The last ``keep_adapters``
+directories stay on disk: the proxy reloads its kept versions from them when a
 vLLM replica restarts.
 
 An ``adapters/vN`` that already exists is reused only if it holds exactly the adapter being
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +59,30 @@ class Publisher:
         policy.save_adapter(tmp)
         tmp.rename(final)
         return final
+
+    def publish_step(
+        self, policy: LoraPolicy, version: int, step: int, log: Callable[[str], None]
+    ) -> tuple[dict[str, Any], bool]:
+        """Make ``version`` this trainer's adapter on the proxy unless it already is (published before
+        a restart). Returns the step's ``proxy/*`` (and ``perf/publish_s``) metrics and whether the
+        proxy serves this trainer's adapter as ``version``. A version someone else took is never
+        ours; a failure the proxy may recover from (5xx, unreachable) is left to the next publish."""
+        if self.client.policy().version >= version:  # published before a restart, or by someone else
+            ours = str(self.path(version))
+            if not any(v.version == version and v.adapter_path == ours for v in self.client.policy_versions()):
+                # Another trainer took this version: its weights are not ours, so they are never
+                # remembered as this trainer's (engine-mismatch and stale re-scoring would use them).
+                log(f"[warning] v{version} on the proxy is another trainer's adapter; not publishing")
+                return {"proxy/publish_conflicts": 1}, False
+            return {"proxy/published_version": version}, True
+        try:
+            record, seconds = self.publish(policy, version, {"step": step})
+        except ProxyError as exc:
+            if 400 <= exc.status < 500:
+                raise  # the adapter or the request is wrong: every later publish would fail the same way
+            log(f"[warning] publishing v{version} failed, the next publish retries: {exc}")
+            return {"proxy/publish_failed": 1}, False
+        return {"proxy/published_version": record.version, "perf/publish_s": seconds}, True
 
     def publish(self, policy: LoraPolicy, version: int, metadata: dict[str, Any]) -> tuple[PolicyVersion, float]:
         """Save + load on vLLM + switch. Returns the proxy's record and the seconds it all took."""

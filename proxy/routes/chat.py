@@ -55,16 +55,16 @@ async def _models(request: Request) -> Response:
     svc = services_of(request)
     replica = svc.upstreams.pick(None)
     models = await svc.upstreams.list_models(replica)
-    current = svc.policies.current
-    for alias in svc.policies.settings.aliases:
+    current = svc.adapters.current
+    for alias in svc.adapters.settings.aliases:
         models.append(
             {
                 "id": alias,
                 "object": "model",
                 "owned_by": "flywheel",
                 "created": int(time.time()),
-                "parent": svc.policies.settings.base_model,
-                "root": current.name if current else svc.policies.settings.base_model,
+                "parent": svc.adapters.settings.base_model,
+                "root": current.name if current else svc.adapters.settings.base_model,
                 "policy_version": current.version if current else 0,
             }
         )

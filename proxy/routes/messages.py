@@ -48,7 +48,7 @@ async def _count_tokens(request: Request, path_episode: str | None, *, recorded:
     except FlywheelError as exc:
         await refused(svc.metrics, svc.recorder, exc, route="messages")
         raise
-    chat["model"], _ = svc.policies.resolve(chat["model"])
+    chat["model"], _ = svc.adapters.resolve(chat["model"])
     replica = svc.upstreams.pick(None)
     response = await svc.upstreams.send(replica, "POST", "/tokenize", content=orjson.dumps(chat))
     if response.status_code >= 400:

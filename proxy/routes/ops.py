@@ -21,7 +21,7 @@ async def healthz(svc: ServicesDep) -> JSONResponse:
     except Exception as exc:  # report, do not raise: this is the health answer
         store = f"error: {type(exc).__name__}"
     ok = store == "ok" and any(replicas.values())
-    current = svc.policies.current
+    current = svc.adapters.current
     body = {
         "status": "ok" if ok else "degraded",
         "store": store,

@@ -13,8 +13,8 @@ router = APIRouter(prefix="/policy", tags=["policy"])
 @router.get("", response_model=PolicyOut)
 async def current_policy(svc: ServicesDep, _: AdminDep) -> PolicyOut:
     """The version the policy aliases route to now (version 0, the base model, before any publish)."""
-    await svc.policies.refresh()
-    current = svc.policies.current
+    await svc.adapters.refresh()
+    current = svc.adapters.current
     if current is None:
         return PolicyOut(version=0, name=svc.settings.policy.base_model, adapter_path="", created_at=0.0, metadata={})
     return PolicyOut.model_validate(current)
@@ -28,7 +28,7 @@ async def policy_versions(svc: ServicesDep, _: AdminDep) -> ListOut:
 @router.post("/publish", status_code=201, response_model=PolicyOut)
 async def publish(body: PublishIn, svc: ServicesDep, _: AdminDep) -> PolicyOut:
     """Load the adapter on every replica as ``policy-v{N}``, switch routing to it, unload old ones."""
-    record = await svc.policies.publish(adapter_path=body.adapter_path, version=body.version, metadata=body.metadata)
+    record = await svc.adapters.publish(adapter_path=body.adapter_path, version=body.version, metadata=body.metadata)
     svc.metrics.policy_version.set(record.version)
     svc.admission.published()
     return PolicyOut.model_validate(record)

@@ -32,8 +32,8 @@ router = APIRouter(prefix="/trainer", tags=["trainer"])
 
 @router.post("/claim", response_model=ClaimOut)
 async def claim(body: ClaimIn, svc: ServicesDep, _: AdminDep) -> ClaimOut:
-    await svc.policies.refresh()
-    current = svc.policies.current.version if svc.policies.current else 0
+    await svc.adapters.refresh()
+    current = svc.adapters.current.version if svc.adapters.current else 0
     result = await svc.repo.leases.claim(
         owner=body.trainer_id,
         max_groups=body.max_groups,

@@ -1,7 +1,7 @@
 """Policy versions: the published adapters, newest current; each public method is one transaction.
 
 The current version lives here, not in a proxy's memory, so every replica routes alike
-(``policy_table.py`` re-reads it). Versions only move forward.
+(``adapters.py`` re-reads it). Versions only move forward.
 """
 
 from __future__ import annotations

@@ -227,7 +227,7 @@ async def overview_data(svc: ServicesDep, pages: Pages = Viewer, since_step: int
     """The live feed: trainer steps after ``since_step``, counts, and this replica's token counters and rate."""
     steps = await svc.repo.steps.list(since_step=since_step, limit=5000)
     counts = await svc.repo.browse.counts()
-    current = svc.policies.current
+    current = svc.adapters.current
     rate, span = pages.rate.update(_tokens(svc))
     body = {
         "steps": [{"step": s.step, "created_at": s.created_at, "metrics": s.metrics} for s in steps],

@@ -51,7 +51,7 @@ def _notes() -> dict[str, str]:
         "equal": batch.skipped["g-equal"],
         "few": batch.skipped["g-few"],
         "empty": batch.skipped["g-empty"],
-        "nonfinite": "non-finite gradient (grad_norm=nan)",  # trainer/loop.py, _drop_nonfinite
+        "nonfinite": "non-finite gradient (grad_norm=nan)",  # trainer/loop.py, Trainer._drop_nonfinite
         "other": "a reason no report knows yet",
         # What a trainer before one note per group wrote: its lease's reasons, in every group's note.
         "joined": "all 8 rewards equal (0): no signal; all 8 rewards equal (1): no signal",

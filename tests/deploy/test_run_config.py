@@ -31,7 +31,7 @@ LAUNCHER_DEFAULTS = {
     "resume": True,
     "engine": {
         "url": None,
-        "seed_policy": "drop",
+        "seed_rule": "drop",
         "model": None,
         "served_name": "policy-base",
         "device": "cpu",
@@ -244,5 +244,5 @@ def test_stack_starts_vllm_and_the_proxy_as_the_config_says(tmp_path: Path, monk
     stack = Stack(routed, data_dir=tmp_path)
     assert stack.vllm is None and stack.proxy_url == "http://127.0.0.1:8123"
     assert yaml.safe_load(stack.proxy.env["FLYWHEEL_UPSTREAMS"]) == [
-        {"name": "vllm-0", "url": "http://127.0.0.1:9000", "seed_policy": "drop"}
+        {"name": "vllm-0", "url": "http://127.0.0.1:9000", "seed_rule": "drop"}
     ]

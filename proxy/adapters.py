@@ -1,4 +1,4 @@
-"""The policy table: which adapter serves "the policy" (and any version asked by name), and publishing a new one.
+"""The adapter table: which LoRA adapter serves "the policy" (and any version asked by name), and publishing a new one.
 
 The current version lives in the store (highest published version), so every proxy replica agrees;
 each replica re-reads it every ``refresh_s``. Publishing loads the adapter into every replica under
@@ -21,10 +21,10 @@ from proxy.store.records import PolicyVersionRecord
 from proxy.store.versions import Versions
 from proxy.upstream import Replica, Upstreams
 
-log = logging.getLogger("flywheel.policy")
+log = logging.getLogger("flywheel.adapters")
 
 
-class PolicyTable:
+class AdapterTable:
     """The published policy versions as a routing table: a requested model name to the adapter name
     sent upstream and its version (``resolve``); publishing adds a version and switches the aliases."""
 

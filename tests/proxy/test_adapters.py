@@ -1,4 +1,4 @@
-"""PolicyTable on its own: which upstream model a requested name means, publishing to every
+"""AdapterTable on its own: which upstream model a requested name means, publishing to every
 replica, and what a failed or conflicting publish leaves serving.
 
 The store is real (SQLite in a temp dir). The replicas are the named fake upstream: one fake vLLM
@@ -16,8 +16,8 @@ from typing import Any, NamedTuple
 import httpx
 import pytest
 
+from proxy.adapters import AdapterTable
 from proxy.errors import Conflict, InvalidRequest, UpstreamError, UpstreamUnavailable
-from proxy.policy_table import PolicyTable
 from proxy.store.records import PolicyVersionRecord
 from proxy.store.repository import Repository
 from proxy.store.sessions import Sessions
@@ -44,7 +44,7 @@ def fake_replicas(
 class Proxy(NamedTuple):
     """One proxy replica's policy table and the upstream replicas it sees."""
 
-    table: PolicyTable
+    table: AdapterTable
     upstreams: Upstreams
 
 
@@ -70,9 +70,9 @@ class Cluster:
         for replica in upstreams.replicas:
             replica.healthy = True  # as the health loop leaves them once the engines answer
         self._upstreams.append(upstreams)
-        return Proxy(PolicyTable(self.settings.policy, versions or self.repo.versions, upstreams), upstreams)
+        return Proxy(AdapterTable(self.settings.policy, versions or self.repo.versions, upstreams), upstreams)
 
-    def table(self) -> PolicyTable:
+    def table(self) -> AdapterTable:
         return self.proxy().table
 
     def loads(self) -> list[tuple[str, str]]:
@@ -105,7 +105,7 @@ def refuse_loads_on(hosts: tuple[str, ...], status: int, message: str = "boom") 
     return respond
 
 
-async def publish(table: PolicyTable, path: str, version: int | None = None) -> PolicyVersionRecord:
+async def publish(table: AdapterTable, path: str, version: int | None = None) -> PolicyVersionRecord:
     return await table.publish(adapter_path=path, version=version, metadata={"source": "test"})
 
 

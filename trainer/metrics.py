@@ -1,0 +1,120 @@
+"""A step's metrics, keyed like cleanrl's charts: ``reward/``, ``advantage/``, ``loss/``, ``policy/``,
+``data/``, ``staleness/``, ``proxy/``, ``perf/``, ``signals/``.
+
+The names are read by the tests, the dashboard and the launcher's collapse guard (``deploy/guard.py``):
+keep them. ``data/*`` adds every counter of ``DataStats`` under its own name.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from contract.client import Group
+from trainer.data import Batch, staleness
+from trainer.learner import StepStats
+
+
+def _stats(values: list[float]) -> tuple[float, float]:
+    if not values:
+        return 0.0, 0.0
+    return statistics.fmean(values), statistics.pstdev(values)
+
+
+def step_metrics(
+    batch: Batch,
+    groups: list[Group],
+    stats: StepStats,
+    *,
+    current: int,
+    stale: int,
+    wait_s: float,
+    pass_threshold: float,
+) -> dict[str, Any]:
+    """The step's metrics, keyed like cleanrl's charts (reward/, loss/, policy/, data/, perf/, proxy/)."""
+    rewards = [
+        float(e.reward) for g in groups for e in g.episodes or [] if e.status == "rewarded" and e.reward is not None
+    ]
+    reward_mean, reward_std = _stats(rewards)
+    adv_mean, adv_std = _stats(batch.advantages)
+    lags = staleness(batch.samples, current)
+    trained = {s.episode_id for s in batch.samples}  # the report's calls per trained episode: these only
+    trained_calls = sum(len(e.calls or []) for g in groups for e in g.episodes or [] if e.id in trained)
+    metrics: dict[str, Any] = {
+        "reward/mean": reward_mean,
+        "reward/std": reward_std,
+        "reward/episodes": len(rewards),
+        "reward/pass_rate": sum(r >= pass_threshold for r in rewards) / len(rewards) if rewards else 0.0,
+        "advantage/mean": adv_mean,
+        "advantage/std": adv_std,
+        "advantage/abs_mean": statistics.fmean(abs(a) for a in batch.advantages) if batch.advantages else 0.0,
+        **_update_metrics(stats),
+        "data/tokens_outside_truncation": stats.outside,
+        "data/tokens": stats.tokens,
+        "data/loss_tokens": stats.loss_tokens,
+        "data/samples": len(batch.samples),
+        "data/members": batch.members,
+        "data/episodes_trained": len(trained),
+        "data/calls_trained": trained_calls,
+        "data/micro_batches": stats.micro_batches,
+        "data/groups_trained": len(batch.trained),
+        "data/groups_skipped_equal": batch.skipped_equal,
+        "data/groups_skipped_few": batch.skipped_few,
+        "data/groups_skipped_empty": batch.skipped_empty,
+        "staleness/mean": statistics.fmean(lags) if lags else 0.0,
+        "staleness/max": max(lags, default=0),
+        "proxy/policy_version": current,
+        "proxy/stale_groups": stale,
+        "perf/step_s": stats.seconds,
+        "perf/tokens_per_s": stats.tokens_per_s,
+        "perf/wait_s": wait_s,
+    }
+    metrics.update({f"data/{k}": v for k, v in batch.stats.as_dict().items()})
+    metrics.update(stats.engine)
+    metrics.update(collapse_signals(groups))
+    return metrics
+
+
+def _update_metrics(stats: StepStats) -> dict[str, float]:
+    """The optimizer step's ``loss/`` and ``policy/`` charts (the learner's statistics)."""
+    return {
+        "loss/total": stats.loss,
+        "loss/policy": stats.policy_loss,
+        "loss/kl": stats.kl,
+        "policy/entropy": stats.entropy,
+        "policy/clip_fraction": stats.clip_low + stats.clip_high,
+        "policy/clip_low": stats.clip_low,
+        "policy/clip_high": stats.clip_high,
+        "policy/ratio_mean": stats.ratio,
+        "policy/is_weight_mean": stats.is_weight,
+        "policy/is_capped_fraction": stats.is_capped,
+        "policy/grad_norm": stats.grad_norm,
+    }
+
+
+def collapse_signals(groups: list[Group]) -> dict[str, float | None]:
+    """What a collapsing policy shows first in its own samples (issue 28: whitespace-filled tool calls
+    cut at ``max_tokens``), over the answered choices of the step's groups; None: nothing to count.
+
+    ``signals/cut_fraction``: choices that ended at the token limit (``finish_reason: length``);
+    ``signals/tool_call_missing``: choices of calls that required a tool call (``tool_choice``
+    required or named) and carry none, the agent's call validity as the proxy sees it.
+    """
+    choices = cut = required = missing = 0
+    for group in groups:
+        for episode in group.episodes or []:
+            for call in episode.calls or []:
+                if call.status_code != 200:
+                    continue
+                forced = call.request.get("tool_choice") == "required" or isinstance(
+                    call.request.get("tool_choice"), dict
+                )
+                for choice in call.choices:
+                    choices += 1
+                    cut += choice.get("finish_reason") == "length"
+                    required += forced
+                    missing += forced and not choice.get("tool_calls")
+    return {
+        "signals/cut_fraction": cut / choices if choices else None,
+        "signals/tool_call_missing": missing / required if required else None,
+    }

@@ -1,0 +1,75 @@
+"""A training sample: one token sequence of an episode (or of one choice), and what each token carries.
+
+Token layout: ``input_ids[j]`` with ``loss_mask[j] = 1`` when the policy sampled it and it is
+trained, ``behaviour_logprobs[j]`` the engine's (processed) log-prob of it (NaN where unknown or
+masked), and per token the sampling it was drawn with (``temperatures``, ``top_k``, ``top_p``,
+``min_p``), the serving policy ``versions``, the sampling ``modes`` (index into ``MODES``) and the
+member's ``turns`` (per-turn credit). ``merge.py`` builds samples, ``packing.py`` lays them out in
+micro-batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from contract.vocabulary import TRAINED_MODES
+
+NAN = float("nan")
+"""The log-prob of a token whose engine log-prob is unknown, or that is not trained."""
+MODES = TRAINED_MODES
+"""Sampling modes whose tokens are trained; a token's ``modes`` entry indexes this (-1: not sampled)."""
+
+
+@dataclass
+class Sample:
+    group_id: str
+    episode_id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+    behaviour_logprobs: list[float]
+    temperatures: list[float]
+    min_version: int | None = None
+    advantage: float = 0.0
+    """The member's advantage; ``advantages`` overrides it per token (per-turn credit)."""
+    member: str = ""
+    """The group member the sample belongs to (episode id, or ``<episode>#<choice>``)."""
+    top_k: list[int] | None = None
+    top_p: list[float] | None = None
+    min_p: list[float] | None = None
+    versions: list[int] | None = None
+    """Serving policy version per token (-1 where not sampled)."""
+    modes: list[int] | None = None
+    """Index into ``MODES`` per token (-1 where not sampled)."""
+    allowed: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Position -> the (words,) int32 grammar bitmask the token there was sampled under (constrained
+    calls only; ``grammar.py``'s layout). Absent positions were sampled without a mask."""
+    turns: list[int] | None = None
+    """Turn index within the member per token (-1 where not sampled): per-turn advantages."""
+    advantages: list[float] | None = None
+    member_loss_tokens: int = 0
+    """Loss tokens of the whole member (all its samples): the per-episode normaliser; 0 = this sample's."""
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+PER_TOKEN = (
+    "input_ids",
+    "loss_mask",
+    "behaviour_logprobs",
+    "temperatures",
+    "top_k",
+    "top_p",
+    "min_p",
+    "versions",
+    "modes",
+    "turns",
+    "advantages",
+)
+"""The fields of ``Sample`` that hold one entry per token (cut together by truncation)."""
