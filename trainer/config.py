@@ -152,8 +152,6 @@ class TrainerConfig:
     batch_wait_s: float = 30.0
     """After the first group of a step arrives, wait at most this long for the rest, then train
     on what is there (s)."""
-    min_rewarded: int = 2
-    """Groups with fewer rewarded episodes carry no usable comparison and are acked ``skipped``."""
     micro_batch_tokens: int = 2048
     """Token budget of one packed forward/backward pass (micro-batch); samples are packed into
     micro-batches without padding and gradients accumulate across them."""
@@ -247,7 +245,6 @@ class TrainerConfig:
             (self.engine_logp_check_samples >= 0, "engine_logp_check_samples must be >= 0"),
             (self.max_completion_length >= 1, "max_completion_length must be >= 1"),
             (self.groups_per_step >= 1, "groups_per_step must be >= 1"),
-            (self.min_rewarded >= 2, "min_rewarded must be >= 2: GRPO compares episodes within a group"),
             (self.max_seq_len >= 2, "max_seq_len must be >= 2"),
             (
                 self.micro_batch_tokens >= self.max_seq_len,

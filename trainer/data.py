@@ -55,6 +55,12 @@ __all__ = [
 SkipKind = Literal["few", "equal", "empty"]
 """Why a group is skipped: too few members, equal values (no signal), nothing trainable."""
 NOTHING_TRAINABLE = "no trainable calls (see the data counters)"
+MIN_MEMBERS = 2
+"""GRPO compares the members of a group with each other: a group with fewer has no comparison and is
+skipped. How many rewarded episodes make a group complete is the proxy's ``episodes.min_rewarded``
+(one setting, applied where groups complete); a complete group can still fall below this here when
+the trainer leaves members out (skipped abandons, episodes without a usable call) or is a lone
+episode (the proxy completes a group of one once it is rewarded)."""
 Kept = tuple[Group, list[Member], list[list[float]]]
 """A group with a learning signal: its members and the values each compares by."""
 
@@ -89,7 +95,6 @@ def build_batch(
     groups: Sequence[Group],
     *,
     max_seq_len: int | None = None,
-    min_rewarded: int | None = None,
     scale_rewards: ScaleRewards | None = None,
     retokenize: Retokenizer | None = None,
     rules: Rules | None = None,
@@ -103,8 +108,6 @@ def build_batch(
     rules = rules or Rules()
     if max_seq_len is not None:
         rules = dataclasses.replace(rules, max_seq_len=max_seq_len)
-    if min_rewarded is not None:
-        rules = dataclasses.replace(rules, min_rewarded=min_rewarded)
     if scale_rewards is not None:
         rules = dataclasses.replace(rules, scale_rewards=scale_rewards)
     batch = Batch(samples=[], trained=[], skipped={}, rewards=[], advantages=[])
@@ -116,9 +119,9 @@ def build_batch(
             group, rules, retokenize=retokenize, masker=masker, group_stats=stats, episodes=episodes
         )
         batch.stats.add(stats)
-        if len(members) < rules.min_rewarded:
+        if len(members) < MIN_MEMBERS:
             few = f"{len(members)} rewarded episodes (or penalized abandons, or rewarded choices)"
-            batch.skip(group.id, "few", f"{few} < min_rewarded {rules.min_rewarded}")
+            batch.skip(group.id, "few", f"{few}: GRPO compares at least {MIN_MEMBERS}")
             continue
         values = member_values(members, rules, batch.stats)
         flat = [v for vs in values for v in vs]

@@ -269,7 +269,6 @@ def data_rules(config: TrainerConfig) -> Rules:
     """The config's data and credit fields, as ``build_batch`` takes them."""
     return Rules(
         max_seq_len=config.max_seq_len,
-        min_rewarded=config.min_rewarded,
         scale_rewards=config.scale_rewards,
         turn_credit=config.turn_credit,
         turn_discount=config.turn_discount,

@@ -28,7 +28,6 @@ class Rules:
     """How groups become members and advantages (the trainer config's data and credit fields)."""
 
     max_seq_len: int = 2048
-    min_rewarded: int = 2
     scale_rewards: ScaleRewards = "group"
     turn_credit: TurnCredit = "episode"
     turn_discount: float = 1.0

@@ -15,7 +15,7 @@ from contract.client import Episode
 from contract.tokens import extends
 from trainer.counters import DataStats
 from trainer.retokenize import Retokenizer
-from trainer.sample import MODES, NAN, PER_TOKEN, Sample
+from trainer.sample import MODES, NAN, NOT_SAMPLED, PER_TOKEN, Sample
 from trainer.turns import Masker, Turn, member_turns
 
 
@@ -115,10 +115,10 @@ def _append(sample: Sample, gap: list[int], turn: Turn, turn_index: int, stats: 
     if trained and turn.masks is not None:
         start = len(sample.input_ids) - n
         sample.allowed.update((start + k, turn.masks[k]) for k in range(n))
-    version = turn.version if turn.version is not None else -1
-    sample.versions += [-1] * len(gap) + [version if trained else -1] * n
-    sample.modes += [-1] * len(gap) + [turn.mode] * n
-    sample.turns += [-1] * len(gap) + [turn_index if trained else -1] * n
+    version = turn.version if turn.version is not None else NOT_SAMPLED
+    sample.versions += [NOT_SAMPLED] * len(gap) + [version if trained else NOT_SAMPLED] * n
+    sample.modes += [NOT_SAMPLED] * len(gap) + [turn.mode] * n
+    sample.turns += [NOT_SAMPLED] * len(gap) + [turn_index if trained else NOT_SAMPLED] * n
     if trained:
         sample.min_version = _min(sample.min_version, turn.version)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.sample import Sample
+from trainer.sample import NOT_SAMPLED, Sample
 
 Tensor = torch.Tensor
 
@@ -52,7 +52,7 @@ class MicroBatch:
     top_k: Tensor  # (N,) int64, 0 = off
     top_p: Tensor  # (N,) 1.0 = off
     min_p: Tensor  # (N,) 0.0 = off
-    versions: Tensor  # (N,) int64 serving policy version, -1 unknown
+    versions: Tensor  # (N,) int64 serving policy version, NOT_SAMPLED where none
     modes: Tensor  # (N,) int64 index into trainer.sample.MODES
     seq_tokens: Tensor  # (B,) loss tokens the per-sequence mean divides by (the member's, per-episode)
     allowed: Tensor | None = None  # (N, words) int32 grammar bitmask per loss token (-1: no mask); None: none masked
@@ -111,7 +111,7 @@ def collate(samples: Sequence[Sample]) -> MicroBatch:
             "top_k": _per_token(sample, "top_k", 0),
             "top_p": _per_token(sample, "top_p", 1.0),
             "min_p": _per_token(sample, "min_p", 0.0),
-            "versions": _per_token(sample, "versions", -1),
+            "versions": _per_token(sample, "versions", NOT_SAMPLED),
             "modes": _per_token(sample, "modes", 0),
         }
         slot = 0

@@ -18,8 +18,12 @@ from contract.vocabulary import TRAINED_MODES
 
 NAN = float("nan")
 """The log-prob of a token whose engine log-prob is unknown, or that is not trained."""
+NOT_SAMPLED = -1
+"""The per-token entry (``versions``, ``modes``, ``turns``) of a token the engine did not sample for
+this sample's loss: prompt, tool results, context-only calls. Tensors need an int; the API's "no
+version" is None (``contract.vocabulary.BASE_VERSION`` says which is which)."""
 MODES = TRAINED_MODES
-"""Sampling modes whose tokens are trained; a token's ``modes`` entry indexes this (-1: not sampled)."""
+"""Sampling modes whose tokens are trained; a token's ``modes`` entry indexes this (``NOT_SAMPLED``: none)."""
 
 
 @dataclass
@@ -39,14 +43,14 @@ class Sample:
     top_p: list[float] | None = None
     min_p: list[float] | None = None
     versions: list[int] | None = None
-    """Serving policy version per token (-1 where not sampled)."""
+    """Serving policy version per token (``NOT_SAMPLED`` where not sampled)."""
     modes: list[int] | None = None
-    """Index into ``MODES`` per token (-1 where not sampled)."""
+    """Index into ``MODES`` per token (``NOT_SAMPLED`` where not sampled)."""
     allowed: dict[int, torch.Tensor] = field(default_factory=dict)
     """Position -> the (words,) int32 grammar bitmask the token there was sampled under (constrained
     calls only; ``grammar.py``'s layout). Absent positions were sampled without a mask."""
     turns: list[int] | None = None
-    """Turn index within the member per token (-1 where not sampled): per-turn advantages."""
+    """Turn index within the member per token (``NOT_SAMPLED`` where not sampled): per-turn advantages."""
     advantages: list[float] | None = None
     member_loss_tokens: int = 0
     """Loss tokens of the whole member (all its samples): the per-episode normaliser; 0 = this sample's."""

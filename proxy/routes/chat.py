@@ -65,7 +65,7 @@ async def _models(request: Request) -> Response:
                 "created": int(time.time()),
                 "parent": svc.adapters.settings.base_model,
                 "root": current.name if current else svc.adapters.settings.base_model,
-                "policy_version": current.version if current else 0,
+                "policy_version": svc.adapters.version,
             }
         )
     return Response(orjson.dumps({"object": "list", "data": models}), media_type="application/json")

@@ -21,12 +21,11 @@ async def healthz(svc: ServicesDep) -> JSONResponse:
     except Exception as exc:  # report, do not raise: this is the health answer
         store = f"error: {type(exc).__name__}"
     ok = store == "ok" and any(replicas.values())
-    current = svc.adapters.current
     body = {
         "status": "ok" if ok else "degraded",
         "store": store,
         "replicas": replicas,
-        "policy_version": current.version if current else 0,
+        "policy_version": svc.adapters.version,
         "recorder_queue": svc.recorder.queue_depth,
     }
     return JSONResponse(body, status_code=200 if ok else 503)

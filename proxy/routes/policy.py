@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from contract.schemas import ListOut, PolicyOut, PublishIn
+from contract.vocabulary import BASE_VERSION
 from proxy.deps import AdminDep, ServicesDep
 
 router = APIRouter(prefix="/policy", tags=["policy"])
@@ -16,7 +17,9 @@ async def current_policy(svc: ServicesDep, _: AdminDep) -> PolicyOut:
     await svc.adapters.refresh()
     current = svc.adapters.current
     if current is None:
-        return PolicyOut(version=0, name=svc.settings.policy.base_model, adapter_path="", created_at=0.0, metadata={})
+        return PolicyOut(
+            version=BASE_VERSION, name=svc.settings.policy.base_model, adapter_path="", created_at=0.0, metadata={}
+        )
     return PolicyOut.model_validate(current)
 
 

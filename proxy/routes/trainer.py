@@ -33,7 +33,7 @@ router = APIRouter(prefix="/trainer", tags=["trainer"])
 @router.post("/claim", response_model=ClaimOut)
 async def claim(body: ClaimIn, svc: ServicesDep, _: AdminDep) -> ClaimOut:
     await svc.adapters.refresh()
-    current = svc.adapters.current.version if svc.adapters.current else 0
+    current = svc.adapters.version
     result = await svc.repo.leases.claim(
         owner=body.trainer_id,
         max_groups=body.max_groups,

@@ -11,6 +11,7 @@ from typing import Any
 
 from sqlalchemy import func, select
 
+from contract.vocabulary import BASE_VERSION
 from proxy.errors import Conflict
 from proxy.store.models import PolicyVersion
 from proxy.store.records import PolicyVersionRecord
@@ -43,7 +44,7 @@ class Versions:
         """The version number a publish without one takes."""
         async with self._sessions.read() as session:
             latest = (await session.execute(select(func.max(PolicyVersion.version)))).scalar()
-        return (latest or 0) + 1
+        return (latest or BASE_VERSION) + 1
 
     async def add(self, *, version: int, name: str, adapter_path: str, metadata: dict[str, Any]) -> PolicyVersionRecord:
         """Make ``version`` current. Versions only move forward: publishing an old number is a conflict."""

@@ -227,14 +227,13 @@ async def overview_data(svc: ServicesDep, pages: Pages = Viewer, since_step: int
     """The live feed: trainer steps after ``since_step``, counts, and this replica's token counters and rate."""
     steps = await svc.repo.steps.list(since_step=since_step, limit=5000)
     counts = await svc.repo.browse.counts()
-    current = svc.adapters.current
     rate, span = pages.rate.update(_tokens(svc))
     body = {
         "steps": [{"step": s.step, "created_at": s.created_at, "metrics": s.metrics} for s in steps],
         "episodes": counts.episodes,
         "groups": counts.groups,
         "calls": counts.calls,
-        "policy_version": current.version if current else 0,
+        "policy_version": svc.adapters.version,
         "proxy": {
             "prompt_tokens": _metric(svc, "flywheel_tokens_total", kind="prompt"),
             "completion_tokens": _metric(svc, "flywheel_tokens_total", kind="completion"),

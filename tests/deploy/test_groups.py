@@ -45,7 +45,7 @@ def _notes() -> dict[str, str]:
         ],
     )
     batch = build_batch(
-        [group("g-equal", [1.0, 1.0, 1.0]), group("g-few", [1.0], abandoned=1), empty], max_seq_len=64, min_rewarded=2
+        [group("g-equal", [1.0, 1.0, 1.0]), group("g-few", [1.0], abandoned=1), empty], max_seq_len=64
     )
     return {
         "equal": batch.skipped["g-equal"],
@@ -192,7 +192,7 @@ def test_calls_per_trained_episode_counts_the_trained_episodes_only() -> None:
         for i in range(2)
     ]
     groups = [Group(id="g-trained", task_id="t", status="complete", episodes=two_calls), group("g-eq", [1.0, 1.0])]
-    batch = build_batch(groups, max_seq_len=64, min_rewarded=2)
+    batch = build_batch(groups, max_seq_len=64)
     assert batch.trained == ["g-trained"] and batch.skipped_equal == 1
     metrics = step_metrics(batch, groups, StepStats(), current=0, stale=0, wait_s=0.0, pass_threshold=1.0)
     assert (metrics["data/calls_trained"], metrics["data/episodes_trained"]) == (4, 2)

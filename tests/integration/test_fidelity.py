@@ -277,7 +277,7 @@ async def test_n_choices_become_group_members_or_follow_the_continued_choice(vll
 
     batch = build_batch(
         [Group(id=group["id"], task_id="n4", status="complete", episodes=[episode])],
-        rules=Rules(min_rewarded=2, scale_rewards="none"),
+        rules=Rules(scale_rewards="none"),
     )
     assert batch.members == 4 and batch.stats.choice_members == 4
     assert sorted(s.advantage for s in batch.samples) == [-0.5, -0.5, 0.5, 0.5]

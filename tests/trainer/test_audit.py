@@ -23,7 +23,7 @@ def test_each_episode_gets_its_own_counters_tokens_and_engine_gap() -> None:
             for i in range(2)
         ],
     )
-    batch = build_batch([group, equal], rules=Rules(min_rewarded=2, scale_rewards="none"))
+    batch = build_batch([group, equal], rules=Rules(scale_rewards="none"))
     gaps = {"ep-1": EpisodeGap(total=0.3, tokens=3, max=0.2)}
 
     audits = group_audits(batch, [group, equal], gaps, step=7)

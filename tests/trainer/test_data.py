@@ -199,10 +199,10 @@ def test_batch_skips_equal_and_thin_groups_and_sets_group_advantages() -> None:
         group("g-thin", [1.0], abandoned=2),
         group("g-signal2", [3.0, 1.0]),
     ]
-    batch = build_batch(groups, max_seq_len=64, min_rewarded=2, scale_rewards="group")
+    batch = build_batch(groups, max_seq_len=64, scale_rewards="group")
     assert batch.trained == ["g-signal", "g-signal2"]
     assert set(batch.skipped) == {"g-equal", "g-thin"}
-    assert "equal" in batch.skipped["g-equal"] and "min_rewarded" in batch.skipped["g-thin"]
+    assert "equal" in batch.skipped["g-equal"] and "GRPO compares at least 2" in batch.skipped["g-thin"]
     assert (batch.skipped_equal, batch.skipped_few, batch.skipped_empty) == (1, 1, 0)
     by_episode = {s.episode_id: s.advantage for s in batch.samples}
     assert by_episode["g-signal-0"] == pytest.approx(0.8658754, abs=1e-6)
@@ -221,7 +221,7 @@ def test_group_without_trainable_calls_is_skipped_and_counted() -> None:
             Episode(id="e1", status="rewarded", reward=0.0, calls=[call(0, SYSTEM, [5], status=502)]),
         ],
     )
-    batch = build_batch([empty], max_seq_len=64, min_rewarded=2, scale_rewards="none")
+    batch = build_batch([empty], max_seq_len=64, scale_rewards="none")
     assert batch.samples == [] and batch.skipped_empty == 1 and batch.stats.calls_dropped_inexact == 1
     assert batch.stats.calls_failed == 1
 
@@ -398,7 +398,6 @@ def test_single_call_with_rewarded_choices_trains_each_choice_as_a_group_member(
     batch = build_batch(
         [Group(id="g", task_id="t", status="complete", episodes=[episode])],
         max_seq_len=64,
-        min_rewarded=2,
         scale_rewards="none",
     )
     assert batch.trained == ["g"] and batch.members == 3 and batch.stats.choice_members == 3
@@ -430,7 +429,7 @@ def test_returns_of_turns_never_trained_stay_out_of_the_group_statistics() -> No
         return Episode(id=eid, status="rewarded", reward=reward, calls=calls, call_rewards={"0": first_call_reward})
 
     episodes = [episode("a", 1.0, 0.3), episode("b", 0.0, 0.0), episode("c", 0.0, 0.3)]
-    rules = Rules(min_rewarded=2, scale_rewards="group", turn_credit="discounted", turn_discount=1.0)
+    rules = Rules(scale_rewards="group", turn_credit="discounted", turn_discount=1.0)
     batch = build_batch([Group(id="g", task_id="t", status="complete", episodes=episodes)], rules=rules)
     first_turn_returns = torch.tensor([1.3, 0.0, 0.3], dtype=torch.float64)  # c_0 + G_1, G_1 = the reward
     (expected,) = group_advantages([first_turn_returns], "group")
@@ -439,7 +438,7 @@ def test_returns_of_turns_never_trained_stay_out_of_the_group_statistics() -> No
 
 
 def test_discounted_turn_credit_gives_each_turn_its_return() -> None:
-    rules = Rules(min_rewarded=2, scale_rewards="none", turn_credit="discounted", turn_discount=0.5)
+    rules = Rules(scale_rewards="none", turn_credit="discounted", turn_discount=0.5)
     groups = [
         Group(id="g", task_id="t", status="complete", episodes=[two_turn("a", 1.0, {"0": 0.5}), two_turn("b", 0.0)])
     ]
@@ -451,7 +450,7 @@ def test_discounted_turn_credit_gives_each_turn_its_return() -> None:
     assert [x for x, m in zip(a.advantages, a.loss_mask, strict=True) if m] == [0.5, 0.5, 0.5, 0.5]
     assert [x for x, m in zip(b.advantages, b.loss_mask, strict=True) if m] == [-0.5] * 4
     assert batch.stats.call_rewards_used == 1
-    episode_credit = build_batch(groups, rules=Rules(min_rewarded=2, scale_rewards="none"))
+    episode_credit = build_batch(groups, rules=Rules(scale_rewards="none"))
     assert episode_credit.stats.call_rewards_ignored == 1  # counted, not silently dropped
     assert {s.member: s.advantage for s in episode_credit.samples} == {"a": 0.5, "b": -0.5}
 
@@ -465,10 +464,10 @@ def test_split_episode_is_normalised_as_one_member() -> None:
     )  # re-rendered history: a break
     whole = Episode(id="whole", status="rewarded", reward=0.0, calls=[call(0, SYSTEM, [13, EOS])])
     group_ = Group(id="g", task_id="t", status="complete", episodes=[broken, whole])
-    batch = build_batch([group_], rules=Rules(min_rewarded=2, scale_rewards="none"))
+    batch = build_batch([group_], rules=Rules(scale_rewards="none"))
     assert len(batch.samples) == 3 and batch.members == 2 and batch.stats.episodes_split == 1
     assert {s.member_loss_tokens for s in batch.samples if s.member == "split"} == {5}
-    off = build_batch([group_], rules=Rules(min_rewarded=2, scale_rewards="none", normalize_per_episode=False))
+    off = build_batch([group_], rules=Rules(scale_rewards="none", normalize_per_episode=False))
     assert {s.member_loss_tokens for s in off.samples} == {0}
 
 
@@ -488,7 +487,7 @@ def test_abandoned_episodes_are_penalized_or_skipped_by_choice(rule: Abandoned, 
     )
     ok = [Episode(id=f"ok{i}", status="rewarded", reward=1.0, calls=[call(0, SYSTEM, [10 + i, EOS])]) for i in range(2)]
     group_ = Group(id="g", task_id="t", status="complete", episodes=[*ok, crashed, reaped])
-    batch = build_batch([group_], rules=Rules(min_rewarded=2, scale_rewards="none", abandoned=rule))
+    batch = build_batch([group_], rules=Rules(scale_rewards="none", abandoned=rule))
     if trained:
         assert batch.trained == ["g"] and batch.rewards == [1.0, 1.0, 0.0]
         assert {s.member: s.advantage for s in batch.samples}["crashed"] == pytest.approx(-2 / 3)
@@ -498,14 +497,14 @@ def test_abandoned_episodes_are_penalized_or_skipped_by_choice(rule: Abandoned, 
     workflow_choice = Group(
         id="g", task_id="t", status="complete", metadata={"abandoned": rule}, episodes=[*ok, crashed, reaped]
     )
-    assert build_batch([workflow_choice], rules=Rules(min_rewarded=2, scale_rewards="none")).trained == (
+    assert build_batch([workflow_choice], rules=Rules(scale_rewards="none")).trained == (
         ["g"] if trained else []
     )
 
 
 def test_batch_scaling_takes_the_std_over_every_reward_like_trl() -> None:
     groups = [group("g-signal", [1.0, 0.0]), group("g-equal", [1.0, 1.0])]
-    batch = build_batch(groups, max_seq_len=64, min_rewarded=2, scale_rewards="batch")
+    batch = build_batch(groups, max_seq_len=64, scale_rewards="batch")
     std = torch.tensor([1.0, 0.0, 1.0, 1.0]).std().item()  # the equal group's rewards are in the std
     assert batch.trained == ["g-signal"]
     assert {s.episode_id: s.advantage for s in batch.samples}["g-signal-0"] == pytest.approx(0.5 / (std + 1e-4))
