@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -153,10 +153,69 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{where + ': ' if where else ''}{first.get('msg', 'invalid')}{more}", where or None
 
 
-def create_app(
-    settings: Settings, *, repo: Repository | None = None, transport: httpx.AsyncBaseTransport | None = None
-) -> FastAPI:
-    """The proxy app. ``transport`` swaps the network to vLLM (tests isolating the proxy only)."""
+def _services(
+    settings: Settings,
+    store: Repository,
+    keys: KeyRing,
+    sampling: SamplingDefaults,
+    transport: httpx.AsyncBaseTransport | None,
+) -> Services:
+    """What the routes share, wired once per app: the flow route -> relay -> upstream -> recorder -> store."""
+    metrics = Metrics()
+    upstreams = Upstreams(settings, transport)
+    adapters = AdapterTable(settings.policy, store.versions, upstreams)
+    recorder = Recorder(store.calls, batch_max=settings.store.batch_max, on_batch=metrics.on_batch)
+    splice = settings.splice
+    relay = Relay(
+        upstreams=upstreams,
+        adapters=adapters,
+        recorder=recorder,
+        metrics=metrics,
+        sampling=sampling,
+        sampling_rules=settings.sampling,
+        splicer=Splicer(upstreams, store, depth=splice.depth, keep_reasoning=splice.reasoning == "keep")
+        if splice.enabled
+        else None,
+        grammars=Grammars(upstreams),
+    )
+    return Services(
+        settings=settings,
+        repo=store,
+        upstreams=upstreams,
+        adapters=adapters,
+        recorder=recorder,
+        keys=keys,
+        gate=EpisodeGate(store),
+        metrics=metrics,
+        relay=relay,
+        admission=Admission(settings.admission, store),
+    )
+
+
+def _loops(settings: Settings, svc: Services, key_file: KeyFile | None) -> list[asyncio.Task[None]]:
+    """The background jobs of a running proxy: replica health, the current version, the idle-episode
+    reaper, and the admin key file's watcher."""
+    upstreams, adapters, episodes = svc.upstreams, svc.adapters, svc.repo.episodes
+    loops = [
+        asyncio.create_task(upstreams.health_loop(settings.health_interval_s, adapters.sync_replica)),
+        asyncio.create_task(adapters.refresh_loop()),
+        asyncio.create_task(
+            _every(
+                settings.episodes.reaper_interval_s,
+                "reaper",
+                lambda: episodes.abandon_expired(idle_s=settings.episodes.deadline_s),
+            )
+        ),
+    ]
+    if key_file is not None and settings.auth.key_reload_s > 0:
+        loops.append(asyncio.create_task(key_file.watch(settings.auth.key_reload_s)))
+    return loops
+
+
+def _lifespan(
+    settings: Settings, repo: Repository | None, transport: httpx.AsyncBaseTransport | None
+) -> tuple[Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]], KeyRing]:
+    """The app's lifespan (services up, background jobs, then everything drained and closed) and its key ring."""
     sampling = SamplingDefaults.load(settings.sampling.generation_config, settings.sampling.defaults)
     admin_keys = initial_keys(settings.auth)
     keys = KeyRing(admin_keys, [k.get_secret_value() for k in settings.auth.agent_keys])
@@ -169,65 +228,20 @@ def create_app(
             pool_size=settings.store.pool_size,
             min_rewarded=settings.episodes.min_rewarded,
         )
-        metrics = Metrics()
-        upstreams = Upstreams(settings, transport)
-        adapters = AdapterTable(settings.policy, store.versions, upstreams)
-        recorder = Recorder(store.calls, batch_max=settings.store.batch_max, on_batch=metrics.on_batch)
-        relay = Relay(
-            upstreams=upstreams,
-            adapters=adapters,
-            recorder=recorder,
-            metrics=metrics,
-            sampling=sampling,
-            sampling_rules=settings.sampling,
-            splicer=Splicer(
-                upstreams,
-                store,
-                depth=settings.splice.depth,
-                keep_reasoning=settings.splice.reasoning == "keep",
-            )
-            if settings.splice.enabled
-            else None,
-            grammars=Grammars(upstreams),
-        )
-        svc = Services(
-            settings=settings,
-            repo=store,
-            upstreams=upstreams,
-            adapters=adapters,
-            recorder=recorder,
-            keys=keys,
-            gate=EpisodeGate(store),
-            metrics=metrics,
-            relay=relay,
-            admission=Admission(settings.admission, store),
-        )
+        svc = _services(settings, store, keys, sampling, transport)
         log.info("sampling defaults for omitted fields", extra={"defaults": sampling.values, "source": sampling.source})
         app.state.services = svc
         app.state.failed_auth = FailedAuth(settings.auth.failed_limit, settings.auth.failed_window_s)
-        metrics.retiring_keys.set_function(lambda: keys.retiring)
-        key_file = _key_file(settings, keys, admin_keys, metrics)
+        svc.metrics.retiring_keys.set_function(lambda: keys.retiring)
+        key_file = _key_file(settings, keys, admin_keys, svc.metrics)
         stop_sighup = key_file.on_sighup() if key_file is not None else (lambda: None)
-        recorder.start()
+        svc.recorder.start()
         with contextlib.suppress(Exception):
-            await adapters.refresh()
-        await upstreams.check_all(adapters.sync_replica)
-        loops = [
-            asyncio.create_task(upstreams.health_loop(settings.health_interval_s, adapters.sync_replica)),
-            asyncio.create_task(adapters.refresh_loop()),
-            asyncio.create_task(
-                _every(
-                    settings.episodes.reaper_interval_s,
-                    "reaper",
-                    lambda: store.episodes.abandon_expired(idle_s=settings.episodes.deadline_s),
-                )
-            ),
-        ]
-        if key_file is not None and settings.auth.key_reload_s > 0:
-            loops.append(asyncio.create_task(key_file.watch(settings.auth.key_reload_s)))
-        log.info(
-            "proxy ready", extra={"replicas": [r.name for r in upstreams.replicas], "store": store.url.split("://")[0]}
-        )
+            await svc.adapters.refresh()
+        await svc.upstreams.check_all(svc.adapters.sync_replica)
+        loops = _loops(settings, svc, key_file)
+        replicas = [r.name for r in svc.upstreams.replicas]
+        log.info("proxy ready", extra={"replicas": replicas, "store": store.url.split("://")[0]})
         try:
             yield
         finally:
@@ -235,26 +249,19 @@ def create_app(
             for task in loops:
                 task.cancel()
             await asyncio.gather(*loops, return_exceptions=True)
-            if relay.background:
-                await asyncio.gather(*relay.background, return_exceptions=True)
-            await recorder.close()
-            await upstreams.close()
+            if svc.relay.background:  # streams whose client left: their records first
+                await asyncio.gather(*svc.relay.background, return_exceptions=True)
+            await svc.recorder.close()
+            await svc.upstreams.close()
             if repo is None:
                 await store.close()
             log.info("proxy stopped")
 
-    app = FastAPI(
-        title="Flywheel proxy",
-        version="0.1.0",
-        lifespan=lifespan,
-        description="OpenAI-compatible proxy that records agent episodes for RL training.",
-    )
-    model_routes = (*chat.ROUTES, *responses.ROUTES, *messages.ROUTES)
-    for mount in MOUNTS:  # each model route once, served under every base URL
-        app.include_router(model_router(mount, model_routes), prefix=mount.prefix)
-    for module in (episodes, policy, trainer, ops, probe):
-        app.include_router(module.router)
-    ui.install(app, keys.admin_keys)
+    return lifespan, keys
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves as the API's error JSON (OpenAI's shape; Anthropic's on the Messages routes)."""
 
     @app.exception_handler(FlywheelError)
     async def _flywheel_error(request: Request, exc: FlywheelError) -> JSONResponse:
@@ -278,6 +285,25 @@ def create_app(
         error = FlywheelError(f"internal error ({type(exc).__name__}); see the proxy log")
         return _error_response(error, request.url.path)
 
+
+def create_app(
+    settings: Settings, *, repo: Repository | None = None, transport: httpx.AsyncBaseTransport | None = None
+) -> FastAPI:
+    """The proxy app. ``transport`` swaps the network to vLLM (tests isolating the proxy only)."""
+    lifespan, keys = _lifespan(settings, repo, transport)
+    app = FastAPI(
+        title="Flywheel proxy",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="OpenAI-compatible proxy that records agent episodes for RL training.",
+    )
+    model_routes = (*chat.ROUTES, *responses.ROUTES, *messages.ROUTES)
+    for mount in MOUNTS:  # each model route once, served under every base URL
+        app.include_router(model_router(mount, model_routes), prefix=mount.prefix)
+    for module in (episodes, policy, trainer, ops, probe):
+        app.include_router(module.router)
+    ui.install(app, keys.admin_keys)
+    _install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     return app
 
