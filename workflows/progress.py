@@ -7,7 +7,7 @@ from types import TracebackType
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from workflows.runner import EpisodeResult, GroupResult
+from workflows.results import EpisodeResult, GroupResult
 
 
 class RunProgress:

@@ -27,6 +27,9 @@ A group creation the proxy did not answer (a read timeout on an overloaded machi
 or may not have created a group) is asked again after a pause, up to ``UNANSWERED_LIMIT`` times in a
 row, and counted in ``create_unanswered``; a group created but never answered has no episode that
 is played, so the proxy's deadline abandons it and it is never trained.
+
+Beside it: ``config.py`` (``RunConfig``), ``results.py`` (what the run reports), ``failures.py``
+(an episode's error as its abandon reason and cause).
 """
 
 from __future__ import annotations
@@ -36,67 +39,41 @@ import contextlib
 import math
 import random
 import time
-import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from contract.client import AsyncProxyClient, CreatedGroup, EpisodeKey, ProxyError, ProxyUnreachable
 from contract.vocabulary import AbandonCause
-from workflows.base import EPISODE_POOL, INFRASTRUCTURE, Endpoint, Episode, EpisodeFailed, Outcome, Split, Workflow
-from workflows.judge import JUDGE_FAILED, Judge, JudgedGroup, JudgeStats, RewardMode, abandon, reward_group
+from workflows.base import EPISODE_POOL, INFRASTRUCTURE, Endpoint, Episode, Outcome, Workflow
+from workflows.config import RunConfig
+from workflows.failures import cause_of, check_outcome, describe_error
+from workflows.judge import JUDGE_FAILED, Judge, JudgedGroup, abandon, reward_group
+from workflows.results import EpisodeResult, GroupResult, RunStats, Status
+
+# What callers import from here; ``RunConfig``, the results and ``describe_error`` live beside it.
+__all__ = [
+    "INFRASTRUCTURE",
+    "AsyncProxyClient",
+    "EpisodeResult",
+    "GroupResult",
+    "RunConfig",
+    "RunStats",
+    "Runner",
+    "describe_error",
+    "task_order",
+]
 
 PENDING_POLL_S = 2.0
+"""Seconds between asks for the trainer's pending groups while ``max_pending`` holds the run back."""
 ADMISSION_WAIT_S = 5.0
+"""Wait after a 429 ``backlog_full`` that carries no ``Retry-After``."""
 UNANSWERED_LIMIT = 5
 """Unanswered group creations in a row before the runner gives up (each took the client's timeout)."""
 UNANSWERED_WAIT_S = 2.0
-"""Wait after a 429 ``backlog_full`` that carries no ``Retry-After``."""
+"""Pause before asking again for a group creation the proxy did not answer."""
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    proxy_url: str
-    admin_key: str
-    groups: int = 1
-    """Groups to run (ignored with ``loop``)."""
-    group_size: int = 4
-    """Episodes per group: GRPO's G."""
-    concurrency: int = 4
-    """Episodes running at once, over all groups."""
-    split: Split = "train"
-    loop: bool = False
-    model: str = "policy"
-    episode_timeout_s: float | None = None
-    """Default: the workflow's own ``episode_timeout_s``."""
-    seed: int = 0
-    """Seeds the task order."""
-    max_pending: int | None = None
-    passthrough_key: str | None = None
-    """Key for ``/passthrough/v1`` (an agent key); default: the admin key."""
-    reward: RewardMode = "verifier"
-    """``verifier``: the workflow's reward; ``judge``: the LLM judge's group-relative score; ``mix``: both."""
-    judge_weight: float = 0.5
-    """The judge's share in ``mix``: ``(1 - w) * verifier + w * judge``."""
-    admission_max_wait_s: float = 60.0
-    """Longest single wait after the proxy refused a group (429 ``backlog_full``); a longer
-    ``Retry-After`` is cut to this, then the runner asks again."""
-
-    def __post_init__(self) -> None:
-        if self.groups < 1 and not self.loop:
-            raise ValueError(f"groups must be >= 1 (got {self.groups}), or use loop")
-        if self.group_size < 1:
-            raise ValueError(f"group_size must be >= 1 (got {self.group_size}); GRPO needs >= 2 to learn")
-        if self.concurrency < 1:
-            raise ValueError(f"concurrency must be >= 1 (got {self.concurrency})")
-        if self.reward not in ("verifier", "judge", "mix"):
-            raise ValueError(f"reward must be verifier, judge or mix (got {self.reward!r})")
-        if not 0.0 <= self.judge_weight <= 1.0:
-            raise ValueError(f"judge_weight must be in [0, 1] (got {self.judge_weight})")
-        if not self.admission_max_wait_s > 0:
-            raise ValueError(f"admission_max_wait_s must be > 0 (got {self.admission_max_wait_s})")
 
 
 def task_order(tasks: list[T], seed: int, stratum: Callable[[T], str | None]) -> list[T]:
@@ -121,105 +98,6 @@ def task_order(tasks: list[T], seed: int, stratum: Callable[[T], str | None]) ->
         keyed += [((i + 0.5) / len(members), rank, task) for i, task in enumerate(members)]
     keyed.sort(key=lambda k: (k[0], k[1]))
     return [task for _, _, task in keyed]
-
-
-Status = Literal["rewarded", "abandoned", "error"]
-
-
-@dataclass(frozen=True)
-class EpisodeResult:
-    episode_id: str
-    group_id: str
-    task_id: str
-    status: Status
-    reward: float | None
-    error: str | None
-    seconds: float
-    metadata: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class GroupResult:
-    group_id: str
-    task_id: str
-    status: str
-    """The proxy's view once every episode ended: complete, failed (too few rewarded) or open."""
-    episodes: list[EpisodeResult]
-    judge_attempts: int | None = None
-    """Judge requests this group took (None: not judged); its failures are its episodes' errors."""
-
-
-@dataclass
-class RunStats:
-    groups: list[GroupResult] = field(default_factory=list)
-    started: float = field(default_factory=time.monotonic)
-    judge: JudgeStats | None = None
-    """The judge's counters (requests, retries, malformed answers, groups given up on, tokens)."""
-    admission_waits: int = 0
-    """Group creations the proxy refused (429 ``backlog_full``), each followed by a wait and a retry."""
-    admission_wait_s: float = 0.0
-    """Seconds spent in those waits."""
-    groups_not_created: int = 0
-    """Tasks whose group was still refused when the run stopped (never created, not lost unseen)."""
-    create_unanswered: int = 0
-    """Group creations the proxy did not answer, each asked again after a pause."""
-
-    @property
-    def episodes(self) -> list[EpisodeResult]:
-        return [e for g in self.groups for e in g.episodes]
-
-    def summary(self) -> dict[str, Any]:
-        episodes = self.episodes
-        rewards = [e.reward for e in episodes if e.reward is not None]
-        by_status = {s: sum(e.status == s for e in episodes) for s in ("rewarded", "abandoned", "error")}
-        return {
-            "groups": len(self.groups),
-            "groups_by_status": {
-                s: sum(g.status == s for g in self.groups) for s in sorted({g.status for g in self.groups})
-            },
-            "episodes": len(episodes),
-            **by_status,
-            "mean_reward": sum(rewards) / len(rewards) if rewards else None,
-            "episode_seconds_mean": (sum(e.seconds for e in episodes) / len(episodes)) if episodes else None,
-            "wall_seconds": round(time.monotonic() - self.started, 2),
-            "admission_waits": self.admission_waits,
-            "admission_wait_s": round(self.admission_wait_s, 2),
-            "groups_not_created": self.groups_not_created,
-            "create_unanswered": self.create_unanswered,
-            "errors": [
-                {"episode_id": e.episode_id, "error": (e.error or "")[:300]} for e in episodes if e.status != "rewarded"
-            ][:20],
-            **({"judge": self.judge.as_dict()} if self.judge is not None else {}),
-        }
-
-
-def _infrastructure(exc: BaseException) -> bool:
-    """A model call that failed on the proxy or the engine (5xx, connection, transport timeout), not the agent."""
-    status = getattr(exc, "status_code", None)
-    name = type(exc).__name__
-    return (
-        (isinstance(status, int) and status >= 500)
-        or isinstance(exc, ConnectionError)
-        or name in ("APIConnectionError", "APITimeoutError", "ConnectError", "ReadError", "RemoteProtocolError")
-    )
-
-
-def cause_of(exc: BaseException) -> AbandonCause:
-    """Whose doing an episode's error was: the proxy's or engine's (never penalized), else the agent's."""
-    return "infrastructure" if _infrastructure(exc) else "agent"
-
-
-def describe_error(exc: BaseException) -> str:
-    """A reason to store with an abandoned episode: the error and where it came from."""
-    if isinstance(exc, TimeoutError):
-        return "timeout: the episode ran past its time limit"
-    if _infrastructure(exc):
-        return INFRASTRUCTURE + f"{type(exc).__name__}: {exc}"[:2000]
-    if isinstance(exc, EpisodeFailed):
-        return str(exc) or "EpisodeFailed"
-    frames = traceback.extract_tb(exc.__traceback__)[-3:]
-    where = " <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in reversed(frames))
-    return f"{type(exc).__name__}: {exc}" + (f" [at {where}]" if where else "")
 
 
 class Runner:
@@ -439,7 +317,7 @@ class Runner:
             token = EPISODE_POOL.set(pool)
             try:
                 outcome = await asyncio.wait_for(self.workflow.run_episode(task, episode), self._timeout)
-                _check_outcome(outcome, self.config.reward)
+                check_outcome(outcome, self.config.reward)
             except asyncio.CancelledError:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(
@@ -470,7 +348,7 @@ class Runner:
         cause: AbandonCause = "agent",
     ) -> EpisodeResult:
         status: Status
-        if outcome is not None and outcome.reward is None:  # _check_outcome lets it through only for the judge
+        if outcome is not None and outcome.reward is None:  # check_outcome lets it through only for the judge
             outcome, error = None, "no verifier reward and no judge"
         try:
             if outcome is not None and outcome.reward is not None:
@@ -502,15 +380,3 @@ class _Played:
     episode_id: str
     outcome: Outcome
     started: float
-
-
-def _check_outcome(outcome: Any, reward: RewardMode) -> None:
-    if not isinstance(outcome, Outcome):
-        raise EpisodeFailed(f"episode function returned {type(outcome).__name__}, not an Outcome")
-    if outcome.reward is None:
-        if reward != "judge":
-            raise EpisodeFailed(
-                f"the workflow has no verifier reward for this task; run with --reward judge, not {reward}"
-            )
-    elif not math.isfinite(outcome.reward):
-        raise EpisodeFailed(f"episode function returned a non-finite reward ({outcome.reward})")

@@ -1,6 +1,6 @@
 """``POST /v1/messages`` and ``/v1/messages/count_tokens`` on the three mounts (``mounts.py``): Anthropic.
 
-A message call runs as a recorded chat call (``proxy/dialects/messages.py``); errors answer in
+A message call runs as a recorded chat call (``proxy/dialects/messages/``); errors answer in
 Anthropic's shape (``app.py``), and ``x-api-key`` is accepted as everywhere. The Anthropic SDKs
 append ``/v1/messages`` to their base URL, so an agent's base URL is the proxy's root or
 ``/episodes/<id>``. ``count_tokens`` renders the request with the model's chat template on vLLM

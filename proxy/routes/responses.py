@@ -1,4 +1,4 @@
-"""``POST /v1/responses`` on the three mounts (``mounts.py``), run as a recorded chat call (``dialects/responses.py``).
+"""``POST /v1/responses`` on the three mounts (``mounts.py``), run as a recorded chat call (``dialects/responses/``).
 
 ``previous_response_id`` names an earlier answer of the same episode, resolved from the store:
 a response the store does not hold (or made with ``store: false``) is a 404, one of another

@@ -1,0 +1,82 @@
+"""What a run reports: each episode's end, each group's, and the run's counters and summary.
+
+The runner (``runner.py``) fills ``RunStats`` as episodes and groups end; ``python -m workflows
+run`` prints its ``summary()``, and ``progress.py`` shows each result as it arrives.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from workflows.judge import JudgeStats
+
+Status = Literal["rewarded", "abandoned", "error"]
+
+
+@dataclass(frozen=True)
+class EpisodeResult:
+    episode_id: str
+    group_id: str
+    task_id: str
+    status: Status
+    reward: float | None
+    error: str | None
+    seconds: float
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GroupResult:
+    group_id: str
+    task_id: str
+    status: str
+    """The proxy's view once every episode ended: complete, failed (too few rewarded) or open."""
+    episodes: list[EpisodeResult]
+    judge_attempts: int | None = None
+    """Judge requests this group took (None: not judged); its failures are its episodes' errors."""
+
+
+@dataclass
+class RunStats:
+    groups: list[GroupResult] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+    judge: JudgeStats | None = None
+    """The judge's counters (requests, retries, malformed answers, groups given up on, tokens)."""
+    admission_waits: int = 0
+    """Group creations the proxy refused (429 ``backlog_full``), each followed by a wait and a retry."""
+    admission_wait_s: float = 0.0
+    """Seconds spent in those waits."""
+    groups_not_created: int = 0
+    """Tasks whose group was still refused when the run stopped (never created, not lost unseen)."""
+    create_unanswered: int = 0
+    """Group creations the proxy did not answer, each asked again after a pause."""
+
+    @property
+    def episodes(self) -> list[EpisodeResult]:
+        return [e for g in self.groups for e in g.episodes]
+
+    def summary(self) -> dict[str, Any]:
+        episodes = self.episodes
+        rewards = [e.reward for e in episodes if e.reward is not None]
+        by_status = {s: sum(e.status == s for e in episodes) for s in ("rewarded", "abandoned", "error")}
+        return {
+            "groups": len(self.groups),
+            "groups_by_status": {
+                s: sum(g.status == s for g in self.groups) for s in sorted({g.status for g in self.groups})
+            },
+            "episodes": len(episodes),
+            **by_status,
+            "mean_reward": sum(rewards) / len(rewards) if rewards else None,
+            "episode_seconds_mean": (sum(e.seconds for e in episodes) / len(episodes)) if episodes else None,
+            "wall_seconds": round(time.monotonic() - self.started, 2),
+            "admission_waits": self.admission_waits,
+            "admission_wait_s": round(self.admission_wait_s, 2),
+            "groups_not_created": self.groups_not_created,
+            "create_unanswered": self.create_unanswered,
+            "errors": [
+                {"episode_id": e.episode_id, "error": (e.error or "")[:300]} for e in episodes if e.status != "rewarded"
+            ][:20],
+            **({"judge": self.judge.as_dict()} if self.judge is not None else {}),
+        }
