@@ -46,7 +46,7 @@ class Scripted(Workflow[str, ScriptOptions]):
         if action == "raise":
             raise RuntimeError("scripted agent failure")
         if action == "sleep":
-            await asyncio.sleep(30)
+            await asyncio.sleep(600)  # past any episode timeout below
         if action == "nan":
             return Outcome(reward=float("nan"))
         async with httpx.AsyncClient(timeout=120) as http:
@@ -70,8 +70,10 @@ def config(proxy: ProxyProcess, **kw: Any) -> RunConfig:
 
 async def test_each_episode_ends_rewarded_or_abandoned_with_its_error(proxy: ProxyProcess) -> None:
     client = AsyncProxyClient(proxy.url, ADMIN_KEY)
+    # The timeout must outlast a rewarded episode's real 2-token call: with 3 s, a loaded 2-core
+    # machine (the first call on a fresh engine) timed the rewarded episodes out too.
     runner = Runner(
-        Scripted(ScriptOptions()), config(proxy, groups=1, group_size=4, concurrency=4, episode_timeout_s=3.0), client
+        Scripted(ScriptOptions()), config(proxy, groups=1, group_size=4, concurrency=4, episode_timeout_s=20.0), client
     )
     stats = await runner.run()
     await client.aclose()
