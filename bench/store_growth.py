@@ -25,9 +25,9 @@ per commit, as a live agent's calls arrive. Sizes, per backend:
 Then a least-squares line of store bytes against episode tokens (the final context) over the agent
 episodes, with its R²: "after" must be linear (R² ~ 1, constant bytes per token), "before" is not
 (bytes per token grow with T). The claim's payload is reported too: the JSON of the episodes' calls
-as ``POST /trainer/claim`` serializes them (``CallOut``), whole (``calls: "whole"``, what every
-claim shipped before) and in delta form (``calls: "delta"``, what the trainer asks for now: compact
-rows as stored, so only the "after" layout has deltas to ship), with the same fit.
+as ``POST /trainer/claim`` serializes them (``contract.entities.Call``), whole (``calls: "whole"``,
+what every claim shipped before) and in delta form (``calls: "delta"``, what the trainer asks for
+now: compact rows as stored, so only the "after" layout has deltas to ship), with the same fit.
 
 Run: ``python -m bench.store_growth`` (about a minute; ``--pg-url ''`` skips PostgreSQL). The last
 line is one JSON object.
@@ -51,7 +51,7 @@ from typing import Any
 from sqlalchemy import MetaData, Table, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from contract.schemas import CallOut
+from contract import entities
 from proxy.store.db import make_engine, migrate_async, sqlite_file
 from proxy.store.models import Call
 from proxy.store.records import NewCall
@@ -292,9 +292,9 @@ async def _call_rows(url: str) -> list[Any]:
 
 
 async def claim_bytes(url: str, *, delta: bool) -> int:
-    """Bytes of every stored call as a claim serializes it (``CallOut`` JSON), whole or in delta form."""
+    """Bytes of every stored call as a claim serializes it (``entities.Call`` JSON), whole or in delta form."""
     rows = await _call_rows(url)
-    return sum(len(CallOut.model_validate(r).model_dump_json()) for r in call_records(rows, delta=delta))
+    return sum(len(entities.Call.model_validate(r).model_dump_json()) for r in call_records(rows, delta=delta))
 
 
 def fit(points: list[tuple[float, float]]) -> dict[str, float]:

@@ -5,15 +5,16 @@ publishing for trainers. The trainer, the workflows and users' own scripts all u
 they still talk to the proxy over HTTP only.
 
 Why it lives in ``contract``: it depends on httpx and pydantic alone. Importing ``contract.client``
-loads ``contract/__init__.py`` (a docstring), ``contract.schemas`` (pydantic), ``contract.vocabulary``
-(the statuses as ``Literal`` aliases) and ``contract.tokens`` (plain functions), never FastAPI,
-SQLAlchemy, the store or torch, so it imports in the engine venv (Python 3.11: the trainer) and the
-agents venv (3.12: the workflows) alike.
+loads ``contract/__init__.py`` (a docstring), ``contract.schemas`` and ``contract.entities``
+(pydantic), ``contract.vocabulary`` (the statuses as ``Literal`` aliases) and ``contract.tokens``
+(plain functions), never FastAPI, SQLAlchemy, the store or torch, so it imports in the engine venv
+(Python 3.11: the trainer) and the agents venv (3.12: the workflows) alike.
 
 Each call is declared once, in ``contract/endpoints.py`` (its signature, its request built from the
-proxy's own wire models, how its answer is read into ``contract/replies.py``'s lenient models); the
-two clients differ only in how they send (``_send``) and are otherwise one table of those calls
-(``_Client``). Retry policy and errors: ``contract/retry.py``, one rule for both clients.
+proxy's own wire models, its answer read into the entity the proxy's route built,
+``contract/entities.py``); the two clients differ only in how they send (``_send``) and are
+otherwise one table of those calls (``_Client``). Retry policy and errors: ``contract/retry.py``,
+one rule for both clients.
 """
 
 from __future__ import annotations
@@ -28,9 +29,8 @@ import httpx
 
 from contract import endpoints
 from contract.endpoints import CallRewards, Demand, Request
-from contract.replies import Call, Claim, CreatedEpisode, CreatedGroup, Episode, Group, PolicyVersion
+from contract.entities import Call, Claim, CreatedEpisode, CreatedGroup, Episode, EpisodeKey, Group, PolicyVersion
 from contract.retry import RETRY, ProxyError, ProxyUnreachable, Refused, RetryRule, refusal
-from contract.schemas import EpisodeKey
 
 __all__ = [
     "AsyncProxyClient",

@@ -3,9 +3,10 @@
 Each function here takes a call's public arguments (the signature both clients show) and returns
 the ``Request`` to send: method, path, body (the proxy's own wire model from ``schemas.py``, so a
 renamed field is a type error here), query, whether it may be sent again (``Repeat``,
-``contract/retry.py``) and how the answer becomes the reply model. ``ProxyClient`` and
-``AsyncProxyClient`` turn each into a method of the same name (``contract/client.py``), so both
-clients make exactly the same requests. Nothing here does I/O.
+``contract/retry.py``) and how the answer is read: into the entity the proxy's route built it
+from (``entities.py``). ``ProxyClient`` and ``AsyncProxyClient`` turn each into a method of the
+same name (``contract/client.py``), so both clients make exactly the same requests. Nothing here
+does I/O.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, Generic, Literal, TypeVar
 import httpx
 from pydantic import BaseModel
 
-from contract.replies import Claim, CreatedEpisode, CreatedGroup, Episode, Group, PolicyVersion
+from contract.entities import Claim, CreatedEpisode, CreatedGroup, Episode, Group, PolicyVersion
 from contract.retry import Refused, Repeat
 from contract.schemas import (
     AbandonIn,

@@ -1,9 +1,11 @@
-"""Wire models of the control and trainer APIs (the OpenAI routes pass bodies through as JSON).
+"""Wire models of the control and trainer APIs' requests, and of the answers that are no entity
+(the OpenAI routes pass bodies through as JSON; calls, episodes, groups, policy versions and claims
+are ``contract/entities.py``).
 
 Every float that reaches the store is finite: NaN and infinity are refused here, anywhere in a
 payload, with a 400 that names the field. The proxy validates requests with these models and
-``contract/client.py`` builds its request bodies from them, so a field renamed here is renamed for
-both sides by the type checker. Pydantic and the standard library only (the JSON depth limit,
+``contract/endpoints.py`` builds its request bodies from them, so a field renamed here is renamed
+for both sides by the type checker. Pydantic and the standard library only (the JSON depth limit,
 which needs orjson, is the proxy's: ``proxy/depth.py``).
 """
 
@@ -14,16 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from contract.vocabulary import (
-    AbandonCause,
-    AckStatus,
-    CallApi,
-    CallKind,
-    EpisodeStatus,
-    GroupStatus,
-    TrainMode,
-    TrainStatus,
-)
+from contract.vocabulary import AbandonCause, AckStatus, TrainMode
 
 
 def _finite_json(value: Any, path: str = "") -> Any:
@@ -83,108 +76,6 @@ class AbandonIn(_In):
     cause: AbandonCause = "agent"
 
 
-class EpisodeKey(BaseModel):
-    """Returned once, at creation: what an agent needs to be recorded under this episode."""
-
-    id: str
-    api_key: str
-    base_url: str
-
-
-class CallDeltaOut(BaseModel):
-    """How a call of a delta claim joins its base, an earlier call of its episode: its whole prompt
-    ids are the base's prompt ids, then the sampled ``token_ids`` of the base's choice at
-    ``prompt_choice`` (none when -1), then its own ``prompt_token_ids``; its whole messages are the
-    base request's first ``messages_from`` messages, then its own; the same for ``client_from`` and
-    ``client_request``'s ``messages`` (Messages API) or ``input`` (Responses API). A null field:
-    that part is whole."""
-
-    model_config = ConfigDict(from_attributes=True)
-
-    base_ordinal: int
-    prompt_choice: int | None
-    messages_from: int | None
-    client_from: int | None = None
-
-
-class CallOut(BaseModel):
-    model_config = ConfigDict(from_attributes=True)
-
-    id: int
-    ordinal: int
-    kind: CallKind
-    stream: bool
-    request: dict[str, Any]
-    response: dict[str, Any] | None
-    status_code: int
-    error: dict[str, Any] | None
-    prompt_token_ids: list[int] | None
-    choices: list[dict[str, Any]]
-    exact_ids: bool
-    model_requested: str
-    model_served: str | None
-    policy_version: int | None
-    replica: str | None
-    started_at: float
-    latency_ms: float
-    ttft_ms: float | None
-    prompt_tokens: int | None
-    completion_tokens: int | None
-    notes: dict[str, Any] | None
-    api: CallApi = "chat"
-    client_request: dict[str, Any] | None = None
-    response_id: str | None = None
-    delta: CallDeltaOut | None = None
-    """Only in a claim asked with ``calls: "delta"``: this call's prompt ids and messages follow its base's."""
-
-
-class EpisodeOut(BaseModel):
-    model_config = ConfigDict(from_attributes=True)
-
-    id: str
-    group_id: str | None
-    group_index: int | None
-    task_id: str | None
-    metadata: dict[str, Any]
-    status: EpisodeStatus
-    reward: float | None
-    call_rewards: dict[str, float] | None
-    reward_metadata: dict[str, Any] | None
-    abandon_reason: str | None
-    abandon_cause: AbandonCause | None = None
-    created_at: float
-    finished_at: float | None
-    calls: list[CallOut] | None = None
-    train_audit: dict[str, Any] | None = None
-    """The trainer's ``EpisodeAudit`` once its group was trained (kept as sent, so older rows read)."""
-
-
-class CreatedEpisode(EpisodeOut):
-    api_key: str
-    base_url: str
-
-
-class GroupOut(BaseModel):
-    model_config = ConfigDict(from_attributes=True)
-
-    id: str
-    task_id: str
-    size: int
-    metadata: dict[str, Any]
-    status: GroupStatus
-    created_at: float
-    completed_at: float | None
-    train_status: TrainStatus
-    trained_step: int | None
-    train_note: str | None
-    counts: dict[str, int]
-    episodes: list[EpisodeOut] | None = None
-
-
-class CreatedGroup(GroupOut):
-    episode_keys: list[EpisodeKey]
-
-
 class ListOut(BaseModel):
     object: Literal["list"] = "list"
     data: list[Any]
@@ -197,16 +88,6 @@ class PublishIn(_In):
     adapter_path: str = Field(min_length=1, description="adapter directory as the vLLM replicas see it")
     version: StoredInt | None = Field(None, ge=1, description="default: current version + 1")
     metadata: Metadata = {}
-
-
-class PolicyOut(BaseModel):
-    model_config = ConfigDict(from_attributes=True)
-
-    version: int
-    name: str
-    adapter_path: str
-    created_at: float
-    metadata: dict[str, Any]
 
 
 # -- trainer ----------------------------------------------------------------------------------
@@ -268,14 +149,6 @@ class AdmissionOut(BaseModel):
 class ReleaseIn(_In):
     lease_id: str = Field(min_length=1)
     group_ids: list[str] | None = Field(None, description="default: every untrained group the lease holds")
-
-
-class ClaimOut(BaseModel):
-    lease_id: str
-    lease_expires_at: float
-    current_version: int
-    stale: int
-    groups: list[GroupOut]
 
 
 class RenewIn(_In):

@@ -5,7 +5,8 @@ earlier prompt followed by its sampled ids (``trainer/merge.py``); the store kee
 delta on the earlier one (``proxy/store/delta.py``). Both ask these functions, so a call the
 trainer merges is a call the store can keep as a delta. They take lists of ids or the same ids
 packed as bytes (both sides in one form). The ``rejoin_*`` functions undo such a delta: the store
-reads its rows with them and a trainer the calls of a delta claim (``contract/client.py``).
+reads its rows with them and a client the calls of a delta claim (``contract/entities.py``);
+``client_list`` names the list of a client's own request (Messages, Responses) that such a delta continues.
 """
 
 from __future__ import annotations
@@ -37,3 +38,16 @@ def rejoin_messages(
     ``key`` (a chat request's messages; a client's Messages ``messages`` or Responses ``input``),
     then its own. Key order is the request's."""
     return {**request, key: base[key][:inherit] + request[key]}
+
+
+def client_list(request: Any) -> str | None:
+    """The key of a client's own conversation in its request, when the client spoke another API
+    than chat (``client_request``): Messages' ``messages``, Responses' ``input`` as a list. A
+    Messages or stateless Responses agent resends it whole each turn, as a chat agent does its
+    messages, so it is kept as a delta the same way (``client_from``)."""
+    if type(request) is not dict:
+        return None
+    for key in ("messages", "input"):
+        if type(request.get(key)) is list:
+            return key
+    return None

@@ -4,20 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Query, Request
 
-from contract.schemas import (
-    MAX_STORED_INT,
-    AbandonIn,
-    CreatedEpisode,
-    CreatedGroup,
-    EpisodeCreate,
-    EpisodeKey,
-    EpisodeOut,
-    GroupCreate,
-    GroupOut,
-    Limit,
-    ListOut,
-    RewardIn,
-)
+from contract.entities import CreatedEpisode, CreatedGroup, Episode, EpisodeKey, Group
+from contract.schemas import MAX_STORED_INT, AbandonIn, EpisodeCreate, GroupCreate, Limit, ListOut, RewardIn
 from contract.vocabulary import EpisodeStatus, GroupStatus, TrainStatus
 from proxy.deps import AdminDep, ServicesDep
 from proxy.errors import BacklogFull, InvalidRequest
@@ -69,7 +57,7 @@ async def create_group(body: GroupCreate, svc: ServicesDep, _: AdminDep, request
     svc.metrics.episodes.labels("created").inc(body.size)
     return CreatedGroup.model_validate(
         {
-            **GroupOut.model_validate(group).model_dump(),
+            **Group.model_validate(group).model_dump(),
             "episode_keys": [_key(svc, request, e.id) for e in group.episodes or []],
         }
     )
@@ -89,12 +77,12 @@ async def list_groups(
     groups = await svc.repo.episodes.list_groups(
         status=status, task_id=task_id, train_status=train_status, leased=leased, limit=limit, offset=offset
     )
-    return ListOut(data=[GroupOut.model_validate(g) for g in groups])
+    return ListOut(data=[Group.model_validate(g) for g in groups])
 
 
-@router.get("/groups/{group_id}", response_model=GroupOut)
-async def get_group(group_id: str, svc: ServicesDep, _: AdminDep) -> GroupOut:
-    return GroupOut.model_validate(await svc.repo.episodes.get_group(canonical_id(group_id, param="group_id")))
+@router.get("/groups/{group_id}", response_model=Group)
+async def get_group(group_id: str, svc: ServicesDep, _: AdminDep) -> Group:
+    return Group.model_validate(await svc.repo.episodes.get_group(canonical_id(group_id, param="group_id")))
 
 
 @router.post("/episodes", status_code=201, response_model=CreatedEpisode)
@@ -104,7 +92,7 @@ async def create_episode(body: EpisodeCreate, svc: ServicesDep, _: AdminDep, req
     svc.metrics.episodes.labels("created").inc()
     key = _key(svc, request, episode.id)
     return CreatedEpisode.model_validate(
-        {**EpisodeOut.model_validate(episode).model_dump(), "api_key": key.api_key, "base_url": key.base_url}
+        {**Episode.model_validate(episode).model_dump(), "api_key": key.api_key, "base_url": key.base_url}
     )
 
 
@@ -125,18 +113,18 @@ async def list_episodes(
         limit=limit,
         offset=offset,
     )
-    return ListOut(data=[EpisodeOut.model_validate(e) for e in episodes])
+    return ListOut(data=[Episode.model_validate(e) for e in episodes])
 
 
-@router.get("/episodes/{episode_id}", response_model=EpisodeOut)
+@router.get("/episodes/{episode_id}", response_model=Episode)
 async def get_episode(
     episode_id: str, svc: ServicesDep, _: AdminDep, calls: bool = Query(True, description="include the recorded calls")
-) -> EpisodeOut:
-    return EpisodeOut.model_validate(await svc.repo.episodes.get_episode(canonical_id(episode_id), with_calls=calls))
+) -> Episode:
+    return Episode.model_validate(await svc.repo.episodes.get_episode(canonical_id(episode_id), with_calls=calls))
 
 
-@router.post("/episodes/{episode_id}/reward", response_model=EpisodeOut)
-async def reward_episode(episode_id: str, body: RewardIn, svc: ServicesDep, _: AdminDep) -> EpisodeOut:
+@router.post("/episodes/{episode_id}/reward", response_model=Episode)
+async def reward_episode(episode_id: str, body: RewardIn, svc: ServicesDep, _: AdminDep) -> Episode:
     """Finish an episode with its reward. The same payload again is a no-op; a different one is 409."""
     episode, changed = await svc.repo.episodes.set_reward(
         canonical_id(episode_id), reward=body.reward, call_rewards=body.call_rewards, metadata=body.metadata
@@ -144,13 +132,13 @@ async def reward_episode(episode_id: str, body: RewardIn, svc: ServicesDep, _: A
     svc.gate.closed(episode.id)
     if changed:
         svc.metrics.episodes.labels("rewarded").inc()
-    return EpisodeOut.model_validate(episode)
+    return Episode.model_validate(episode)
 
 
-@router.post("/episodes/{episode_id}/abandon", response_model=EpisodeOut)
-async def abandon_episode(episode_id: str, body: AbandonIn, svc: ServicesDep, _: AdminDep) -> EpisodeOut:
+@router.post("/episodes/{episode_id}/abandon", response_model=Episode)
+async def abandon_episode(episode_id: str, body: AbandonIn, svc: ServicesDep, _: AdminDep) -> Episode:
     """Finish an episode without a reward (the agent failed): it never enters training."""
     episode = await svc.repo.episodes.abandon(canonical_id(episode_id), reason=body.reason, cause=body.cause)
     svc.gate.closed(episode.id)
     svc.metrics.episodes.labels("abandoned").inc()
-    return EpisodeOut.model_validate(episode)
+    return Episode.model_validate(episode)

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Query
 
+from contract.entities import Claim, Group
 from contract.schemas import (
     MAX_STORED_INT,
     AckIn,
     AdmissionOut,
     ClaimIn,
-    ClaimOut,
-    GroupOut,
     ListOut,
     ReleaseIn,
     RenewIn,
@@ -30,8 +29,8 @@ from proxy.deps import AdminDep, ServicesDep
 router = APIRouter(prefix="/trainer", tags=["trainer"])
 
 
-@router.post("/claim", response_model=ClaimOut)
-async def claim(body: ClaimIn, svc: ServicesDep, _: AdminDep) -> ClaimOut:
+@router.post("/claim", response_model=Claim)
+async def claim(body: ClaimIn, svc: ServicesDep, _: AdminDep) -> Claim:
     await svc.adapters.refresh()
     current = svc.adapters.version
     result = await svc.repo.leases.claim(
@@ -50,12 +49,12 @@ async def claim(body: ClaimIn, svc: ServicesDep, _: AdminDep) -> ClaimOut:
         mode=body.mode,
         leased=len(result.groups),
     )
-    return ClaimOut(
+    return Claim(
         lease_id=result.lease_id,
         lease_expires_at=result.lease_expires_at,
         current_version=current,
         stale=result.stale,
-        groups=[GroupOut.model_validate(g) for g in result.groups],
+        groups=[Group.model_validate(g) for g in result.groups],
     )
 
 
@@ -79,7 +78,7 @@ async def ack(body: AckIn, svc: ServicesDep, _: AdminDep) -> ListOut:
         audits={e: a.model_dump() for e, a in body.audits.items()} if body.audits else None,
     )
     svc.admission.acked(len(groups))
-    return ListOut(data=[GroupOut.model_validate(g) for g in groups])
+    return ListOut(data=[Group.model_validate(g) for g in groups])
 
 
 @router.post("/release")

@@ -36,7 +36,7 @@ from typing import Any
 
 import orjson
 
-from contract.tokens import continues, extends, rejoin_ids, rejoin_messages
+from contract.tokens import client_list, continues, extends, rejoin_ids, rejoin_messages
 
 COMPACT = 1
 """``calls.encoding`` of rows in this layout (0: the JSON layout before migration 0004)."""
@@ -195,19 +195,6 @@ def _inherit(items: list[Any], count: int | None, digest: bytes | None) -> tuple
         return (count if same else None), hasher.digest()
     text = _items(items)
     return None, (_digest(text).digest() if text is not None else None)
-
-
-def client_list(request: Any) -> str | None:
-    """The key of a client's own conversation in its request, when the client spoke another API
-    than chat (``client_request``): Messages' ``messages``, Responses' ``input`` as a list. A
-    Messages or stateless Responses agent resends it whole each turn, as a chat agent does its
-    messages, so it is kept as a delta the same way."""
-    if type(request) is not dict:
-        return None
-    for key in ("messages", "input"):
-        if type(request.get(key)) is list:
-            return key
-    return None
 
 
 def _floats(value: Any) -> bool:

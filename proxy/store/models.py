@@ -137,7 +137,7 @@ class Call(Base):
     messages_from: Mapped[int | None]
     """Messages = the base's first ``messages_from`` messages + the stored ones; NULL: stored whole."""
     client_from: Mapped[int | None]
-    """The same for ``client_request``'s list (``delta.client_list``); NULL: stored whole (migration 0006)."""
+    """The same for ``client_request``'s list (``contract.tokens.client_list``); NULL: stored whole (migration 0006)."""
     choice_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
     choice_logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)
 

@@ -53,7 +53,7 @@ class CallDelta:
     """How many of the base request's messages come before this call's ``request["messages"]``
     (None: the messages are whole)."""
     client_from: int | None = None
-    """The same for ``client_request``'s own list (``delta.client_list``: ``messages`` or ``input``)."""
+    """The same for ``client_request``'s own list (``contract.tokens.client_list``: ``messages`` or ``input``)."""
 
 
 @dataclass(slots=True, kw_only=True)

@@ -44,9 +44,7 @@ def _notes() -> dict[str, str]:
             Episode(id="e1", status="rewarded", reward=0.0, calls=[call(0, SYSTEM, [5], status=502)]),
         ],
     )
-    batch = build_batch(
-        [group("g-equal", [1.0, 1.0, 1.0]), group("g-few", [1.0], abandoned=1), empty], max_seq_len=64
-    )
+    batch = build_batch([group("g-equal", [1.0, 1.0, 1.0]), group("g-few", [1.0], abandoned=1), empty], max_seq_len=64)
     return {
         "equal": batch.skipped["g-equal"],
         "few": batch.skipped["g-few"],

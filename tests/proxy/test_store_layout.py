@@ -25,7 +25,6 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from contract.client import Call as WireCall
 from contract.client import Claim as WireClaim
 from contract.client import Episode as WireEpisode
-from contract.schemas import CallOut
 from proxy.store.db import MIGRATIONS, is_sqlite, make_engine, migrate_async
 from proxy.store.delta import unpack_ids
 from proxy.store.models import Call
@@ -373,7 +372,7 @@ async def test_written_compactly_every_call_reads_back_as_the_json_layout_did(ur
 
 
 async def _claimed_calls(url: str, *, delta: bool) -> tuple[dict[str, list[dict[str, Any]]], int]:
-    """Every episode's calls as a claim sends them (``CallOut`` JSON), and the bytes they take."""
+    """Every episode's calls as a claim sends them (``contract.entities.Call`` JSON), and the bytes they take."""
     engine = make_engine(url)
     try:
         async with engine.connect() as conn:
@@ -384,18 +383,20 @@ async def _claimed_calls(url: str, *, delta: bool) -> tuple[dict[str, list[dict[
     out: dict[str, list[dict[str, Any]]] = {eid: [] for eid in episodes()}
     size = 0
     for record in call_records(rows, delta=delta):
-        wire = CallOut.model_validate(record).model_dump(mode="json")
+        wire = WireCall.model_validate(record).model_dump(mode="json")
         size += len(orjson.dumps(wire))
         out[record.episode_id].append(wire)
     return out, size
 
 
 def _rejoined(calls: dict[str, list[dict[str, Any]]]) -> dict[str, list[bytes]]:
-    """Each episode's calls as a trainer reads them (``contract.client``), rejoined, as JSON bytes."""
+    """Each episode's calls as a trainer reads them (``contract.client``), rejoined, as JSON bytes;
+    without the row id, which each store numbers in its own insert order (``assert_same``'s ``ids``)."""
     out = {}
     for eid, wire in calls.items():
         episode = WireEpisode.model_validate({"id": eid, "status": "rewarded", "calls": wire}).rejoined()
-        out[eid] = [orjson.dumps(c.model_dump(), option=orjson.OPT_SORT_KEYS) for c in episode.calls or []]
+        dumps = (c.model_dump(exclude={"id"}) for c in episode.calls or [])
+        out[eid] = [orjson.dumps(d, option=orjson.OPT_SORT_KEYS) for d in dumps]
     return out
 
 

@@ -497,9 +497,7 @@ def test_abandoned_episodes_are_penalized_or_skipped_by_choice(rule: Abandoned, 
     workflow_choice = Group(
         id="g", task_id="t", status="complete", metadata={"abandoned": rule}, episodes=[*ok, crashed, reaped]
     )
-    assert build_batch([workflow_choice], rules=Rules(scale_rewards="none")).trained == (
-        ["g"] if trained else []
-    )
+    assert build_batch([workflow_choice], rules=Rules(scale_rewards="none")).trained == (["g"] if trained else [])
 
 
 def test_batch_scaling_takes_the_std_over_every_reward_like_trl() -> None:
