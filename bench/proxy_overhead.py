@@ -107,6 +107,8 @@ class Cell:
     cpu: dict[str, float]
     """Percent of one core per process over the cell: proxy, fake_upstream, loadgen, other."""
     proxy_cpu_s: float
+    transport: str = ""
+    """The proxy's ``upstream_transport`` (proxy cells; ``--transports``)."""
 
     @property
     def proxy_cpu_ms_per_answer(self) -> float:
@@ -136,7 +138,7 @@ async def measure(
     after = os.times()
     used["loadgen"] = after.user + after.system - own.user - own.system
     used["other"] = max(0.0, busy_cpu_seconds() - busy - sum(used.values()))
-    return result, {name: 100 * seconds / wall for name, seconds in used.items()}, used["proxy"]
+    return result, {name: 100 * seconds / wall for name, seconds in used.items()}, used.get("proxy", 0.0)
 
 
 def recorded_ok(db_path: Path) -> dict[str, int]:
@@ -146,9 +148,70 @@ def recorded_ok(db_path: Path) -> dict[str, int]:
         return dict(rows.fetchall())
 
 
+async def _direct_cell(
+    args: argparse.Namespace, upstream: FakeUpstreamProcess, request: bytes, stream: bool, concurrency: int
+) -> Cell:
+    """The same chat request straight at the fake upstream: the baseline each proxy cell adds to."""
+    up = urlsplit(upstream.url)
+    result, cpu, _ = await measure(
+        up.hostname or "",
+        up.port or 0,
+        [request] * concurrency,
+        stream=stream,
+        warmup_s=args.warmup,
+        measure_s=args.seconds,
+        pids={"fake_upstream": upstream.proc.pid},
+    )
+    _progress("direct", "chat", stream, concurrency, result)
+    return Cell("direct", "chat", stream, concurrency, result, cpu, 0.0)
+
+
+async def _proxy_cell(
+    args: argparse.Namespace,
+    upstream: FakeUpstreamProcess,
+    proxy: ProxyUnderTest,
+    episodes: list[dict[str, str]],
+    api: str,
+    stream: bool,
+    concurrency: int,
+    transport: str,
+) -> Cell:
+    """One agent per connection, each on its own episode, speaking ``api`` through ``proxy``."""
+    px = urlsplit(proxy.url)
+    requests = [
+        build_request(
+            px.hostname or "",
+            px.port or 0,
+            *api_request(api, urlsplit(ep["base_url"]).path, stream=stream, max_tokens=args.tokens),
+            {"authorization": f"Bearer {ep['api_key']}"},
+        )
+        for ep in episodes[:concurrency]
+    ]
+    result, cpu, proxy_cpu_s = await measure(
+        px.hostname or "",
+        px.port or 0,
+        requests,
+        stream=stream,
+        warmup_s=args.warmup,
+        measure_s=args.seconds,
+        pids={"proxy": proxy.proc.pid, "fake_upstream": upstream.proc.pid},
+        end=STREAM_ENDS[api],
+    )
+    _progress(f"proxy[{transport}]", api, stream, concurrency, result)
+    return Cell("proxy", api, stream, concurrency, result, cpu, proxy_cpu_s, transport)
+
+
+def _progress(target: str, api: str, stream: bool, concurrency: int, result: CellResult) -> None:
+    print(
+        f"  {target} {api} {'stream' if stream else 'plain'} c={concurrency}: "
+        f"{result.rps:.0f} req/s, p50 {result.percentile_ms(0.5):.2f} ms, errors {result.errors}",
+        flush=True,
+    )
+
+
 def print_table(cells: list[Cell]) -> None:
     header = (
-        f"{'target':<9} {'api':<9} {'mode':<7} {'conc':>5} {'ok':>7} {'err':>5} {'req/s':>8} {'p50 ms':>8} "
+        f"{'target':<13} {'api':<9} {'mode':<7} {'conc':>5} {'ok':>7} {'err':>5} {'req/s':>8} {'p50 ms':>8} "
         f"{'p90 ms':>8} {'p99 ms':>8} {'CPU/req':>9}   cpu% proxy/upstream/loadgen/other"
     )
     print(header)
@@ -158,8 +221,9 @@ def print_table(cells: list[Cell]) -> None:
         cpu = "/".join(f"{cell.cpu.get(k, 0):.0f}" for k in ("proxy", "fake_upstream", "loadgen", "other"))
         proxy_cpu = f"{cell.proxy_cpu_ms_per_answer:.2f}ms" if cell.target == "proxy" else "-"
         mode = "stream" if cell.stream else "plain"
+        target = cell.target + (f"[{cell.transport}]" if cell.transport else "")
         print(
-            f"{cell.target:<9} {cell.api:<9} {mode:<7} {cell.concurrency:>5} {r.ok:>7} {r.errors:>5}"
+            f"{target:<13} {cell.api:<9} {mode:<7} {cell.concurrency:>5} {r.ok:>7} {r.errors:>5}"
             f" {r.rps:>8.0f} {r.percentile_ms(0.5):>8.2f} {r.percentile_ms(0.9):>8.2f} "
             f"{r.percentile_ms(0.99):>8.2f} {proxy_cpu:>9}   {cpu}"
         )
@@ -169,12 +233,20 @@ def print_table(cells: list[Cell]) -> None:
 
 async def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
     upstream = FakeUpstreamProcess.start(tokens=args.tokens)
-    proxy = ProxyUnderTest.start(upstream.url, workdir, workers=args.workers, source=args.proxy_src)
+    proxies: dict[str, ProxyUnderTest] = {}
     try:
+        for transport in args.transports:  # one proxy per transport, on the same upstream
+            (workdir / transport).mkdir()
+            proxies[transport] = ProxyUnderTest.start(
+                upstream.url,
+                workdir / transport,
+                workers=args.workers,
+                source=args.proxy_src,
+                extra_env={"FLYWHEEL_UPSTREAM_TRANSPORT": transport},
+            )
         most = max(args.concurrency)
-        episodes = proxy.create_group(most, task_id="bench-proxy-overhead")
-        up, px = urlsplit(upstream.url), urlsplit(proxy.url)
-        pids = {"proxy": proxy.proc.pid, "fake_upstream": upstream.proc.pid}
+        episodes = {t: p.create_group(most, task_id="bench-proxy-overhead") for t, p in proxies.items()}
+        up = urlsplit(upstream.url)
         expected: dict[str, int] = {}
         cells: list[Cell] = []
         load_before = load_average()
@@ -185,57 +257,40 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
                 "/v1/chat/completions",
                 chat_body("policy-base", stream=stream, max_tokens=args.tokens),
             )
-            proxy_reqs = {
-                api: [
-                    build_request(
-                        px.hostname or "",
-                        px.port or 0,
-                        *api_request(api, urlsplit(ep["base_url"]).path, stream=stream, max_tokens=args.tokens),
-                        {"authorization": f"Bearer {ep['api_key']}"},
-                    )
-                    for ep in episodes
-                ]
-                for api in args.apis
-            }
             for concurrency in args.concurrency:
-                for target, api in (("direct", "chat"), *(("proxy", api) for api in args.apis)):
-                    host, port = (up.hostname, up.port) if target == "direct" else (px.hostname, px.port)
-                    requests = [direct_req] * concurrency if target == "direct" else proxy_reqs[api][:concurrency]
-                    result, cpu, proxy_cpu_s = await measure(
-                        host or "",
-                        port or 0,
-                        requests,
-                        stream=stream,
-                        warmup_s=args.warmup,
-                        measure_s=args.seconds,
-                        pids=pids,
-                        end=STREAM_ENDS[api],
-                    )
-                    cells.append(Cell(target, api, stream, concurrency, result, cpu, proxy_cpu_s))
-                    if target == "proxy":
-                        for ep, ok in zip(episodes, result.ok_per_conn, strict=False):
+                cells.append(await _direct_cell(args, upstream, direct_req, stream, concurrency))
+                for api in args.apis:
+                    for transport, proxy in proxies.items():  # alternated: each transport sees the same load
+                        measured = await _proxy_cell(
+                            args, upstream, proxy, episodes[transport], api, stream, concurrency, transport
+                        )
+                        cells.append(measured)
+                        for ep, ok in zip(episodes[transport], measured.result.ok_per_conn, strict=False):
                             expected[ep["id"]] = expected.get(ep["id"], 0) + ok
-                    print(
-                        f"  {target} {api} {'stream' if stream else 'plain'} c={concurrency}: "
-                        f"{result.rps:.0f} req/s, p50 {result.percentile_ms(0.5):.2f} ms, errors {result.errors}",
-                        flush=True,
-                    )
         load_after = load_average()
     finally:
-        interrupted = proxy.interrupted()
-        proxy.stop()  # SIGTERM: drains the recorder
+        interrupted = "; ".join(filter(None, (p.interrupted() for p in proxies.values())))
+        for proxy in proxies.values():
+            proxy.stop()  # SIGTERM: drains the recorder
         upstream.stop()
-    stored = recorded_ok(proxy.db_path)
+    stored: dict[str, int] = {}
+    for proxy in proxies.values():
+        stored.update(recorded_ok(proxy.db_path))
     missing = sum(max(0, n - stored.get(eid, 0)) for eid, n in expected.items())
 
     print()
     print_table(cells)
+    first = args.transports[0]
 
-    def cell(target: str, stream: bool, concurrency: int, api: str = "chat") -> CellResult:
+    def cell(target: str, stream: bool, concurrency: int, api: str = "chat", transport: str = first) -> CellResult:
         return next(
             c.result
             for c in cells
-            if c.target == target and c.api == api and c.stream == stream and c.concurrency == concurrency
+            if c.target == target
+            and c.api == api
+            and c.stream == stream
+            and c.concurrency == concurrency
+            and (target == "direct" or c.transport == transport)
         )
 
     summary: dict[str, object] = {}
@@ -255,12 +310,25 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
             )
             summary[f"c{concurrency}_errors{suffix}"] = cell("proxy", stream, concurrency).errors
         for concurrency in args.concurrency:
-            spent = next(
-                c
-                for c in cells
-                if c.target == "proxy" and c.api == "chat" and c.stream == stream and c.concurrency == concurrency
-            ).proxy_cpu_ms_per_answer
-            summary[f"c{concurrency}_proxy_cpu_ms_per_req{suffix}"] = round(spent, 3)
+            for transport in args.transports:
+                spent = next(
+                    c
+                    for c in cells
+                    if c.target == "proxy"
+                    and c.api == "chat"
+                    and c.stream == stream
+                    and c.concurrency == concurrency
+                    and c.transport == transport
+                ).proxy_cpu_ms_per_answer
+                key = f"c{concurrency}_proxy_cpu_ms_per_req{suffix}"
+                summary[key if transport == first else f"{transport}_{key}"] = round(spent, 3)
+            for transport in args.transports[1:]:  # the baseline against the first, same run, same load
+                base, other = cell("proxy", stream, concurrency), cell("proxy", stream, concurrency, "chat", transport)
+                summary[f"{transport}_c{concurrency}_rps{suffix}"] = round(other.rps)
+                summary[f"{transport}_c{concurrency}_p50_ms{suffix}"] = round(other.percentile_ms(0.5), 3)
+                summary[f"{first}_vs_{transport}_c{concurrency}_rps{suffix}"] = (
+                    round(base.rps / other.rps, 3) if other.rps else float("nan")
+                )
         for api in args.apis:  # each API against chat through the same proxy in the same run
             if api == "chat":
                 continue
@@ -282,6 +350,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
             "recorded_ok_total": sum(stored.values()),
             "recorded_missing": missing,
             "proxy_workers": args.workers,
+            "transports": args.transports,
             "proxy_source": str(args.proxy_src),
             "proxy_interrupted": interrupted,
             "completion_tokens": args.tokens,
@@ -311,6 +380,13 @@ def main() -> None:
         type=lambda s: s.split(","),
         default=["chat", "responses", "messages"],
         help="what the agents speak through the proxy (chat always runs: the others compare to it)",
+    )
+    parser.add_argument(
+        "--transports",
+        type=lambda s: s.split(","),
+        default=["lean"],
+        help="the proxy's upstream_transport per proxy, alternated cell by cell (lean,httpx: the hand-written "
+        "transport against httpx's own; the first is the one the summary's plain keys describe)",
     )
     parser.add_argument("--tokens", type=int, default=16, help="completion tokens per answer (fake_upstream)")
     parser.add_argument("--workers", type=int, default=1, help="proxy worker processes")

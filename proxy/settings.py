@@ -225,6 +225,11 @@ class Settings(_Section):
     splice: SpliceSettings = SpliceSettings()
     admission: AdmissionSettings = AdmissionSettings()
     compat: CompatSettings = CompatSettings()
+    upstream_transport: Literal["lean", "httpx"] = "lean"
+    """The HTTP transport under the one client to vLLM: ``lean`` (``proxy/transport.py``, the
+    default: an O(1) keep-alive pool) or ``httpx`` (httpx's own, httpcore, with the same pool size),
+    kept as a fallback and as the baseline ``bench/proxy_overhead.py --transports lean,httpx``
+    measures the lean one against."""
     max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
     health_interval_s: float = Field(default=2.0, gt=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"

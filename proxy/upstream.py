@@ -100,11 +100,19 @@ def answer_error(status: int, text: bytes, replica: Replica | None) -> FlywheelE
     return UpstreamError(f"upstream {name} failed ({status}): {message}", code="upstream_error")
 
 
+def _transport(kind: str, *, max_keepalive: int) -> httpx.AsyncBaseTransport:
+    """The transport ``upstream_transport`` names (``proxy/transport.py`` says why lean is the default)."""
+    if kind == "httpx":
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=max_keepalive)
+        return httpx.AsyncHTTPTransport(limits=limits)
+    return Http1Transport(max_keepalive=max_keepalive)
+
+
 class Upstreams:
     def __init__(self, settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> None:
         t = settings.timeouts
         # No cap on connections: every open stream holds one; the pool must never be the queue.
-        self._transport = transport or Http1Transport(max_keepalive=512)
+        self._transport = transport or _transport(settings.upstream_transport, max_keepalive=512)
         self.client = httpx.AsyncClient(
             transport=self._transport,
             timeout=httpx.Timeout(connect=t.connect_s, read=t.read_s, write=t.write_s, pool=t.pool_s),
