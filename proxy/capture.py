@@ -243,7 +243,19 @@ def capture_response(data: dict[str, Any], kind: CallKind) -> Captured:
     response = {k: v for k, v in data.items() if k not in ("prompt_token_ids", "prompt_logprobs")}
     response["choices"] = slim_choices
     prompt_tokens, completion_tokens = _usage(data.get("usage"), prompt_ids, captures)
-    inexact = _inexact(prompt_ids, captures, data.get("usage"))
+    return _captured(prompt_ids, captures, response, data.get("usage"), prompt_tokens, completion_tokens)
+
+
+def _captured(
+    prompt_ids: list[int] | None,
+    captures: list[ChoiceCapture],
+    response: dict[str, Any],
+    usage: dict[str, Any] | None,
+    prompt_tokens: int | None,
+    completion_tokens: int | None,
+) -> Captured:
+    """The call's capture, plain or streamed alike: exact only when nothing in ``_inexact`` objects."""
+    inexact = _inexact(prompt_ids, captures, usage)
     return Captured(
         prompt_token_ids=prompt_ids,
         choices=[c.record() for c in captures],
@@ -365,13 +377,4 @@ class StreamCapture:
                 "total_tokens": (prompt_tokens or 0) + (completion_tokens or 0),
             },
         }
-        inexact = _inexact(self.prompt_token_ids, captures, self.usage)
-        return Captured(
-            prompt_token_ids=self.prompt_token_ids,
-            choices=[c.record() for c in captures],
-            response=response,
-            exact_ids=inexact is None,
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            inexact=inexact,
-        )
+        return _captured(self.prompt_token_ids, captures, response, self.usage, prompt_tokens, completion_tokens)

@@ -16,10 +16,10 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from contract.vocabulary import CallApi, CallKind
-from proxy.deps import episode_of, identify, json_body, services_of
-from proxy.errors import FlywheelError, InvalidRequest
+from proxy.deps import identify, services_of
+from proxy.errors import InvalidRequest
 from proxy.gate import canonical_id, identify_episode
-from proxy.refusals import refused
+from proxy.routes.arrival import arrive
 from proxy.routes.mounts import ModelRoute
 
 
@@ -37,18 +37,10 @@ def _validate(body: dict[str, Any], kind: CallKind) -> None:
 
 
 async def _handle(request: Request, kind: CallKind, path_episode: str | None, *, recorded: bool) -> Response:
-    svc = services_of(request)
-    body: dict[str, Any] | None = None
-    episode_id: str | None = None
-    try:
-        episode_id = await episode_of(request, svc, identify(request), path_episode, recorded=recorded)
-        body = await json_body(request, svc.settings.max_body_bytes)
-        _validate(body, kind)
-    except FlywheelError as exc:  # a refusal is logged, counted and recorded on its episode
-        route: CallApi = "chat" if kind == "chat" else "completions"
-        await refused(svc.metrics, svc.recorder, exc, route=route, kind=kind, episode_id=episode_id, body=body)
-        raise
-    return await svc.relay.respond(kind, body, episode_id, client_gone=request.is_disconnected)
+    route: CallApi = "chat" if kind == "chat" else "completions"
+    async with arrive(request, path_episode, recorded=recorded, route=route, kind=kind) as call:
+        _validate(call.body, kind)
+    return await call.svc.relay.respond(kind, call.body, call.episode_id, client_gone=request.is_disconnected)
 
 
 async def _models(request: Request) -> Response:

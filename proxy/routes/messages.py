@@ -9,8 +9,6 @@ append ``/v1/messages`` to their base URL, so an agent's base URL is the proxy's
 
 from __future__ import annotations
 
-from typing import Any
-
 import orjson
 from fastapi import Request
 from fastapi.responses import Response
@@ -20,23 +18,17 @@ from proxy.deps import episode_of, identify, json_body, services_of
 from proxy.dialects.messages import MessagesTranslation, count_tokens_chat
 from proxy.errors import FlywheelError
 from proxy.refusals import refused
+from proxy.routes.arrival import arrive
 from proxy.routes.mounts import ModelRoute
 from proxy.upstream import answer_error
 
 
 async def _handle(request: Request, path_episode: str | None, *, recorded: bool) -> Response:
-    svc = services_of(request)
-    body: dict[str, Any] | None = None
-    episode_id: str | None = None
-    try:
-        episode_id = await episode_of(request, svc, identify(request), path_episode, recorded=recorded)
-        body = await json_body(request, svc.settings.max_body_bytes)
-        translation = MessagesTranslation.from_request(body, svc.settings.compat)
-    except FlywheelError as exc:  # a refusal is logged, counted and recorded on its episode
-        await refused(svc.metrics, svc.recorder, exc, route="messages", episode_id=episode_id, body=body)
-        raise
+    async with arrive(request, path_episode, recorded=recorded, route="messages") as call:
+        svc = call.svc
+        translation = MessagesTranslation.from_request(call.body, svc.settings.compat)
     svc.metrics.on_compat("messages", translation.ledger.counts())
-    return await svc.relay.respond("chat", translation.chat, episode_id, translation, request.is_disconnected)
+    return await svc.relay.respond("chat", translation.chat, call.episode_id, translation, request.is_disconnected)
 
 
 async def _count_tokens(request: Request, path_episode: str | None, *, recorded: bool) -> Response:

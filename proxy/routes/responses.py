@@ -13,10 +13,10 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from proxy.compat import Ledger
-from proxy.deps import Services, episode_of, identify, json_body, services_of
+from proxy.deps import Services
 from proxy.dialects.responses import ResponsesTranslation, history_of, parse
-from proxy.errors import FlywheelError, InvalidRequest, NotFound, PermissionDenied
-from proxy.refusals import refused
+from proxy.errors import InvalidRequest, NotFound, PermissionDenied
+from proxy.routes.arrival import arrive
 from proxy.routes.mounts import ModelRoute
 
 
@@ -43,22 +43,14 @@ async def _history(svc: Services, response_id: str, episode_id: str | None) -> l
 
 
 async def _handle(request: Request, path_episode: str | None, *, recorded: bool) -> Response:
-    svc = services_of(request)
-    body: dict[str, Any] | None = None
-    episode_id: str | None = None
-    try:
-        episode_id = await episode_of(request, svc, identify(request), path_episode, recorded=recorded)
-        body = await json_body(request, svc.settings.max_body_bytes)
-        ledger = Ledger(svc.settings.compat)
-        parsed = parse(body, ledger)
+    async with arrive(request, path_episode, recorded=recorded, route="responses") as call:
+        svc, ledger = call.svc, Ledger(call.svc.settings.compat)
+        parsed = parse(call.body, ledger)
         previous = parsed.previous_response_id
-        history = await _history(svc, previous, episode_id) if previous else []
-        translation = ResponsesTranslation(parsed, body, history, ledger)
-    except FlywheelError as exc:  # a refusal is logged, counted and recorded on its episode
-        await refused(svc.metrics, svc.recorder, exc, route="responses", episode_id=episode_id, body=body)
-        raise
+        history = await _history(svc, previous, call.episode_id) if previous else []
+        translation = ResponsesTranslation(parsed, call.body, history, ledger)
     svc.metrics.on_compat("responses", ledger.counts())
-    return await svc.relay.respond("chat", translation.chat, episode_id, translation, request.is_disconnected)
+    return await svc.relay.respond("chat", translation.chat, call.episode_id, translation, request.is_disconnected)
 
 
 async def responses(request: Request, path_episode: str | None, *, recorded: bool) -> Response:

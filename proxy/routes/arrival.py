@@ -1,0 +1,50 @@
+"""What every model route does first: the key, the episode, the body, and a refusal made visible.
+
+Chat, completions, Responses and Messages read a call the same way before their own translation:
+the key (``identify``), the open episode it belongs to (``episode_of``), the JSON body. Anything
+refused on the way, there or in the route's own validation inside the same block, is logged,
+counted and recorded as a failed call on its episode (``refusals.py``) before the client gets its
+4xx, so no refused call is invisible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from contract.vocabulary import CallApi, CallKind
+from proxy.deps import Services, episode_of, identify, json_body, services_of
+from proxy.errors import FlywheelError
+from proxy.refusals import refused
+
+
+@dataclass
+class Arrival:
+    """A model call as far as it was read: its services, its episode (None: passthrough or not yet
+    known) and its body (empty until read: a refusal before it records an empty request)."""
+
+    svc: Services
+    episode_id: str | None = None
+    body: dict[str, Any] = field(default_factory=dict)
+
+
+@asynccontextmanager
+async def arrive(
+    request: Request, path_episode: str | None, *, recorded: bool, route: CallApi, kind: CallKind = "chat"
+) -> AsyncIterator[Arrival]:
+    """Read the key, the episode and the body; a ``FlywheelError`` raised here or inside the block
+    is made visible (``refused``) and re-raised."""
+    arrival = Arrival(services_of(request))
+    svc = arrival.svc
+    try:
+        arrival.episode_id = await episode_of(request, svc, identify(request), path_episode, recorded=recorded)
+        arrival.body = await json_body(request, svc.settings.max_body_bytes)
+        yield arrival
+    except FlywheelError as exc:
+        episode_id, body = arrival.episode_id, arrival.body
+        await refused(svc.metrics, svc.recorder, exc, route=route, kind=kind, episode_id=episode_id, body=body)
+        raise
