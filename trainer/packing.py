@@ -103,17 +103,7 @@ def collate(samples: Sequence[Sample]) -> MicroBatch:
         ids += sample.input_ids
         positions += range(len(sample))
         bounds.append(len(ids))
-        columns: dict[str, Sequence[float]] = {
-            "targets": sample.input_ids,
-            "temps": sample.temperatures,
-            "behaviour": sample.behaviour_logprobs,
-            "advantages": _per_token(sample, "advantages", sample.advantage),
-            "top_k": _per_token(sample, "top_k", 0),
-            "top_p": _per_token(sample, "top_p", 1.0),
-            "min_p": _per_token(sample, "min_p", 0.0),
-            "versions": _per_token(sample, "versions", NOT_SAMPLED),
-            "modes": _per_token(sample, "modes", 0),
-        }
+        columns = _columns(sample)
         slot = 0
         for j in range(1, len(sample)):
             if sample.loss_mask[j]:
@@ -139,13 +129,6 @@ def collate(samples: Sequence[Sample]) -> MicroBatch:
     def longs(values: list[float]) -> Tensor:
         return torch.tensor([int(v) for v in values], dtype=torch.long)
 
-    allowed = None
-    if masked:
-        words = next(iter(masked.values())).shape[0]
-        allowed = torch.full((len(select), words), -1, dtype=torch.int32)  # -1: every bit set, nothing masked
-        index = torch.tensor(list(masked), dtype=torch.long)
-        allowed[index] = torch.stack(list(masked.values()))
-
     return MicroBatch(
         samples=list(samples),
         input_ids=torch.tensor([ids], dtype=torch.long),
@@ -165,8 +148,34 @@ def collate(samples: Sequence[Sample]) -> MicroBatch:
         versions=longs(flat["versions"]),
         modes=longs(flat["modes"]),
         seq_tokens=torch.tensor(seq_tokens, dtype=torch.float32),
-        allowed=allowed,
+        allowed=_allowed(masked, len(select)),
     )
+
+
+def _columns(sample: Sample) -> dict[str, Sequence[float]]:
+    """The sample's per-token fields, each as long as its ids (defaults where a field is unset)."""
+    return {
+        "targets": sample.input_ids,
+        "temps": sample.temperatures,
+        "behaviour": sample.behaviour_logprobs,
+        "advantages": _per_token(sample, "advantages", sample.advantage),
+        "top_k": _per_token(sample, "top_k", 0),
+        "top_p": _per_token(sample, "top_p", 1.0),
+        "min_p": _per_token(sample, "min_p", 0.0),
+        "versions": _per_token(sample, "versions", NOT_SAMPLED),
+        "modes": _per_token(sample, "modes", 0),
+    }
+
+
+def _allowed(masked: dict[int, Tensor], loss_tokens: int) -> Tensor | None:
+    """(loss_tokens, words) grammar bitmasks, -1 (every bit set: nothing masked) where a token was
+    sampled without one; None when no token of the micro-batch was."""
+    if not masked:
+        return None
+    words = next(iter(masked.values())).shape[0]
+    allowed = torch.full((loss_tokens, words), -1, dtype=torch.int32)
+    allowed[torch.tensor(list(masked), dtype=torch.long)] = torch.stack(list(masked.values()))
+    return allowed
 
 
 def pack(samples: Sequence[Sample], budget: int) -> list[MicroBatch]:

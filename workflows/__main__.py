@@ -28,6 +28,7 @@ import typer
 from contract.client import AsyncProxyClient, ProxyError
 from contract.keyfile import key_file_keys
 from workflows.base import Endpoint, Split, Workflow
+from workflows.config import RunConfig
 from workflows.judge import REWARD_MODES, Judge, JudgeConfig, RewardMode
 from workflows.options import OptionError, describe, parse_options
 from workflows.registry import BUILTIN, load
@@ -119,8 +120,6 @@ def run(
     admin_key_file: KeyFileOpt = Path("data/admin.key"),
 ) -> None:
     """Create groups of episodes for a workflow's tasks, run its agents, post rewards."""
-    from workflows.progress import RunProgress
-    from workflows.runner import RunConfig, Runner
 
     workflow = build(name, option)
     try:
@@ -152,37 +151,7 @@ def run(
         raise typer.BadParameter(str(exc)) from exc
 
     async def main() -> dict[str, Any]:
-        client = AsyncProxyClient(config.proxy_url, config.admin_key, timeout_s=60.0)
-        judge = Judge(judge_config) if judge_config is not None else None
-        with RunProgress(None if loop else groups * group_size) as progress:
-            runner = Runner(
-                workflow,
-                config,
-                client,
-                on_episode=progress.episode,
-                on_group=progress.group,
-                on_admission_wait=progress.admission_wait,
-                judge=judge,
-            )
-            job = asyncio.current_task()
-            loop_ = asyncio.get_running_loop()
-
-            def interrupt() -> None:
-                if runner.stopping and job is not None:
-                    job.cancel()  # second signal: abandon what is still running
-                else:
-                    progress.console.log("stopping: no new groups; Ctrl-C again to abandon running episodes")
-                    runner.stop()
-
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop_.add_signal_handler(sig, interrupt)
-            try:
-                stats = await runner.run()
-            finally:
-                await client.aclose()
-                if judge is not None:
-                    await judge.aclose()
-        return {"workflow": workflow.name, "split": config.split, **stats.summary()}
+        return await _drive(workflow, config, judge_config, expected=None if loop else groups * group_size)
 
     try:
         summary = asyncio.run(main())
@@ -193,6 +162,46 @@ def run(
         typer.echo("workflows: interrupted; running episodes were abandoned", err=True)
         raise typer.Exit(130) from None
     typer.echo(json.dumps(summary))
+
+
+async def _drive(
+    workflow: Workflow[Any, Any], config: RunConfig, judge_config: JudgeConfig | None, *, expected: int | None
+) -> dict[str, Any]:
+    """Run the groups with progress on stderr; the first Ctrl-C (or SIGTERM) stops new groups, the
+    second abandons the running episodes. Returns the run's summary."""
+    from workflows.progress import RunProgress
+    from workflows.runner import Runner
+
+    client = AsyncProxyClient(config.proxy_url, config.admin_key, timeout_s=60.0)
+    judge = Judge(judge_config) if judge_config is not None else None
+    with RunProgress(expected) as progress:
+        runner = Runner(
+            workflow,
+            config,
+            client,
+            on_episode=progress.episode,
+            on_group=progress.group,
+            on_admission_wait=progress.admission_wait,
+            judge=judge,
+        )
+        job = asyncio.current_task()
+
+        def interrupt() -> None:
+            if runner.stopping and job is not None:
+                job.cancel()  # second signal: abandon what is still running
+            else:
+                progress.console.log("stopping: no new groups; Ctrl-C again to abandon running episodes")
+                runner.stop()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, interrupt)
+        try:
+            stats = await runner.run()
+        finally:
+            await client.aclose()
+            if judge is not None:
+                await judge.aclose()
+    return {"workflow": workflow.name, "split": config.split, **stats.summary()}
 
 
 @cli.command("eval")
