@@ -9,16 +9,25 @@ an error event). The same
 generator measures the direct baseline and the proxy, so the two are comparable.
 
 Each connection is one simulated agent: it sends its request, waits for the whole answer, sends
-the next (closed loop), so concurrency is exactly the number of connections.
+the next (closed loop), so concurrency is exactly the number of connections. Benches that play
+whole episodes (fleet, soak) hold one ``connection`` per episode and take their groups from
+``created_groups``, as a workflow runner would.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import httptools
+
+if TYPE_CHECKING:
+    from contract.client import AsyncProxyClient
+    from contract.entities import CreatedGroup
 
 DONE_TAIL = b"data: [DONE]\n\n"
 
@@ -117,6 +126,33 @@ async def connect(host: str, port: int) -> ClientConnection:
     loop = asyncio.get_running_loop()
     _, protocol = await loop.create_connection(ClientConnection, host, port)
     return protocol
+
+
+@asynccontextmanager
+async def connection(host: str, port: int) -> AsyncIterator[ClientConnection]:
+    """One keep-alive connection for an agent's run of calls, closed however the run ends."""
+    conn = await connect(host, port)
+    try:
+        yield conn
+    finally:
+        if conn.transport is not None:
+            conn.transport.close()
+
+
+async def created_groups(
+    client: AsyncProxyClient, task_id: str, size: int, *, until: float, on_error: Callable[[str], None]
+) -> AsyncIterator[CreatedGroup]:
+    """Groups of ``size``, one after another, until ``until`` (``time.monotonic()``), as a workflow
+    runner asks for them. A create that fails (admission control's 429, a dropped connection) is
+    counted with ``on_error`` and tried again a second later."""
+    while time.monotonic() < until:
+        try:
+            group = await client.create_group(task_id, size)
+        except Exception as exc:  # noqa: BLE001 - counted and reported, the runner waits and goes on
+            on_error(f"create_group:{type(exc).__name__}")
+            await asyncio.sleep(1.0)
+            continue
+        yield group
 
 
 @dataclass

@@ -3,21 +3,28 @@
 The proxy is the real ``python -m proxy serve`` (what a user runs) with recording into a SQLite
 file in a temp dir and a real admin key; the upstream is ``bench/fake_upstream.py`` in its own
 process. CPU is read from ``/proc`` for a whole process tree (uvicorn workers are children).
+``run_in_workdir`` runs a bench's event loop in a scratch directory and prints its summary.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
+import uvloop
 
 ROOT = Path(__file__).resolve().parents[1]
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -88,6 +95,22 @@ def exit_on_sigterm() -> None:
 
 def load_average() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def run_in_workdir(
+    prefix: str, run: Callable[[Path], Coroutine[Any, Any, dict[str, Any]]], *, keep: Callable[[dict[str, Any]], bool]
+) -> None:
+    """Run a bench under uvloop in a fresh temp dir (its proxy's log and store land there), then
+    print its summary as the last line, one JSON object. The dir is kept and named where ``keep``
+    says so (``--keep``, or a run that went wrong), else removed."""
+    print(f"load average before: {load_average()} (2 cores; other engineers share them)", flush=True)
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
+    summary = uvloop.run(run(workdir))
+    if keep(summary):
+        print(f"kept {workdir} (proxy.log, flywheel.db)")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print(json.dumps(summary))
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:

@@ -361,34 +361,31 @@ def built(build: Callable[[dict[str, Any]], Any], chat: Callable[[], dict[str, A
     return lambda: build(chat())
 
 
+def head_to_head(
+    name: str,
+    fly: Callable[[Any], Any],
+    lit: Callable[[Any], Any],
+    given: dict[str, Any],
+    parts: dict[str, Contender] | None = None,
+) -> Operation:
+    """Flywheel's and litellm's ``name`` on fresh copies of the same input ``given``, with their
+    outputs on it for the comparison."""
+    outputs = (fly(fresh(given)()), lit(fresh(given)()))
+    return Operation(name, Contender(fly, fresh(given)), Contender(lit, fresh(given)), parts or {}, outputs)
+
+
 def operations(fly: Flywheel, lit: LiteLLM) -> list[Operation]:
     ops: list[Operation] = []
     for name, body in (
         ("responses request, agent turn", RESPONSES_TURN),
         ("responses request, tool round trip", RESPONSES_ROUND_TRIP),
     ):
-        ops.append(
-            Operation(
-                name,
-                Contender(fly.responses_request, fresh(body)),
-                Contender(lit.responses_request, fresh(body)),
-                {},
-                (fly.responses_request(fresh(body)()), lit.responses_request(fresh(body)())),
-            )
-        )
+        ops.append(head_to_head(name, fly.responses_request, lit.responses_request, body))
     for name, body in (
         ("messages request, agent turn", MESSAGES_TURN),
         ("messages request, tool round trip", MESSAGES_ROUND_TRIP),
     ):
-        ops.append(
-            Operation(
-                name,
-                Contender(fly.messages_request, fresh(body)),
-                Contender(lit.messages_request, fresh(body)),
-                {},
-                (fly.messages_request(fresh(body)()), lit.messages_request(fresh(body)())),
-            )
-        )
+        ops.append(head_to_head(name, fly.messages_request, lit.messages_request, body))
     # each answer answers the request it follows: a tool call to the first turn, text after the tool result
     for kind, chat, request in (
         ("tool call", TOOL_ANSWER, RESPONSES_TURN),
@@ -399,26 +396,11 @@ def operations(fly: Flywheel, lit: LiteLLM) -> list[Operation]:
             "ModelResponse(**chat)": Contender(lit.model_response, fresh(chat)),
             ".model_dump()": Contender(_model_dump, built(lit.responses_object(request), fresh(chat))),
         }
-        ops.append(
-            Operation(
-                f"responses answer, {kind}",
-                Contender(fly_answer, fresh(chat)),
-                Contender(lit_answer, fresh(chat)),
-                parts,
-                (fly_answer(fresh(chat)()), lit_answer(fresh(chat)())),
-            )
-        )
+        ops.append(head_to_head(f"responses answer, {kind}", fly_answer, lit_answer, chat, parts))
     for kind, chat, request in (("tool call", TOOL_ANSWER, MESSAGES_TURN), ("text", TEXT_ANSWER, MESSAGES_ROUND_TRIP)):
         fly_answer, lit_answer = fly.messages_answerer(request), lit.messages_answerer()
-        ops.append(
-            Operation(
-                f"messages answer, {kind}",
-                Contender(fly_answer, fresh(chat)),
-                Contender(lit_answer, fresh(chat)),
-                {"ModelResponse(**chat)": Contender(lit.model_response, fresh(chat))},
-                (fly_answer(fresh(chat)()), lit_answer(fresh(chat)())),
-            )
-        )
+        parts = {"ModelResponse(**chat)": Contender(lit.model_response, fresh(chat))}
+        ops.append(head_to_head(f"messages answer, {kind}", fly_answer, lit_answer, chat, parts))
     return ops
 
 

@@ -46,7 +46,7 @@ import uvloop
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from bench._loadgen import ClientConnection, build_request, connect
+from bench._loadgen import build_request, connection, created_groups
 from bench._procs import FakeUpstreamProcess, ProxyUnderTest, cpu_seconds, exit_on_sigterm, load_average
 from bench.capacity import Costs, Episode, plan
 from bench.fake_upstream import Template, canned_text
@@ -103,8 +103,7 @@ async def run_episode(key: Any, args: argparse.Namespace, seed: int, tally: Tall
     host, port = url.hostname or "127.0.0.1", url.port or 80
     rng = random.Random(seed)
     messages: list[dict[str, str]] = first_messages(rng, args.first_words)
-    conn: ClientConnection = await connect(host, port)
-    try:
+    async with connection(host, port) as conn:
         for _ in range(args.turns):
             if time.monotonic() > tally.stop_at:
                 return False
@@ -127,21 +126,14 @@ async def run_episode(key: Any, args: argparse.Namespace, seed: int, tally: Tall
                 tally.latencies_ns.append(answer.total_ns)
             messages = messages + next_messages(rng, args.completion, args.added_words)
         return True
-    finally:
-        if conn.transport is not None:
-            conn.transport.close()
 
 
 async def group_runner(client: AsyncProxyClient, args: argparse.Namespace, runner: int, tally: Tally) -> None:
     """Groups one after another: create, run its episodes at once, reward them (abandon the unfinished)."""
     rng = random.Random(runner)
-    while time.monotonic() < tally.stop_at:
-        try:
-            group = await client.create_group(f"fleet-{runner}", args.group_size)
-        except Exception as exc:  # noqa: BLE001 - counted and reported, the runner waits and goes on
-            tally.error(f"create_group:{type(exc).__name__}")
-            await asyncio.sleep(1.0)
-            continue
+    async for group in created_groups(
+        client, f"fleet-{runner}", args.group_size, until=tally.stop_at, on_error=tally.error
+    ):
         done = await asyncio.gather(*(run_episode(k, args, rng.randrange(2**31), tally) for k in group.episode_keys))
         for key, ok in zip(group.episode_keys, done, strict=True):
             if ok:

@@ -88,6 +88,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from bench._procs import free_port, load_average  # noqa: E402
+from bench._trl import TRAIN_ONLY  # noqa: E402
 from deploy.guard import Guard  # noqa: E402
 from deploy.loop import _evaluate, _steps, _train  # noqa: E402
 from deploy.run_config import RunConfig, load_run_config  # noqa: E402
@@ -278,16 +279,9 @@ def trl_args(shared: Shared, output_dir: Path, *, seed: int, max_steps: int = 1_
         importance_sampling_level=config.importance_sampling_level,
         num_iterations=config.num_iterations,
         max_steps=max_steps,
-        logging_steps=1_000_000,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        bf16=False,
-        gradient_checkpointing=False,
-        disable_tqdm=True,
         seed=seed,
         data_seed=seed,
-        shuffle_dataset=False,  # the dataset comes in Flywheel's runner order (trl_dataset)
+        **TRAIN_ONLY,  # unshuffled: the dataset comes in Flywheel's runner order (trl_dataset)
     )
 
 

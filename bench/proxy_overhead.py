@@ -28,20 +28,27 @@ Responses and Messages at most 1.5 ms p50 over chat at c=1 and at least 70% of i
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sqlite3
-import tempfile
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
-import uvloop
 
 from bench._loadgen import CHAT_END, CellResult, StreamEnd, build_request, run_cell
-from bench._procs import ROOT, FakeUpstreamProcess, ProxyUnderTest, cpu_seconds, exit_on_sigterm, load_average
+from bench._procs import (
+    ROOT,
+    FakeUpstreamProcess,
+    ProxyUnderTest,
+    cpu_seconds,
+    exit_on_sigterm,
+    load_average,
+    run_in_workdir,
+)
 
 MESSAGES = [
     {"role": "system", "content": "You are a careful coding agent. Think, then call one tool."},
@@ -119,20 +126,14 @@ class Cell:
 
 
 async def measure(
-    host: str,
-    port: int,
-    requests: list[bytes],
-    *,
-    stream: bool,
-    warmup_s: float,
-    measure_s: float,
-    pids: dict[str, int],
-    end: StreamEnd = CHAT_END,
+    cell: Coroutine[Any, Any, CellResult], pids: dict[str, int]
 ) -> tuple[CellResult, dict[str, float], float]:
+    """Run ``cell`` (a ``run_cell`` not yet awaited), accounting the CPU that ``pids``, this load
+    generator and the rest of the machine used meanwhile; also returns the proxy's CPU seconds."""
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     own, busy = os.times(), busy_cpu_seconds()
     t0 = time.monotonic()
-    result = await run_cell(host, port, requests, stream=stream, warmup_s=warmup_s, measure_s=measure_s, end=end)
+    result = await cell
     wall = time.monotonic() - t0
     used = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
     after = os.times()
@@ -154,12 +155,14 @@ async def _direct_cell(
     """The same chat request straight at the fake upstream: the baseline each proxy cell adds to."""
     up = urlsplit(upstream.url)
     result, cpu, _ = await measure(
-        up.hostname or "",
-        up.port or 0,
-        [request] * concurrency,
-        stream=stream,
-        warmup_s=args.warmup,
-        measure_s=args.seconds,
+        run_cell(
+            up.hostname or "",
+            up.port or 0,
+            [request] * concurrency,
+            stream=stream,
+            warmup_s=args.warmup,
+            measure_s=args.seconds,
+        ),
         pids={"fake_upstream": upstream.proc.pid},
     )
     _progress("direct", "chat", stream, concurrency, result)
@@ -188,14 +191,16 @@ async def _proxy_cell(
         for ep in episodes[:concurrency]
     ]
     result, cpu, proxy_cpu_s = await measure(
-        px.hostname or "",
-        px.port or 0,
-        requests,
-        stream=stream,
-        warmup_s=args.warmup,
-        measure_s=args.seconds,
+        run_cell(
+            px.hostname or "",
+            px.port or 0,
+            requests,
+            stream=stream,
+            warmup_s=args.warmup,
+            measure_s=args.seconds,
+            end=STREAM_ENDS[api],
+        ),
         pids={"proxy": proxy.proc.pid, "fake_upstream": upstream.proc.pid},
-        end=STREAM_ENDS[api],
     )
     _progress(f"proxy[{transport}]", api, stream, concurrency, result)
     return Cell("proxy", api, stream, concurrency, result, cpu, proxy_cpu_s, transport)
@@ -401,16 +406,11 @@ def main() -> None:
     if "chat" not in args.apis:
         args.apis.insert(0, "chat")
     exit_on_sigterm()
-    print(f"load average before: {load_average()} (2 cores; other engineers share them)", flush=True)
-    workdir = Path(tempfile.mkdtemp(prefix="flywheel-bench-"))
-    summary = uvloop.run(run(args, workdir))
-    if args.keep or summary["errors_total"] or summary["recorded_missing"]:
-        print(f"kept {workdir} (proxy.log, flywheel.db)")
-    else:
-        import shutil
-
-        shutil.rmtree(workdir, ignore_errors=True)
-    print(json.dumps(summary))
+    run_in_workdir(
+        "flywheel-bench-",
+        lambda workdir: run(args, workdir),
+        keep=lambda summary: bool(args.keep or summary["errors_total"] or summary["recorded_missing"]),
+    )
 
 
 if __name__ == "__main__":

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sqlite3
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +34,6 @@ from urllib.parse import urlsplit
 
 import httptools
 import orjson
-import uvloop
 
 from bench._loadgen import DONE_TAIL, build_request
 from bench._procs import (
@@ -47,6 +44,7 @@ from bench._procs import (
     load_average,
     open_fds,
     rss_mb,
+    run_in_workdir,
 )
 
 GROUP_SIZE = 1000
@@ -319,16 +317,11 @@ def main() -> None:
     args = parser.parse_args()
     exit_on_sigterm()
     args.hold += args.streams / args.rate  # every stream is still open when the last one starts
-    print(f"load average before: {load_average()} (2 cores; other engineers share them)", flush=True)
-    workdir = Path(tempfile.mkdtemp(prefix="flywheel-bench-streams-"))
-    summary = uvloop.run(run(args, workdir))
-    if args.keep or summary["errors"] or summary["proxy_interrupted"]:
-        print(f"kept {workdir} (proxy.log, flywheel.db)")
-    else:
-        import shutil
-
-        shutil.rmtree(workdir, ignore_errors=True)
-    print(json.dumps(summary))
+    run_in_workdir(
+        "flywheel-bench-streams-",
+        lambda workdir: run(args, workdir),
+        keep=lambda summary: bool(args.keep or summary["errors"] or summary["proxy_interrupted"]),
+    )
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ from urllib.parse import urlsplit
 import orjson
 import uvloop
 
-from bench._loadgen import CHAT_END, StreamEnd, build_request, connect
+from bench._loadgen import CHAT_END, StreamEnd, build_request, connection, created_groups
 from bench._procs import FakeUpstreamProcess, ProxyUnderTest, exit_on_sigterm, load_average, open_fds, rss_mb, tree
 from bench.fake_upstream import canned_text
 from contract.client import AsyncProxyClient
@@ -130,9 +130,8 @@ async def run_episode(key: Any, args: argparse.Namespace, rng: random.Random, ta
     url = urlsplit(key.base_url)
     host, port = url.hostname or "127.0.0.1", url.port or 80
     messages: list[dict[str, Any]] = [{"role": "user", "content": _words(rng, 80)}]
-    conn = await connect(host, port)
     headers = {"authorization": f"Bearer {key.api_key}", "x-api-key": key.api_key, "anthropic-version": "2023-06-01"}
-    try:
+    async with connection(host, port) as conn:
         for turn in range(args.turns):
             if time.monotonic() > tally.stop_at:
                 return False
@@ -155,20 +154,13 @@ async def run_episode(key: Any, args: argparse.Namespace, rng: random.Random, ta
             messages = next_turn(kind, messages, rng, turn)
             await asyncio.sleep(args.think_s * rng.uniform(0.5, 1.5))
         return True
-    finally:
-        if conn.transport is not None:
-            conn.transport.close()
 
 
 async def group_runner(client: AsyncProxyClient, args: argparse.Namespace, seed: int, tally: Tally) -> None:
     rng = random.Random(seed)
-    while time.monotonic() < tally.stop_at:
-        try:
-            group = await client.create_group(f"soak-{seed}", args.group_size)
-        except Exception as exc:  # noqa: BLE001 - counted, reported; the runner waits and goes on
-            tally.errors[f"create_group:{type(exc).__name__}"] += 1
-            await asyncio.sleep(1.0)
-            continue
+    async for group in created_groups(
+        client, f"soak-{seed}", args.group_size, until=tally.stop_at, on_error=lambda kind: tally.errors.update([kind])
+    ):
         seeds = [rng.randrange(2**31) for _ in group.episode_keys]
         done = await asyncio.gather(
             *(run_episode(k, args, random.Random(s), tally) for k, s in zip(group.episode_keys, seeds, strict=True))

@@ -69,6 +69,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from bench._procs import ProxyUnderTest, exit_on_sigterm, load_average  # noqa: E402
+from bench._trl import TRAIN_ONLY  # noqa: E402
 from contract.client import ProxyClient  # noqa: E402
 from trainer.config import TrainerConfig, load_config  # noqa: E402
 from trainer.data import Sample, build_batch  # noqa: E402
@@ -290,15 +291,8 @@ def time_trl(
         max_grad_norm=config.max_grad_norm,
         temperature=1.0,
         max_steps=1 + reps,
-        logging_steps=10_000,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        bf16=False,
-        gradient_checkpointing=False,
-        disable_tqdm=True,
         seed=0,
-        shuffle_dataset=False,
+        **TRAIN_ONLY,
     )
     model = AutoModelForCausalLM.from_pretrained(
         str(config.model_dir), dtype=resolve_dtype(config.dtype, "cpu"), attn_implementation="sdpa"

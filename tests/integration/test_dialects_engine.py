@@ -9,7 +9,6 @@ what each client assembled must be what the record says vLLM sampled.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any, Literal
 
 import anthropic
@@ -17,7 +16,15 @@ import openai
 import pytest
 
 from contract.client import Episode
-from tests.support.services import ProxyProcess, episode_record, grammar_masker, new_episode, serving_proxy
+from tests.support.services import (
+    ProxyProcess,
+    episode_record,
+    grammar_masker,
+    new_episode,
+    sampled_ids,
+    stored_calls,
+)
+from tests.support.tools import CALCULATOR_PARAMETERS
 from trainer.data import DataStats, episode_samples
 
 pytestmark = pytest.mark.vllm
@@ -27,34 +34,15 @@ CALCULATOR = {
     "name": "calculator",
     "description": "Compute a op b.",
     "strict": True,
-    "parameters": {
-        "type": "object",
-        "additionalProperties": False,
-        "required": ["a", "op", "b"],
-        "properties": {
-            "a": {"type": "integer"},
-            "b": {"type": "integer"},
-            "op": {"type": "string", "enum": ["add", "multiply"]},
-        },
-    },
+    "parameters": CALCULATOR_PARAMETERS,
 }
 ANTHROPIC_CALCULATOR = {
     "name": "calculator",
     "description": "Compute a op b.",
     "strict": True,
-    "input_schema": CALCULATOR["parameters"],
+    "input_schema": CALCULATOR_PARAMETERS,
 }
 QUESTION = "What is 37 * 48? Use the calculator."
-
-
-@pytest.fixture(scope="module")
-def proxy(vllm_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProcess]:
-    with serving_proxy(vllm_url, tmp_path_factory.mktemp("dialects")) as process:
-        yield process
-
-
-def stored_calls(proxy: ProxyProcess, episode_id: str) -> list[dict[str, Any]]:
-    return sorted(episode_record(proxy, episode_id)["calls"], key=lambda c: c["ordinal"])
 
 
 def assert_exact(call: dict[str, Any], api: str) -> None:
@@ -67,7 +55,7 @@ def assert_exact(call: dict[str, Any], api: str) -> None:
 
 def assert_extends(first: dict[str, Any], second: dict[str, Any]) -> None:
     """The follow-up's prompt starts with the first call's prompt and sampled ids."""
-    sampled = first["prompt_token_ids"] + first["choices"][0]["token_ids"]
+    sampled = sampled_ids(first)
     assert second["prompt_token_ids"][: len(sampled)] == sampled
 
 

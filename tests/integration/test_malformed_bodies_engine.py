@@ -10,14 +10,13 @@ event or its error event. Afterwards the engine still answers, so no body of the
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import orjson
 import pytest
 
-from tests.support.services import ProxyProcess, new_episode, serving_proxy
+from tests.support.services import ProxyProcess, new_episode
 
 pytestmark = pytest.mark.vllm
 
@@ -136,12 +135,6 @@ RAW_BODIES = [
     b"[" * 5000 + b"]" * 5000,
     b"\xff\xfe{}",
 ]
-
-
-@pytest.fixture(scope="module")
-def proxy(vllm_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProcess]:
-    with serving_proxy(vllm_url, tmp_path_factory.mktemp("malformed")) as process:
-        yield process
 
 
 def assert_error_shape(api: str, body: dict[str, Any]) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import sqlite3
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -28,8 +27,11 @@ from tests.support.services import (
     episode_record,
     grammar_masker,
     new_episode,
+    sampled_ids,
     serving_proxy,
+    stored_calls,
 )
+from tests.support.tools import CALCULATOR_PARAMETERS
 from trainer.data import DataStats, episode_samples
 
 pytestmark = pytest.mark.vllm
@@ -41,16 +43,7 @@ TOOLS = [
             "name": "calculator",
             "description": "Compute a op b.",
             "strict": True,
-            "parameters": {
-                "type": "object",
-                "additionalProperties": False,
-                "required": ["a", "op", "b"],
-                "properties": {
-                    "a": {"type": "integer"},
-                    "op": {"type": "string", "enum": ["add", "multiply"]},
-                    "b": {"type": "integer"},
-                },
-            },
+            "parameters": CALCULATOR_PARAMETERS,
         },
     }
 ]
@@ -58,10 +51,18 @@ QUESTION = [{"role": "system", "content": "Use the calculator."}, {"role": "user
 NAMED = {"type": "function", "function": {"name": "calculator"}}
 
 
-@pytest.fixture(scope="module")
-def proxy(vllm_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProcess]:
-    with serving_proxy(vllm_url, tmp_path_factory.mktemp("splice")) as process:
-        yield process
+def ask(client: openai.OpenAI, messages: list[dict[str, Any]], tools: list[Any] = TOOLS, **extra: Any) -> Any:
+    """A chat call that names the calculator, sampled at temperature 1 as an agent's would be."""
+    return client.chat.completions.create(
+        model="policy", messages=messages, tools=tools, tool_choice=NAMED, temperature=1.0, max_tokens=64, **extra
+    )
+
+
+def first_turn(proxy: ProxyProcess) -> tuple[dict[str, Any], openai.OpenAI, Any]:
+    """A new episode, its agent's client, and the answer to its first call."""
+    episode = new_episode(proxy, "splice")
+    client = openai.OpenAI(base_url=episode["base_url"], api_key=episode["api_key"], max_retries=0)
+    return episode, client, ask(client, QUESTION)
 
 
 def follow_up(first: Any) -> list[dict[str, Any]]:
@@ -105,41 +106,29 @@ def rendered(vllm_url: str, messages: list[dict[str, Any]]) -> list[int]:
 @pytest.mark.parametrize("stream", [False, True], ids=["non-streamed", "streamed"])
 def test_follow_up_prompts_extend_the_sampled_ids(proxy: ProxyProcess, vllm_url: str, stream: bool) -> None:
     for _ in range(8):  # until the model samples arguments whose re-render differs (most of the time)
-        episode = new_episode(proxy, "splice")
-        client = openai.OpenAI(base_url=episode["base_url"], api_key=episode["api_key"], max_retries=0)
-        first = client.chat.completions.create(
-            model="policy",
-            messages=QUESTION,
-            tools=TOOLS,  # type: ignore[arg-type]
-            tool_choice=NAMED,
-            temperature=1.0,
-            max_tokens=64,
-        )
+        episode, client, first = first_turn(proxy)
         messages = follow_up(first)
         (recorded,) = episode_record(proxy, episode["id"])["calls"]
-        sampled = recorded["prompt_token_ids"] + recorded["choices"][0]["token_ids"]
+        sampled = sampled_ids(recorded)
         if rendered(vllm_url, messages)[: len(sampled)] != sampled:
             break
     else:
         pytest.fail("8 sampled calls all re-rendered as sampled: nothing here needs the splice")
-    second_args = dict(
-        model="policy", messages=messages, tools=TOOLS, tool_choice=NAMED, temperature=1.0, max_tokens=64
-    )
     if stream:
-        pieces = list(client.chat.completions.create(**second_args, stream=True))  # type: ignore[call-overload]
+        pieces = list(ask(client, messages, stream=True))
         deltas = [tc for p in pieces if p.choices for tc in p.choices[0].delta.tool_calls or []]
         fragments = [tc.function.arguments or "" for tc in deltas]
         names = [tc.function.name for tc in deltas if tc.function.name]
         assert names == ["calculator"] and json.loads("".join(fragments)).keys() == {"a", "op", "b"}
     else:
-        second = client.chat.completions.create(**second_args)  # type: ignore[call-overload]
+        second = ask(client, messages)
         (tool_call,) = second.choices[0].message.tool_calls
         assert tool_call.function.name == "calculator" and json.loads(tool_call.function.arguments)
         assert second.model_dump().get("prompt_token_ids") is None  # the client did not ask: standard response
 
     raw = episode_record(proxy, episode["id"])
     one, two = sorted(raw["calls"], key=lambda c: c["ordinal"])
-    sampled = one["prompt_token_ids"] + one["choices"][0]["token_ids"]
+    sampled = sampled_ids(one)
     assert two["prompt_token_ids"][: len(sampled)] == sampled
     assert two["exact_ids"] is True and two["stream"] is stream
     assert len(two["choices"][0]["token_ids"]) == len(two["choices"][0]["logprobs"]) > 0
@@ -160,29 +149,13 @@ def test_follow_up_prompts_extend_the_sampled_ids(proxy: ProxyProcess, vllm_url:
 
 
 def test_a_turn_the_agent_edited_goes_the_ordinary_way_and_says_why(proxy: ProxyProcess) -> None:
-    episode = new_episode(proxy, "splice")
-    client = openai.OpenAI(base_url=episode["base_url"], api_key=episode["api_key"], max_retries=0)
-    first = client.chat.completions.create(
-        model="policy",
-        messages=QUESTION,
-        tools=TOOLS,  # type: ignore[arg-type]
-        tool_choice=NAMED,
-        temperature=1.0,
-        max_tokens=64,
-    )
+    episode, client, first = first_turn(proxy)
     messages = follow_up(first)
     messages[2]["tool_calls"][0]["function"]["arguments"] = '{"a": 1, "op": "add", "b": 2}'
-    client.chat.completions.create(
-        model="policy",
-        messages=messages,
-        tools=TOOLS,  # type: ignore[arg-type]
-        tool_choice=NAMED,
-        temperature=1.0,
-        max_tokens=64,
-    )
-    one, two = sorted(episode_record(proxy, episode["id"])["calls"], key=lambda c: c["ordinal"])
+    ask(client, messages)
+    one, two = stored_calls(proxy, episode["id"])
     assert "continued" in two["notes"]["splice"]["skipped"]
-    sampled = one["prompt_token_ids"] + one["choices"][0]["token_ids"]
+    sampled = sampled_ids(one)
     assert two["prompt_token_ids"][: len(sampled)] != sampled  # what the agent sent is what vLLM saw
     metrics = httpx.get(f"{proxy.url}/metrics", headers=ADMIN).text
     assert 'flywheel_splices_total{outcome="skipped"}' in metrics
@@ -193,30 +166,14 @@ def test_a_follow_up_that_offers_other_tools_is_rendered_from_its_own_request(pr
     tools into the system block, so call 1's prompt ids are not what this request renders as. Spliced,
     vLLM would generate from a system block the agent never sent (issue 30); it goes the ordinary way,
     and the record says why."""
-    episode = new_episode(proxy, "splice")
-    client = openai.OpenAI(base_url=episode["base_url"], api_key=episode["api_key"], max_retries=0)
-    first = client.chat.completions.create(
-        model="policy",
-        messages=QUESTION,
-        tools=TOOLS,  # type: ignore[arg-type]
-        tool_choice=NAMED,
-        temperature=1.0,
-        max_tokens=64,
-    )
+    episode, client, first = first_turn(proxy)
     more = [*TOOLS, {"type": "function", "function": {"name": "submit_answer", "parameters": {"type": "object"}}}]
-    client.chat.completions.create(
-        model="policy",
-        messages=follow_up(first),
-        tools=more,  # type: ignore[arg-type]
-        tool_choice=NAMED,
-        temperature=1.0,
-        max_tokens=64,
-    )
-    one, two = sorted(episode_record(proxy, episode["id"])["calls"], key=lambda c: c["ordinal"])
+    ask(client, follow_up(first), tools=more)
+    one, two = stored_calls(proxy, episode["id"])
     assert two["notes"]["splice"]["skipped"].startswith(
         "the request changes what the template renders since call 0 (tools)"
     )
-    sampled = one["prompt_token_ids"] + one["choices"][0]["token_ids"]
+    sampled = sampled_ids(one)
     assert two["prompt_token_ids"][: len(one["prompt_token_ids"])] != one["prompt_token_ids"]  # another system block
     assert two["prompt_token_ids"][: len(sampled)] != sampled
 
@@ -254,7 +211,7 @@ def _thinking_episode(proxy: ProxyProcess) -> tuple[dict[str, Any], dict[str, An
         json={**common, "messages": follow, "max_tokens": 8},
     )
     assert second.status_code == 200, second.text
-    one, two = sorted(episode_record(proxy, episode["id"])["calls"], key=lambda c: c["ordinal"])
+    one, two = stored_calls(proxy, episode["id"])
     return one, two
 
 
@@ -270,7 +227,7 @@ def test_a_thinking_models_episode_stays_one_sequence_with_reasoning_kept(
             vllm_url, tmp_path_factory.mktemp(f"think-{mode}"), FLYWHEEL_SPLICE__REASONING=mode
         ) as proxy:
             one, two = _thinking_episode(proxy)
-        sampled = one["prompt_token_ids"] + one["choices"][0]["token_ids"]
+        sampled = sampled_ids(one)
         stats = DataStats()
         calls = Episode.model_validate({"id": "e", "status": "rewarded", "reward": 1.0, "calls": [one, two]})
         samples = episode_samples(calls, group_id="g", max_seq_len=8192, stats=stats, masker=grammar_masker())

@@ -59,6 +59,12 @@ ADD_TOOL = {
 }
 
 
+def add_call(number: int, a: int, b: int) -> dict[str, Any]:
+    """An ``add`` tool call as vLLM answers it: its ``chatcmpl-tool-N`` id, the arguments as sampled."""
+    arguments = f'{{"a": {a}, "b": {b}}}'
+    return {"id": f"chatcmpl-tool-{number}", "type": "function", "function": {"name": "add", "arguments": arguments}}
+
+
 # -- helpers ------------------------------------------------------------------------------------
 
 
@@ -517,13 +523,7 @@ def test_an_sdk_answer_passed_back_is_accepted() -> None:
                 {
                     "content": "Adding.",
                     "reasoning_content": "Easy.",
-                    "tool_calls": [
-                        {
-                            "id": "chatcmpl-tool-1",
-                            "type": "function",
-                            "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'},
-                        }
-                    ],
+                    "tool_calls": [add_call(1, 2, 3)],
                 },
                 finish="tool_calls",
             )
@@ -821,18 +821,7 @@ def test_two_tool_calls() -> None:
             completion(
                 {
                     "content": "\n\n",
-                    "tool_calls": [
-                        {
-                            "id": "chatcmpl-tool-1",
-                            "type": "function",
-                            "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'},
-                        },
-                        {
-                            "id": "chatcmpl-tool-2",
-                            "type": "function",
-                            "function": {"name": "add", "arguments": '{"a": 4, "b": 5}'},
-                        },
-                    ],
+                    "tool_calls": [add_call(1, 2, 3), add_call(2, 4, 5)],
                 },
                 finish="tool_calls",
             )
@@ -1005,18 +994,7 @@ def test_a_streamed_text_and_tool_call_answer() -> None:
     full = completion(
         {
             "content": "Let me add.",
-            "tool_calls": [
-                {
-                    "id": "chatcmpl-tool-1",
-                    "type": "function",
-                    "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'},
-                },
-                {
-                    "id": "chatcmpl-tool-2",
-                    "type": "function",
-                    "function": {"name": "add", "arguments": '{"a": 4, "b": 5}'},
-                },
-            ],
+            "tool_calls": [add_call(1, 2, 3), add_call(2, 4, 5)],
         },
         finish="tool_calls",
         generated=30,

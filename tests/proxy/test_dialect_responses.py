@@ -19,7 +19,7 @@ from pydantic import TypeAdapter
 
 from proxy.dialects.responses import ResponsesTranslation, history_of, input_messages, parse
 from proxy.errors import InvalidRequest, UpstreamError
-from proxy.store.records import CallRecord
+from tests.support.records import call_record
 
 EVENTS: TypeAdapter[ResponseStreamEvent] = TypeAdapter(ResponseStreamEvent)
 PARAMS: TypeAdapter[ResponseCreateParamsNonStreaming] = TypeAdapter(ResponseCreateParamsNonStreaming)
@@ -206,29 +206,18 @@ def test_refusals_name_the_field(body: dict[str, Any], param: str, words: str) -
 
 
 def test_previous_response_history_drops_its_instructions_and_replays_its_answer() -> None:
-    prev = CallRecord(
-        id=1,
-        ordinal=0,
-        episode_id="e",
-        kind="chat",
-        stream=False,
+    prev = call_record(
+        "e",
         request={
             "model": "policy",
             "messages": [{"role": "system", "content": "old rules"}, {"role": "user", "content": "3*4?"}],
         },
         response=None,
-        status_code=200,
-        error=None,
         prompt_token_ids=[1],
-        exact_ids=True,
         choices=[{"index": 0, "token_ids": [9], "text": "", "tool_calls": [call("c1", "calculator", '{"a":3}')]}],
-        model_requested="policy",
         model_served="policy",
-        policy_version=0,
         replica="r",
         started_at=0.0,
-        latency_ms=1.0,
-        ttft_ms=None,
         prompt_tokens=1,
         completion_tokens=1,
         api="responses",

@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from proxy.store.db import migrate_async
 from proxy.store.records import NewCall
 from proxy.store.repository import Repository
 from tests.proxy.conftest import ADMIN, fake_upstream, make_settings, running_app
+from tests.support.records import chat_call
 from tests.support.services import ROOT
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -30,14 +30,10 @@ TOOL = {"id": "call_1", "type": "function", "function": {"name": "calculator", "
 def _call(
     episode_id: str, messages: list[dict[str, Any]], ids: list[int], logprobs: list[float], sampling: dict[str, Any]
 ) -> NewCall:
-    return NewCall(
-        episode_id=episode_id,
-        kind="chat",
-        stream=False,
+    return chat_call(
+        episode_id,
         request={"model": "policy", "messages": messages, "tools": [{"type": "function", "function": {"name": "c"}}]},
         response={"id": "x", "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}]},
-        status_code=200,
-        error=None,
         prompt_token_ids=[1, 2, 3, len(messages)],
         choices=[
             {
@@ -49,14 +45,9 @@ def _call(
                 "tool_calls": None if len(messages) > 2 else [TOOL],
             }
         ],
-        exact_ids=True,
-        model_requested="policy",
         model_served="policy-v2",
         policy_version=2,
-        replica="vllm-0",
-        started_at=time.time(),
         latency_ms=10.0,
-        ttft_ms=None,
         prompt_tokens=4,
         completion_tokens=len(ids),
         notes={"sampling": sampling},

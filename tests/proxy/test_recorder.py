@@ -8,8 +8,9 @@ hold one transaction open while more calls arrive, and make a chosen batch fail 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
 
 import pytest
 
@@ -18,6 +19,7 @@ from proxy.recorder import Recorder
 from proxy.store.calls import Calls
 from proxy.store.records import NewCall
 from proxy.store.repository import Repository
+from tests.support.records import chat_call
 
 
 class GatedCalls:
@@ -61,27 +63,8 @@ async def episode_id(repo: Repository) -> str:
 
 
 def call(episode_id: str, marker: int = 0) -> NewCall:
-    return NewCall(
-        episode_id=episode_id,
-        kind="chat",
-        stream=False,
-        request={"model": "policy", "messages": []},
-        response={"choices": []},
-        status_code=200,
-        error=None,
-        prompt_token_ids=[1, 2, marker],
-        choices=[{"index": 0, "token_ids": [4, 5], "logprobs": [-0.1, -0.2], "finish_reason": "stop"}],
-        exact_ids=True,
-        model_requested="policy",
-        model_served="policy-base",
-        policy_version=0,
-        replica="vllm-0",
-        started_at=time.time(),
-        latency_ms=1.0,
-        ttft_ms=None,
-        prompt_tokens=3,
-        completion_tokens=2,
-    )
+    """A plain call whose last prompt id is ``marker``: the order calls were stored in reads off it."""
+    return chat_call(episode_id, prompt_token_ids=[1, 2, marker])
 
 
 async def held_first_batch(gated: GatedCalls, recorder: Recorder, episode_id: str) -> asyncio.Task[None]:
@@ -100,12 +83,34 @@ async def queued(recorder: Recorder, calls: list[NewCall]) -> list[asyncio.Task[
     return tasks
 
 
+@asynccontextmanager
+async def recording(gated: GatedCalls, **options: Any) -> AsyncIterator[Recorder]:
+    """A started recorder on ``gated``; on the way out the gate opens (a batch held at it must be
+    able to finish) and the recorder closes."""
+    recorder = Recorder(gated, **options)
+    recorder.start()
+    try:
+        yield recorder
+    finally:
+        gated.gate.set()
+        await recorder.close()
+
+
+async def released(
+    gated: GatedCalls, recorder: Recorder, episode_id: str, calls: list[NewCall]
+) -> list[BaseException | None]:
+    """Batch 1 (one call) held at the gate while ``calls`` queue behind it, then the gate opened:
+    every call's outcome, batch 1's first (None: committed)."""
+    first = await held_first_batch(gated, recorder, episode_id)
+    rest = await queued(recorder, calls)
+    gated.gate.set()
+    return await asyncio.wait_for(asyncio.gather(first, *rest, return_exceptions=True), 5)
+
+
 async def test_a_call_is_acknowledged_only_once_its_batch_has_committed(
     repo: Repository, gated: GatedCalls, episode_id: str
 ) -> None:
-    recorder = Recorder(gated)
-    recorder.start()
-    try:
+    async with recording(gated) as recorder:
         first = await held_first_batch(gated, recorder, episode_id)
         await asyncio.sleep(0.05)
         assert not first.done() and recorder.queue_depth == 0  # taken into a batch, not yet committed
@@ -113,9 +118,6 @@ async def test_a_call_is_acknowledged_only_once_its_batch_has_committed(
         gated.gate.set()
         await asyncio.wait_for(first, 5)
         assert await repo.calls.count(episode_id) == 1
-    finally:
-        gated.gate.set()
-        await recorder.close()
 
 
 async def test_every_acknowledged_call_is_readable_at_once_from_another_connection(
@@ -123,17 +125,13 @@ async def test_every_acknowledged_call_is_readable_at_once_from_another_connecti
 ) -> None:
     """Each of many concurrent callers, the moment its own record() returns, finds its row stored."""
     episodes = [(await repo.episodes.create_episode(task_id="t", metadata={})).id for _ in range(24)]
-    recorder = Recorder(gated)
-    recorder.start()
+    async with recording(gated) as recorder:
 
-    async def record_then_count(episode: str) -> int:
-        await recorder.record(call(episode))
-        return await repo.calls.count(episode)
+        async def record_then_count(episode: str) -> int:
+            await recorder.record(call(episode))
+            return await repo.calls.count(episode)
 
-    try:
         counts = await asyncio.gather(*(record_then_count(e) for e in episodes))
-    finally:
-        await recorder.close()
     assert counts == [1] * len(episodes)
 
 
@@ -141,16 +139,9 @@ async def test_calls_arriving_during_a_commit_share_the_next_transaction(
     repo: Repository, gated: GatedCalls, episode_id: str
 ) -> None:
     reported: list[tuple[int, float]] = []
-    recorder = Recorder(gated, on_batch=lambda size, seconds: reported.append((size, seconds)))
-    recorder.start()
-    try:
-        first = await held_first_batch(gated, recorder, episode_id)
-        rest = await queued(recorder, [call(episode_id, marker=i) for i in range(10)])
-        gated.gate.set()
-        await asyncio.wait_for(asyncio.gather(first, *rest), 5)
-    finally:
-        gated.gate.set()
-        await recorder.close()
+    async with recording(gated, on_batch=lambda size, seconds: reported.append((size, seconds))) as recorder:
+        outcomes = await released(gated, recorder, episode_id, [call(episode_id, marker=i) for i in range(10)])
+    assert outcomes == [None] * 11
     assert gated.batches == [1, 10]
     assert [size for size, _ in reported] == [1, 10] and all(seconds >= 0 for _, seconds in reported)
     stored = (await repo.episodes.get_episode(episode_id)).calls or []
@@ -160,16 +151,9 @@ async def test_calls_arriving_during_a_commit_share_the_next_transaction(
 async def test_batch_max_caps_the_calls_in_one_transaction(
     repo: Repository, gated: GatedCalls, episode_id: str
 ) -> None:
-    recorder = Recorder(gated, batch_max=4)
-    recorder.start()
-    try:
-        first = await held_first_batch(gated, recorder, episode_id)
-        rest = await queued(recorder, [call(episode_id, marker=i) for i in range(10)])
-        gated.gate.set()
-        await asyncio.wait_for(asyncio.gather(first, *rest), 5)
-    finally:
-        gated.gate.set()
-        await recorder.close()
+    async with recording(gated, batch_max=4) as recorder:
+        outcomes = await released(gated, recorder, episode_id, [call(episode_id, marker=i) for i in range(10)])
+    assert outcomes == [None] * 11
     assert gated.batches == [1, 4, 4, 2]
     assert await repo.calls.count(episode_id) == 11
 
@@ -177,14 +161,9 @@ async def test_batch_max_caps_the_calls_in_one_transaction(
 async def test_a_failed_commit_fails_every_waiter_of_its_batch_and_the_next_batch_commits(
     repo: Repository, gated: GatedCalls, episode_id: str
 ) -> None:
-    recorder = Recorder(gated)
-    recorder.start()
-    try:
-        first = await held_first_batch(gated, recorder, episode_id)
-        doomed = await queued(recorder, [call(episode_id, marker=i) for i in range(3)])
-        gated.fail_batches = {2}
-        gated.gate.set()
-        outcomes = await asyncio.wait_for(asyncio.gather(first, *doomed, return_exceptions=True), 5)
+    gated.fail_batches = {2}  # batch 2: the three calls queued behind the held one
+    async with recording(gated) as recorder:
+        outcomes = await released(gated, recorder, episode_id, [call(episode_id, marker=i) for i in range(3)])
         assert outcomes[0] is None
         for failed in outcomes[1:]:
             assert isinstance(failed, RecordingFailed)
@@ -193,25 +172,15 @@ async def test_a_failed_commit_fails_every_waiter_of_its_batch_and_the_next_batc
         assert await repo.calls.count(episode_id) == 1
         await asyncio.wait_for(recorder.record(call(episode_id, marker=99)), 5)  # the recorder lives on
         assert await repo.calls.count(episode_id) == 2 and gated.batches == [1, 3, 1]
-    finally:
-        gated.gate.set()
-        await recorder.close()
 
 
 async def test_a_refused_call_fails_alone_and_its_batch_commits(
     repo: Repository, gated: GatedCalls, episode_id: str
 ) -> None:
     missing = "00000000-0000-0000-0000-000000000000"
-    recorder = Recorder(gated)
-    recorder.start()
-    try:
-        first = await held_first_batch(gated, recorder, episode_id)
-        mixed = await queued(recorder, [call(episode_id, marker=0), call(missing), call(episode_id, marker=1)])
-        gated.gate.set()
-        outcomes = await asyncio.wait_for(asyncio.gather(first, *mixed, return_exceptions=True), 5)
-    finally:
-        gated.gate.set()
-        await recorder.close()
+    mixed = [call(episode_id, marker=0), call(missing), call(episode_id, marker=1)]
+    async with recording(gated) as recorder:
+        outcomes = await released(gated, recorder, episode_id, mixed)
     assert gated.batches == [1, 3]
     assert outcomes[0] is None and outcomes[1] is None and outcomes[3] is None
     refused = outcomes[2]
@@ -223,18 +192,13 @@ async def test_a_caller_that_stops_waiting_still_has_its_call_committed(
     repo: Repository, gated: GatedCalls, episode_id: str
 ) -> None:
     """A client that disconnects cancels only its wait; the record it handed in is still written."""
-    recorder = Recorder(gated)
-    recorder.start()
-    try:
+    async with recording(gated) as recorder:
         first = await held_first_batch(gated, recorder, episode_id)
         [gone] = await queued(recorder, [call(episode_id, marker=1)])
         first.cancel()
         gone.cancel()
         gated.gate.set()
         await asyncio.wait_for(recorder.record(call(episode_id, marker=2)), 5)
-    finally:
-        gated.gate.set()
-        await recorder.close()
     assert first.cancelled() and gone.cancelled()
     assert await repo.calls.count(episode_id) == 3
 
@@ -296,13 +260,9 @@ async def test_a_failing_on_batch_callback_is_counted_and_commits_go_on(
     def broken(size: int, seconds: float) -> None:
         raise ValueError("Counters can only be incremented by non-negative amounts.")
 
-    recorder = Recorder(gated, on_batch=broken)
-    recorder.start()
-    try:
+    async with recording(gated, on_batch=broken) as recorder:
         for marker in range(3):
             await asyncio.wait_for(recorder.record(call(episode_id, marker=marker)), 5)
-    finally:
-        await recorder.close()
     assert await repo.calls.count(episode_id) == 3 and recorder.callback_errors == 3
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from proxy.splice import continued, end_of_turn, ended_elsewhere, render_changes, room, splice
 from proxy.store.records import CallRecord
+from tests.support.records import call_record
 
 SYSTEM = {"role": "system", "content": "Use the calculator."}
 USER = {"role": "user", "content": "What is 12 * 34?"}
@@ -38,32 +39,8 @@ def choice(
 
 
 def call(messages: list[dict[str, Any]], choices: list[dict[str, Any]], **over: Any) -> CallRecord:
-    fields: dict[str, Any] = dict(
-        episode_id="ep",
-        kind="chat",
-        stream=False,
-        request={"model": "policy", "messages": messages},
-        response=None,
-        status_code=200,
-        error=None,
-        prompt_token_ids=[1, 2, 3],
-        choices=choices,
-        exact_ids=True,
-        model_requested="policy",
-        model_served="policy-base",
-        policy_version=0,
-        replica="r",
-        started_at=0.0,
-        latency_ms=1.0,
-        ttft_ms=None,
-        prompt_tokens=3,
-        completion_tokens=3,
-        notes=None,
-        id=1,
-        ordinal=0,
-    )
-    fields.update(over)
-    return CallRecord(**fields)
+    fields: dict[str, Any] = {"response": None, "replica": "r", "started_at": 0.0, "completion_tokens": 3} | over
+    return call_record(request={"model": "policy", "messages": messages}, choices=choices, **fields)
 
 
 RESULT = {"role": "tool", "tool_call_id": "call_1", "content": "408"}

@@ -19,6 +19,7 @@ from proxy.store.db import is_sqlite, migrate_async, sqlite_file
 from proxy.store.records import CallRecord, NewCall
 from proxy.store.repository import Repository
 from proxy.store.rows import CALL_FIELDS, ROW_FIELDS
+from tests.support.records import chat_call
 
 
 @pytest.fixture
@@ -33,26 +34,11 @@ async def repo(store_url: str) -> AsyncIterator[Repository]:
 def call(
     episode_id: str, *, started_at: float | None = None, version: int | None = 0, prompt: list[int] | None = None
 ) -> NewCall:
-    return NewCall(
-        episode_id=episode_id,
-        kind="chat",
-        stream=False,
-        request={"model": "policy", "messages": []},
-        response={"choices": []},
-        status_code=200,
-        error=None,
+    return chat_call(
+        episode_id,
         prompt_token_ids=prompt or [1, 2, 3],
-        choices=[{"index": 0, "token_ids": [4, 5], "logprobs": [-0.1, -0.2], "finish_reason": "stop"}],
-        exact_ids=True,
-        model_requested="policy",
-        model_served="policy-base",
         policy_version=version,
-        replica="vllm-0",
         started_at=started_at if started_at is not None else time.time(),
-        latency_ms=1.0,
-        ttft_ms=None,
-        prompt_tokens=3,
-        completion_tokens=2,
     )
 
 

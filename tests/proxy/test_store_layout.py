@@ -32,6 +32,7 @@ from proxy.store.records import CallRecord, NewCall
 from proxy.store.repository import Repository
 from proxy.store.rows import CALL_FIELDS, call_records, call_values, json_text
 from tests.conftest import _drop_pg_database, _pg_database
+from tests.support.records import chat_call
 from trainer.data import DataStats, episode_samples
 
 T0 = 1_700_000_000.0
@@ -52,29 +53,18 @@ def new_call(
     choices: list[dict[str, Any]],
     **changes: Any,
 ) -> NewCall:
-    call = NewCall(
-        episode_id=episode_id,
-        kind="chat",
-        stream=False,
-        request={"model": "policy", "messages": messages, "temperature": 1.0, "tools": [{"type": "function"}]},
-        response={"id": f"chatcmpl-{at}", "choices": [{"index": c["index"]} for c in choices]},
-        status_code=200,
-        error=None,
-        prompt_token_ids=prompt,
-        choices=choices,
-        exact_ids=True,
-        model_requested="policy",
-        model_served="policy-base",
-        policy_version=0,
-        replica="vllm-0",
-        started_at=T0 + at,
-        latency_ms=12.5,
-        ttft_ms=None,
-        prompt_tokens=len(prompt or []),
-        completion_tokens=sum(len(c.get("token_ids") or []) for c in choices),
-        notes=SAMPLED,
-    )
-    return dataclasses.replace(call, **changes)
+    fields: dict[str, Any] = {
+        "request": {"model": "policy", "messages": messages, "temperature": 1.0, "tools": [{"type": "function"}]},
+        "response": {"id": f"chatcmpl-{at}", "choices": [{"index": c["index"]} for c in choices]},
+        "prompt_token_ids": prompt,
+        "choices": choices,
+        "started_at": T0 + at,
+        "latency_ms": 12.5,
+        "prompt_tokens": len(prompt or []),
+        "completion_tokens": sum(len(c.get("token_ids") or []) for c in choices),
+        "notes": SAMPLED,
+    }
+    return chat_call(episode_id, **(fields | changes))
 
 
 def choice(index: int, ids: list[int], *, logprobs: list[Any] | None = None, **extra: Any) -> dict[str, Any]:
@@ -245,6 +235,21 @@ async def _write_legacy(url: str) -> None:
         await engine.dispose()
 
 
+async def _legacy_and_new(urls: Any) -> tuple[str, str]:
+    """Two migrated stores: ``legacy`` holding every episode as written before 0004, ``new`` only
+    the episode rows (a test writes the calls through the repository)."""
+    legacy_url, new_url = await urls("legacy"), await urls("new")
+    for url in (legacy_url, new_url):
+        await migrate_async(url)
+    await _write_legacy(legacy_url)
+    engine = make_engine(new_url)
+    try:
+        await _write_episode_rows(engine)
+    finally:
+        await engine.dispose()
+    return legacy_url, new_url
+
+
 async def _read(url: str) -> dict[str, list[CallRecord]]:
     repo = Repository(url)
     try:
@@ -325,19 +330,11 @@ def _expected_deltas(columns: list[tuple[Any, ...]]) -> None:
 
 
 async def test_written_compactly_every_call_reads_back_as_the_json_layout_did(urls: Any) -> None:
-    legacy_url, new_url = await urls("legacy"), await urls("new")
-    for url in (legacy_url, new_url):
-        await migrate_async(url)
-    await _write_legacy(legacy_url)
+    legacy_url, new_url = await _legacy_and_new(urls)
     legacy = await _read(legacy_url)
     for eid, calls in episodes().items():  # the JSON layout returns the calls as they were written
         assert [c.request for c in legacy[eid]] == [c.request for c in calls]
 
-    engine = make_engine(new_url)
-    try:
-        await _write_episode_rows(engine)
-    finally:
-        await engine.dispose()
     repo = Repository(new_url)
     try:
         everything = [c for calls in episodes().values() for c in calls]
@@ -405,15 +402,7 @@ async def test_a_delta_claim_rejoins_to_the_whole_calls_in_fewer_bytes(urls: Any
     messages after their base's), JSON-layout rows whole. Rejoined by the trainer's client, every
     call equals the whole claim's byte for byte, key order and float bits included, and the
     trainer's samples do not change."""
-    legacy_url, new_url = await urls("legacy"), await urls("new")
-    for url in (legacy_url, new_url):
-        await migrate_async(url)
-    await _write_legacy(legacy_url)
-    engine = make_engine(new_url)
-    try:
-        await _write_episode_rows(engine)
-    finally:
-        await engine.dispose()
+    legacy_url, new_url = await _legacy_and_new(urls)
     repo = Repository(new_url)
     try:
         await repo.calls.insert([c for calls in episodes().values() for c in calls])

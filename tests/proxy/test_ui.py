@@ -6,7 +6,6 @@ No vLLM and no browser: the fake upstream only answers the proxy's health checks
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from proxy.store.repository import Repository
 from proxy.ui.routes import TokenRate
 from proxy.ui.session import COOKIE, SessionTokens
 from tests.proxy.conftest import ADMIN, fake_upstream, make_settings, running_app
+from tests.support.records import chat_call
 from tests.support.services import ADMIN_KEY
 
 TOOL_ARGS = '{"expression": "17 * 23"}'
@@ -39,10 +39,8 @@ def _call(
 ) -> NewCall:
     tokens = [{"token": f"<{t}>", "logprob": lp} for t, lp in zip(token_ids, logprobs, strict=True)]
     message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
-    return NewCall(
-        episode_id=episode_id,
-        kind="chat",
-        stream=False,
+    return chat_call(
+        episode_id,
         request={"model": "policy", "messages": messages},
         response={
             "id": "chatcmpl-1",
@@ -55,8 +53,6 @@ def _call(
                 }
             ],
         },
-        status_code=200,
-        error=None,
         prompt_token_ids=list(range(1, 12)),
         choices=[
             {
@@ -68,14 +64,9 @@ def _call(
                 "tool_calls": tool_calls,
             }
         ],
-        exact_ids=True,
-        model_requested="policy",
         model_served=f"policy-v{version}",
         policy_version=version,
-        replica="vllm-0",
-        started_at=time.time(),
         latency_ms=123.0,
-        ttft_ms=None,
         prompt_tokens=11,
         completion_tokens=len(token_ids),
         notes={"sampling": {"mode": mode, "temperature": 1.0 if mode == "sampled" else 0.0}},

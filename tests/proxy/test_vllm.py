@@ -5,6 +5,7 @@ Every assertion about recorded tokens compares against what vLLM itself returns 
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.services import ADMIN_KEY, ProxyProcess, episode_record, serving_proxy
+from tests.support.services import ADMIN_KEY, ProxyProcess, episode_record, serving_proxy, write_adapter
 from tests.support.services import new_episode as support_new_episode
 
 pytestmark = pytest.mark.vllm
@@ -58,6 +59,14 @@ def direct(vllm_url: str, body: dict[str, Any]) -> dict[str, Any]:
     response = httpx.post(f"{vllm_url}/v1/chat/completions", json={**body, "return_token_ids": True}, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()
+
+
+def stream_events(url: str, key: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The JSON events of a streamed call, as a client reads them off the wire."""
+    with httpx.stream("POST", url, json=body, timeout=120, headers={"authorization": f"Bearer {key}"}) as response:
+        assert response.status_code == 200
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    return events
 
 
 def test_openai_client_non_streamed_records_exact_tokens(proxy: ProxyProcess, vllm_url: str) -> None:
@@ -147,22 +156,11 @@ def test_httpx_streamed_with_token_ids_and_logprobs_asked_by_the_client(proxy: P
     ids: list[int] = []
     prompt_ids = None
     logprobs: list[float] = []
-    import json
-
-    with httpx.stream(
-        "POST",
-        f"{proxy.url}/v1/chat/completions",
-        json=body,
-        timeout=120,
-        headers={"authorization": f"Bearer {episode['api_key']}"},
-    ) as response:
-        for line in response.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunk = json.loads(line[6:])
-                prompt_ids = prompt_ids or chunk.get("prompt_token_ids")
-                for choice in chunk["choices"]:
-                    ids += choice.get("token_ids") or []
-                    logprobs += [c["logprob"] for c in (choice.get("logprobs") or {}).get("content") or []]
+    for chunk in stream_events(f"{proxy.url}/v1/chat/completions", episode["api_key"], body):
+        prompt_ids = prompt_ids or chunk.get("prompt_token_ids")
+        for choice in chunk["choices"]:
+            ids += choice.get("token_ids") or []
+            logprobs += [c["logprob"] for c in (choice.get("logprobs") or {}).get("content") or []]
     [call] = recorded(proxy, episode["id"])
     assert call["prompt_token_ids"] == prompt_ids and call["choices"][0]["token_ids"] == ids
     assert call["choices"][0]["logprobs"] == logprobs
@@ -194,25 +192,11 @@ def test_n2_and_completions(proxy: ProxyProcess, vllm_url: str) -> None:
 
 def test_tools_and_sampling_fields_pass_through(proxy: ProxyProcess) -> None:
     episode = new_episode(proxy)
-    tools = [
-        {
-            "type": "function",
-            "function": {
-                "name": "add",
-                "description": "Add two integers",
-                "parameters": {
-                    "type": "object",
-                    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                    "required": ["a", "b"],
-                },
-            },
-        }
-    ]
     client = openai.OpenAI(base_url=episode["base_url"], api_key=episode["api_key"])
     completion = client.chat.completions.create(
         model="policy",
         messages=[{"role": "user", "content": "Use the add tool to add 2 and 3."}],
-        tools=tools,
+        tools=ADD_TOOL,
         tool_choice="auto",
         max_tokens=40,
         temperature=0.7,
@@ -221,7 +205,7 @@ def test_tools_and_sampling_fields_pass_through(proxy: ProxyProcess) -> None:
         presence_penalty=0.1,
     )
     [call] = recorded(proxy, episode["id"])
-    assert call["request"]["tools"] == tools and call["request"]["tool_choice"] == "auto"
+    assert call["request"]["tools"] == ADD_TOOL and call["request"]["tool_choice"] == "auto"
     assert call["request"]["top_p"] == 0.9 and call["request"]["stop"] == ["\n\n\n"]
     assert call["choices"][0]["finish_reason"] == completion.choices[0].finish_reason
     if completion.choices[0].message.tool_calls:  # the tiny model may or may not call the tool
@@ -255,15 +239,6 @@ TOOL_CALL = {
     "stream": True,
     "structured_outputs": {"regex": HERMES_CALL},
 }
-
-
-def stream_events(url: str, key: str, body: dict[str, Any]) -> list[dict[str, Any]]:
-    import json
-
-    with httpx.stream("POST", url, json=body, timeout=120, headers={"authorization": f"Bearer {key}"}) as response:
-        assert response.status_code == 200
-        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
-    return events
 
 
 def test_streamed_tool_call_is_exact_and_only_clients_that_asked_see_the_usage_chunk(proxy: ProxyProcess) -> None:
@@ -353,19 +328,7 @@ def test_seed_with_sampling_cannot_kill_the_engine(proxy: ProxyProcess, vllm_url
 @pytest.fixture(scope="module")
 def adapter_dir(tmp_path_factory: pytest.TempPathFactory, vllm_model_dir: str) -> Path:
     """A real peft LoRA adapter for SmolLM2 with non-zero B, so it visibly changes the policy."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    out = tmp_path_factory.mktemp("adapter") / "v1"
-    model = AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.bfloat16)
-    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
-    torch.manual_seed(0)
-    for name, param in peft_model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(param, std=0.05)
-    peft_model.save_pretrained(out)
-    return out
+    return write_adapter(vllm_model_dir, tmp_path_factory.mktemp("adapter") / "v1")
 
 
 def test_publish_routes_later_calls_to_the_new_adapter(proxy: ProxyProcess, adapter_dir: Path, prefix: str) -> None:

@@ -84,6 +84,23 @@ def grammar_masker() -> Any:
     return masks_for(Path(model_dir()), tokenizer, len(tokenizer))
 
 
+def write_adapter(model: str, out: Path) -> Path:
+    """A real peft LoRA adapter for ``model`` (r 8 on q and v), saved to ``out``. Its B matrices are
+    drawn (seed 0) instead of peft's zeros, so serving it visibly changes the policy."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16)
+    peft_model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    torch.manual_seed(0)
+    for name, param in peft_model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.05)
+    peft_model.save_pretrained(str(out))
+    return out
+
+
 def wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes] | None = None, log: Path | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -191,3 +208,14 @@ def episode_record(proxy: ProxyProcess, episode_id: str) -> dict[str, Any]:
     response = httpx.get(f"{proxy.url}/episodes/{episode_id}", headers={"authorization": f"Bearer {ADMIN_KEY}"})
     assert response.status_code == 200, response.text
     return dict(response.json())
+
+
+def stored_calls(proxy: ProxyProcess, episode_id: str) -> list[dict[str, Any]]:
+    """The episode's stored calls, in the order they were made."""
+    return sorted(episode_record(proxy, episode_id)["calls"], key=lambda c: c["ordinal"])
+
+
+def sampled_ids(call: dict[str, Any]) -> list[int]:
+    """A stored call's prompt ids and the ids vLLM sampled for its first choice: what a follow-up
+    call continuing it must start with to be trained as one sequence with it."""
+    return list(call["prompt_token_ids"] + call["choices"][0]["token_ids"])

@@ -4,7 +4,6 @@ recorded with exact token ids, rewarded by the task's own grader, and its group 
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -12,15 +11,11 @@ from typing import Any
 import pytest
 
 from tests.support.services import ProxyProcess
-from tests.workflows.conftest import admin_get, run_cli
+from tests.workflows.conftest import admin_get, groups_of, run_workflow
 from workflows.tac.scoring import Checkpoint, score
 from workflows.tac.task import BUNDLED
 
 pytestmark = pytest.mark.vllm
-
-
-def finished_groups(proxy: ProxyProcess, workflow: str) -> list[dict[str, Any]]:
-    return [g for g in admin_get(proxy, "/groups", limit=100)["data"] if g["metadata"].get("workflow") == workflow]
 
 
 def episodes_of(proxy: ProxyProcess, group: dict[str, Any]) -> list[dict[str, Any]]:
@@ -39,32 +34,20 @@ def assert_recorded(episode: dict[str, Any], tools: set[str]) -> None:
     assert [c["ordinal"] for c in episode["calls"]] == list(range(len(episode["calls"])))
 
 
-def test_tau2_airline(proxy: ProxyProcess) -> None:
-    done = run_cli(
-        "run",
-        "tau2",
-        "--proxy",
-        proxy.url,
-        "--groups",
-        "1",
-        "--group-size",
-        "2",
-        "--concurrency",
-        "2",
-        "-o",
-        "domain=airline",
-        "-o",
-        "max_steps=4",
-        "-o",
-        "max_tokens=48",
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+def one_group_of_two(
+    proxy: ProxyProcess, workflow: str, options: dict[str, object]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """``workflow`` run for one group of two episodes, both rewarded; the group and its episodes as stored."""
+    summary = run_workflow(proxy, "run", workflow, groups=1, group_size=2, concurrency=2, options=options, timeout=600)
     assert (summary["episodes"], summary["rewarded"]) == (2, 2), summary
-    (group,) = finished_groups(proxy, "tau2")
+    (group,) = groups_of(proxy, workflow)
+    return group, episodes_of(proxy, group)
+
+
+def test_tau2_airline(proxy: ProxyProcess) -> None:
+    group, episodes = one_group_of_two(proxy, "tau2", {"domain": "airline", "max_steps": 4, "max_tokens": 48})
     assert group["status"] == "complete" and group["task_id"].startswith("tau2/airline/")
-    for episode in episodes_of(proxy, group):
+    for episode in episodes:
         assert_recorded(episode, {"get_user_details", "book_reservation"})
         meta = episode["reward_metadata"]
         assert episode["reward"] in (0.0, 1.0) and meta["termination_reason"] in {
@@ -78,31 +61,10 @@ def test_tau2_airline(proxy: ProxyProcess) -> None:
 
 
 def test_openhands_on_a_local_tac_task(proxy: ProxyProcess) -> None:
-    done = run_cli(
-        "run",
-        "tac",
-        "--proxy",
-        proxy.url,
-        "--groups",
-        "1",
-        "--group-size",
-        "2",
-        "--concurrency",
-        "2",
-        "-o",
-        "tasks=hello-file",
-        "-o",
-        "max_iterations=2",
-        "-o",
-        "max_output_tokens=96",
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
-    assert (summary["episodes"], summary["rewarded"]) == (2, 2), summary
-    (group,) = finished_groups(proxy, "tac")
+    options: dict[str, object] = {"tasks": "hello-file", "max_iterations": 2, "max_output_tokens": 96}
+    group, episodes = one_group_of_two(proxy, "tac", options)
     assert (group["status"], group["task_id"]) == ("complete", "tac/hello-file")
-    for episode in episodes_of(proxy, group):
+    for episode in episodes:
         assert_recorded(episode, {"terminal", "file_editor"})
         assert len(episode["calls"]) <= 2  # max_iterations
         meta = episode["reward_metadata"]
@@ -117,31 +79,23 @@ def test_openhands_on_a_tac_task_without_checkpoints_is_rewarded_by_the_judge(
     task_dir = tmp_path / "tasks" / "hello-open"
     shutil.copytree(BUNDLED / "hello-file", task_dir)
     (task_dir / "evaluator.py").unlink()  # no checkpoints: only the judge can reward it
-    done = run_cli(
+    summary = run_workflow(
+        proxy,
         "run",
         "tac",
-        "--proxy",
-        proxy.url,
-        "--group-size",
-        "2",
-        "--concurrency",
-        "2",
-        "--reward",
-        "judge",
-        "-o",
-        f"tasks_dir={task_dir.parent}",
-        "-o",
-        "max_iterations=2",
-        "-o",
-        "max_output_tokens=96",
-        "-o",
-        "system_prompt=short",
+        group_size=2,
+        concurrency=2,
+        reward="judge",
+        options={
+            "tasks_dir": task_dir.parent,
+            "max_iterations": 2,
+            "max_output_tokens": 96,
+            "system_prompt": "short",
+        },
         timeout=900,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["episodes"] == 2 and summary["judge"]["requests"] >= 1, summary
-    (group,) = [g for g in finished_groups(proxy, "tac") if g["task_id"] == "tac/hello-open"]
+    (group,) = [g for g in groups_of(proxy, "tac") if g["task_id"] == "tac/hello-open"]
     episodes = episodes_of(proxy, group)
     if summary["rewarded"] == 2:  # the judge answered: its score is the reward, the instruction its task
         assert group["status"] == "complete"

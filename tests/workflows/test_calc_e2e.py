@@ -3,13 +3,12 @@ against a real proxy in front of the real vLLM (shipped chat template, hermes to
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
 
 from tests.support.services import ProxyProcess, grammar_masker
-from tests.workflows.conftest import admin_get, run_cli
+from tests.workflows.conftest import admin_get, episode_count, groups_of, run_workflow
 from workflows.calc.env import CALCULATOR, SUBMIT
 
 
@@ -27,30 +26,18 @@ def test_a_real_episode_calls_tools_and_merges_into_one_sample(proxy: ProxyProce
 
     # Temperature 1.0: sampled ids the template would not re-render (odd spellings, spacing) are
     # spliced into the follow-up prompts by the proxy, so the calls still merge.
-    done = run_cli(
+    summary = run_workflow(
+        proxy,
         "run",
         "calc",
-        "--proxy",
-        proxy.url,
-        "--groups",
-        "1",
-        "--group-size",
-        "2",
-        "--concurrency",
-        "2",
-        "--seed",
-        "5",
-        "-o",
-        "mix=two_step",
-        "-o",
-        "temperature=1.0",
-        "-o",
-        "top_p=1.0",
+        groups=1,
+        group_size=2,
+        concurrency=2,
+        seed=5,
+        options={"mix": "two_step", "temperature": 1.0, "top_p": 1.0},
     )
-    assert done.returncode == 0, done.stderr
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert (summary["episodes"], summary["rewarded"], summary["abandoned"]) == (2, 2, 0)
-    (group,) = [g for g in admin_get(proxy, "/groups", limit=10)["data"] if g["metadata"]["workflow"] == "calc"]
+    (group,) = groups_of(proxy, "calc")
     assert group["status"] == "complete" and group["metadata"]["abandoned"] == "penalize"
     tokenizer = AutoTokenizer.from_pretrained(vllm_model_dir)
     for listed in admin_get(proxy, "/episodes", group_id=group["id"])["data"]:
@@ -98,12 +85,10 @@ def test_a_real_episode_calls_tools_and_merges_into_one_sample(proxy: ProxyProce
 
 @pytest.mark.vllm
 def test_eval_reports_success_and_validity_apart_without_recording(proxy: ProxyProcess) -> None:
-    before = len(admin_get(proxy, "/episodes", limit=1000)["data"])
-    done = run_cli("eval", "calc", "--proxy", proxy.url, "--split", "test", "--limit", "5")
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
+    before = episode_count(proxy)
+    report = run_workflow(proxy, "eval", "calc", split="test", limit=5)
     assert (report["n"], report["split"], report["policy_versions"]) == (5, "test", ["0"])
     assert sum(k["n"] for k in report["by_kind"].values()) == 5
     assert report["accuracy"] in {i / 5 for i in range(6)} and report["format_rate"] in {i / 5 for i in range(6)}
     assert 0.0 <= report["call_validity"] <= 1.0 and report["calls_per_episode"] >= 2.0
-    assert len(admin_get(proxy, "/episodes", limit=1000)["data"]) == before
+    assert episode_count(proxy) == before

@@ -14,12 +14,11 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-import httpx
 import pytest
 
 from contract.client import AsyncProxyClient
 from tests.support.services import ADMIN_KEY, ProxyProcess
-from tests.workflows.conftest import admin_get
+from tests.workflows.conftest import admin_get, ask
 from workflows.base import Endpoint, Episode, Outcome, Split, Workflow
 from workflows.judge import JUDGE_FAILED, Judge, JudgeConfig
 from workflows.judge.prompt import SCORE_MAX, SCORE_MIN
@@ -176,18 +175,7 @@ class Twins(Workflow[str, TwinOptions]):
         if self.options.reward is not None:
             return Outcome(reward=self.options.reward)
         question = "Say yes." if episode.index != 1 else "Say no."
-        async with httpx.AsyncClient(timeout=120) as http:
-            response = await http.post(
-                f"{episode.base_url}/chat/completions",
-                headers={"Authorization": f"Bearer {episode.api_key}"},
-                json={
-                    "model": episode.model,
-                    "max_tokens": 1,
-                    "temperature": 0.0,
-                    "messages": [{"role": "user", "content": question}],
-                },
-            )
-        response.raise_for_status()
+        await ask(episode, question, max_tokens=1, temperature=0.0)
         return Outcome(reward=None, metadata={"question": question})
 
 

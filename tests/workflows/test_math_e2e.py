@@ -3,43 +3,31 @@ against a real proxy in front of the real vLLM."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from tests.support.services import ProxyProcess
-from tests.workflows.conftest import admin_get, run_cli
+from tests.workflows.conftest import admin_get, episode_count, groups_of, run_workflow
 from workflows.__main__ import cli
 from workflows.math.reward import check
 
 
 @pytest.mark.vllm
 def test_run_records_exact_calls_and_posts_the_checked_reward(proxy: ProxyProcess) -> None:
-    done = run_cli(
+    summary = run_workflow(
+        proxy,
         "run",
         "math",
-        "--proxy",
-        proxy.url,
-        "--groups",
-        "2",
-        "--group-size",
-        "3",
-        "--concurrency",
-        "6",
-        "--seed",
-        "7",
-        "-o",
-        "max_tokens=48",
-        "-o",
-        "format_weight=0.2",
+        groups=2,
+        group_size=3,
+        concurrency=6,
+        seed=7,
+        options={"max_tokens": 48, "format_weight": 0.2},
     )
-    assert done.returncode == 0, done.stderr
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert (summary["groups"], summary["episodes"], summary["rewarded"], summary["abandoned"]) == (2, 6, 6, 0)
-    groups = admin_get(proxy, "/groups", limit=10)["data"]
-    math_groups = [g for g in groups if g["metadata"].get("workflow") == "math"]
+    math_groups = groups_of(proxy, "math")
     assert len(math_groups) == 2 and {g["status"] for g in math_groups} == {"complete"}
     for group in math_groups:
         gold = group["metadata"]["task"]["answer"]
@@ -59,14 +47,12 @@ def test_run_records_exact_calls_and_posts_the_checked_reward(proxy: ProxyProces
 
 @pytest.mark.vllm
 def test_eval_reports_accuracy_and_format_without_recording(proxy: ProxyProcess) -> None:
-    before = len(admin_get(proxy, "/episodes", limit=1000)["data"])
-    done = run_cli("eval", "math", "--proxy", proxy.url, "--split", "test", "--limit", "6", "-o", "max_tokens=32")
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
+    before = episode_count(proxy)
+    report = run_workflow(proxy, "eval", "math", split="test", limit=6, options={"max_tokens": 32})
     assert (report["n"], report["split"], report["policy_versions"], report["max_tokens"]) == (6, "test", ["0"], 32)
     assert sum(k["n"] for k in report["by_kind"].values()) == 6
     assert report["accuracy"] in {i / 6 for i in range(7)} and report["format_rate"] in {i / 6 for i in range(7)}
-    assert len(admin_get(proxy, "/episodes", limit=1000)["data"]) == before
+    assert episode_count(proxy) == before
 
 
 @pytest.mark.parametrize(

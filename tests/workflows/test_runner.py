@@ -12,12 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import pytest
 
 from contract.client import AsyncProxyClient, ProxyError
 from tests.support.services import ADMIN_KEY, ProxyProcess
-from tests.workflows.conftest import admin_get
+from tests.workflows.conftest import admin_get, ask
 from workflows.base import Episode, Outcome, Split, Workflow
 from workflows.runner import INFRASTRUCTURE, GroupResult, RunConfig, Runner, describe_error, task_order
 
@@ -49,18 +48,7 @@ class Scripted(Workflow[str, ScriptOptions]):
             await asyncio.sleep(600)  # past any episode timeout below
         if action == "nan":
             return Outcome(reward=float("nan"))
-        async with httpx.AsyncClient(timeout=120) as http:
-            response = await http.post(
-                f"{episode.base_url}/chat/completions",
-                headers={"Authorization": f"Bearer {episode.api_key}"},
-                json={
-                    "model": episode.model,
-                    "max_tokens": 2,
-                    "temperature": 1.0,
-                    "messages": [{"role": "user", "content": "Say hi"}],
-                },
-            )
-        response.raise_for_status()
+        await ask(episode, "Say hi", max_tokens=2, temperature=1.0)
         return Outcome(reward=float(action.split(":")[1]), metadata={"script": action})
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +44,32 @@ class Instant(Workflow[str, NoOptions]):
         return Outcome(reward=float(episode.index % 2))
 
 
+@contextlib.asynccontextmanager
+async def admitting(tmp_path: Path, retry_after_s: int) -> AsyncIterator[tuple[httpx.AsyncClient, AsyncProxyClient]]:
+    """The app on a fresh SQLite store, admitting one group of backlog at a time, and the runner's
+    client for it (in-process, no socket)."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'flywheel.db'}"
+    await migrate_async(url)
+    settings = make_settings(url, admission={"max_backlog_groups": 1, "retry_after_s": retry_after_s})
+    async with running_app(settings) as app_client:
+        transport = httpx.ASGITransport(app=app_client.app)  # type: ignore[attr-defined]
+        client = AsyncProxyClient("http://proxy", ADMIN_KEY, transport=transport)
+        try:
+            yield app_client, client
+        finally:
+            await client.aclose()
+
+
+def instant_runner(
+    client: AsyncProxyClient, *, groups: int, group_size: int, concurrency: int, on_wait: Callable[[float], None] | None
+) -> Runner:
+    """A runner of the ``Instant`` workflow on ``client``."""
+    config = RunConfig(
+        proxy_url="http://proxy", admin_key=ADMIN_KEY, groups=groups, group_size=group_size, concurrency=concurrency
+    )
+    return Runner(Instant(NoOptions()), config, client, on_admission_wait=on_wait)
+
+
 async def _trainer(client: AsyncProxyClient, trained: list[str], done: asyncio.Event) -> None:
     """Claims one group at a time and acks it, as ``python -m trainer run`` would (no training);
     ``done`` once three groups are trained."""
@@ -61,19 +87,9 @@ async def _trainer(client: AsyncProxyClient, trained: list[str], done: asyncio.E
 
 
 async def test_the_runner_waits_out_refusals_and_every_task_gets_its_group(tmp_path: Path) -> None:
-    url = f"sqlite+aiosqlite:///{tmp_path / 'flywheel.db'}"
-    await migrate_async(url)
-    settings = make_settings(url, admission={"max_backlog_groups": 1, "retry_after_s": 1})
-    async with running_app(settings) as app_client:
-        transport = httpx.ASGITransport(app=app_client.app)  # type: ignore[attr-defined]
-        client = AsyncProxyClient("http://proxy", ADMIN_KEY, transport=transport)
+    async with admitting(tmp_path, retry_after_s=1) as (app_client, client):
         waits: list[float] = []
-        runner = Runner(
-            Instant(NoOptions()),
-            RunConfig(proxy_url="http://proxy", admin_key=ADMIN_KEY, groups=3, group_size=2, concurrency=4),
-            client,
-            on_admission_wait=waits.append,
-        )
+        runner = instant_runner(client, groups=3, group_size=2, concurrency=4, on_wait=waits.append)
         trained: list[str] = []
         done = asyncio.Event()
         trainer = asyncio.create_task(_trainer(client, trained, done))
@@ -94,45 +110,22 @@ async def test_the_runner_waits_out_refusals_and_every_task_gets_its_group(tmp_p
         state = (await app_client.get("/trainer/admission", headers=ADMIN)).json()
         assert state["refused"] == summary["admission_waits"]  # each refusal was one wait, none unseen
         assert state["groups"] == {"trained": 3}
-        await client.aclose()
 
 
 async def test_a_stop_during_a_wait_counts_the_group_not_created(tmp_path: Path) -> None:
-    url = f"sqlite+aiosqlite:///{tmp_path / 'flywheel.db'}"
-    await migrate_async(url)
-    settings = make_settings(url, admission={"max_backlog_groups": 1, "retry_after_s": 30})
-    async with running_app(settings) as app_client:
-        client = AsyncProxyClient(
-            "http://proxy",
-            ADMIN_KEY,
-            transport=httpx.ASGITransport(app=app_client.app),  # type: ignore[attr-defined]
-        )
-        runner = Runner(
-            Instant(NoOptions()),
-            RunConfig(proxy_url="http://proxy", admin_key=ADMIN_KEY, groups=2, group_size=2, concurrency=2),
-            client,
-            on_admission_wait=lambda _: refused.set(),
-        )
+    async with admitting(tmp_path, retry_after_s=30) as (_, client):
         refused = asyncio.Event()
+        runner = instant_runner(client, groups=2, group_size=2, concurrency=2, on_wait=lambda _: refused.set())
         run = asyncio.create_task(runner.run())
         await asyncio.wait_for(refused.wait(), 10)  # no trainer: the second group is refused
         runner.stop()
         stats = await asyncio.wait_for(run, 10)  # the 30 s Retry-After is cut short by the stop
         summary = stats.summary()
         assert summary["groups"] == 1 and summary["groups_not_created"] == 1 and summary["admission_waits"] == 1
-        await client.aclose()
 
 
 async def test_the_client_reads_retry_after_and_other_refusals_are_not_waited_out(tmp_path: Path) -> None:
-    url = f"sqlite+aiosqlite:///{tmp_path / 'flywheel.db'}"
-    await migrate_async(url)
-    settings = make_settings(url, admission={"max_backlog_groups": 1, "retry_after_s": 3})
-    async with running_app(settings) as app_client:
-        client = AsyncProxyClient(
-            "http://proxy",
-            ADMIN_KEY,
-            transport=httpx.ASGITransport(app=app_client.app),  # type: ignore[attr-defined]
-        )
+    async with admitting(tmp_path, retry_after_s=3) as (_, client):
         await client.create_group("t", 2)
         try:
             await client.create_group("t", 2)
@@ -145,18 +138,13 @@ async def test_the_client_reads_retry_after_and_other_refusals_are_not_waited_ou
             )
         else:
             raise AssertionError("the second group was admitted over max_backlog_groups=1")
-        runner = Runner(
-            Instant(NoOptions()),
-            RunConfig(proxy_url="http://proxy", admin_key=ADMIN_KEY, groups=1, group_size=2000, concurrency=2),
-            client,
-        )
+        runner = instant_runner(client, groups=1, group_size=2000, concurrency=2, on_wait=None)
         try:
             await runner.run()  # size over episodes.max_group_size: a 400 ends the run, no wait
         except ProxyError as exc:
             assert exc.status == 400 and runner.stats.admission_waits == 0
         else:
             raise AssertionError("a group over the size limit was created")
-        await client.aclose()
 
 
 class _LosesFirstAnswer(httpx.AsyncBaseTransport):

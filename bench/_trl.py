@@ -1,0 +1,24 @@
+"""What every bench that runs TRL's ``GRPOTrainer`` asks of it besides the algorithm: train only.
+
+Left to its defaults, TRL (transformers' ``TrainingArguments``) picks bf16 or an accelerator where
+it finds one, checkpoints, logs, reports to any tracker installed, draws progress bars and shuffles
+its dataset: each costs time the benches measure, or reorders what they compare with Flywheel's
+trainer step for step (the datasets come in Flywheel's own order).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+TRAIN_ONLY: dict[str, Any] = {
+    "use_cpu": True,
+    "bf16": False,
+    "gradient_checkpointing": False,
+    "save_strategy": "no",
+    "logging_steps": 1_000_000,
+    "report_to": [],
+    "disable_tqdm": True,
+    "shuffle_dataset": False,
+}
+"""``GRPOConfig`` keywords: CPU in float32, no checkpoints, logs, trackers or progress bars, the
+dataset in the order given."""
