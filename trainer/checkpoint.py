@@ -4,7 +4,9 @@ A checkpoint is a directory ``checkpoints/step-NNNNNNNN`` holding the adapter (s
 optimizer state and ``state.json`` (step, the leases and groups the step trained, the policy
 version numbering, the step's metrics). It is written under a temporary name, fsynced, renamed,
 and only then named in ``checkpoints/LATEST`` (itself replaced atomically), so a kill -9 at any
-instant leaves either the previous checkpoint or the new one, never a torn one.
+instant leaves either the previous checkpoint or the new one, never a torn one. Under FSDP the
+adapter and optimizer state saved are the whole ones, gathered from the shards after each update
+(``trainer.distributed``), in the layout one process saves: rank 0 writes them.
 
 ``pending.json`` lists leases claimed since the last checkpoint. After a crash, each is renewed:
 a lease still held (valid, or lapsed with nobody claiming its groups since) is resumed, its groups

@@ -29,7 +29,9 @@ CorrectionMode = Literal["token_truncate", "token_mask", "sequence_truncate", "s
 
 DType = Literal["auto", "bfloat16", "float32"]
 TurnCredit = Literal["episode", "discounted"]
+LongSamples = Literal["split", "truncate"]
 AbandonedRule = Literal["workflow", Abandoned]
+Parallelism = Literal["data", "fsdp"]
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -156,7 +158,15 @@ class TrainerConfig:
     """Token budget of one packed forward/backward pass (micro-batch); samples are packed into
     micro-batches without padding and gradients accumulate across them."""
     max_seq_len: int = 2048
-    """Longer samples are truncated (their tail loses its loss mask) and counted."""
+    """The longest sample (tokens) a pass holds; longer ones are split or truncated (``long_samples``)."""
+    long_samples: LongSamples = "split"
+    """Samples longer than ``max_seq_len``: ``split`` at turn boundaries into continuation samples (a
+    later one is the sequence's last ``max_seq_len`` tokens up to its last turn, the earlier tokens
+    context only), so a long agent episode keeps its loss on every turn (``data/samples_split``,
+    ``data/tokens_context_cut``: those tokens are scored without the earliest context); ``truncate``
+    cuts at ``max_seq_len``, and everything past the cut, trained completions included, loses its
+    loss (``data/samples_truncated``; as before issue 33). A turn longer than ``max_seq_len`` by
+    itself is truncated either way (``trainer/merge.py``)."""
     retokenize_inexact: bool = False
     """Calls recorded without exact token ids: retokenize with the chat template (True) or drop
     them (False, default: retokenized text drifts from what the engine sampled). Counted either way."""
@@ -206,6 +216,13 @@ class TrainerConfig:
     """Wait between claims when no completed group is available (s)."""
     request_timeout_s: float = 120.0
     """Timeout of one proxy request (s); publishing loads the adapter on every replica."""
+    parallelism: Parallelism = "data"
+    """Under torchrun with several ranks, how the model is spread: ``data`` keeps the whole model on
+    every device and splits each step's micro-batches (the frozen base in ``dtype`` plus a
+    micro-batch's activations must fit one device); ``fsdp`` shards the frozen base, the LoRA weights,
+    their gradients and the AdamW state over the ranks with FSDP2 (one ``fully_shard`` group per
+    decoder layer, one at the root), for models that do not fit one device. The same update either
+    way (``tests/trainer/test_fsdp.py``). One process: no effect."""
     distributed_timeout_s: float = 7200.0
     """Under torchrun: how long ranks wait at a collective (s). Followers wait there while the
     leader waits for rewarded groups, so this bounds the longest wait for a step's groups."""

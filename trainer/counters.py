@@ -50,11 +50,21 @@ class DataStats:
     breaks: int = 0
     """Calls whose prompt did not extend the episode so far: a new sample started."""
     samples: int = 0
+    samples_split: int = 0
+    """Continuation samples made by splitting samples longer than ``max_seq_len`` at turn boundaries
+    (``long_samples: split``): a sample split into k parts counts k - 1."""
+    tokens_context_cut: int = 0
+    """Trained tokens of continuation samples: scored after the sequence's most recent
+    ``max_seq_len`` tokens, not all it was generated from (the engine gap covers them)."""
     samples_truncated: int = 0
+    """Samples cut at ``max_seq_len``: their tail (and, when split, every turn after it) loses its
+    loss. Splitting cuts only a turn no part can hold whole: a sample's first turn longer than
+    ``max_seq_len``, or a later completion that does not fit."""
     samples_empty: int = 0
     """Samples left without a trainable token (e.g. truncated to the prompt): dropped."""
     episodes_split: int = 0
-    """Members whose calls broke into more than one sample (each weighs one episode if normalised)."""
+    """Members whose calls broke (or were split) into more than one sample (each weighs one episode
+    if normalised)."""
     episodes_abandoned_penalized: int = 0
     episodes_abandoned_skipped: int = 0
     choice_members: int = 0

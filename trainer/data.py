@@ -4,13 +4,15 @@
 2. ``turns.py``: which calls of each member are trained and how (exact engine ids, effective
    sampling, grammar masks; failed, foreign and inexact calls out; retries deduped, branches kept).
 3. ``merge.py``: turns spliced into as few samples as their exact ids allow (``sample.py``: the
-   token layout), breaks, truncation and empty samples counted.
+   token layout); samples past ``max_seq_len`` split at turn boundaries (or truncated); breaks,
+   splits, truncation and empty samples counted.
 4. ``credit.py``: the values compared within a group (rewards, or per-turn returns) and the
    advantage each trained token gets back; here, groups without a learning signal are skipped with
    a reason and the rest normalised together (``loss.group_advantages``).
 
 ``normalize_per_episode`` makes every member weigh the same in the loss however many samples its
-prefix breaks into (rLLM PR #512 found split episodes getting N times the weight). Nothing is
+prefix breaks, or its length splits, into (rLLM PR #512 found split episodes getting N times the
+weight): each of its samples divides by the member's loss tokens (``member_loss_tokens``). Nothing is
 dropped silently: every rule has a counter in ``DataStats`` (``counters.py``), the step's ``data/*``.
 """
 

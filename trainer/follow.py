@@ -2,7 +2,8 @@
 
 Only the leader (rank 0) talks to the proxy and writes; a follower loads the leader's start state,
 then for each step receives its samples and takes its share of the update (``trainer.distributed``),
-or loads the state the leader rolled a step back to (``restore.RESTORE``).
+or loads the state the leader rolled a step back to (``restore.RESTORE``). Under FSDP its share
+is a shard of every weight and its passes run in lockstep with the leader's (``trainer.distributed``).
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ def follow(config: TrainerConfig, policy: LoraPolicy, world: World) -> int:
     learner = Learner(policy, config, world)
     adapter, optimizer = world.broadcast(None)
     policy.load_adapter_state(adapter)
-    learner.optimizer.load_state_dict(optimizer)
+    learner.load_optimizer_state(optimizer)
     steps = 0
     while (message := world.broadcast(None)) is not None:
         if isinstance(message, tuple) and message[0] == RESTORE:  # the leader rolled the step back
             policy.load_adapter_state(message[1])
-            learner.optimizer.load_state_dict(message[2])
+            learner.load_optimizer_state(message[2])
             continue
         assert isinstance(message, list) and all(isinstance(s, Sample) for s in message)
         learner.step(message)

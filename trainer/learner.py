@@ -13,6 +13,13 @@ version's adapter, kept in memory since it was published, on up to ``engine_logp
 samples. This separates numeric mismatch (it should be ~0 in float32) from staleness, which is
 reported apart (``policy/stale_logp_diff_mean``: current weights vs the engine on older tokens).
 When nothing could be compared the figures are None ("unknown"), never 0.
+
+Several ranks. The leader decides each step's re-scoring (``StalePlan``: the version the weights
+were published as and which samples to re-score under which older version) and every rank follows
+it, remembering the served adapter as the leader did. Under FSDP every forward is a collective, so
+every rank runs the re-scoring passes too (the leader's figures are kept), runs as many training
+passes as the others (``World.passes``), and gathers the whole adapter and AdamW state after the
+update (``optimizer_state``), which the leader checkpoints.
 """
 
 from __future__ import annotations
@@ -22,19 +29,20 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from trainer.config import TrainerConfig
-from trainer.distributed import World
+from trainer.distributed import Pass, World, gathered, sharded_optimizer_state
 from trainer.lora import LoraPolicy
 from trainer.loss import Totals, grpo_loss
+from trainer.mismatch import ENGINE_GROUPS, engine_figures, engine_gap, episode_gaps
+from trainer.mismatch import EpisodeGap as EpisodeGap  # re-exported: the audit and its tests import it from here
 from trainer.packing import MicroBatch, pack
-from trainer.sample import MODES, Sample
+from trainer.sample import Sample
 
 Tensor = torch.Tensor
-ENGINE_GROUPS = (*MODES, "all")
-"""Engine-mismatch figures per trained sampling mode, and over all of them."""
 SUMS = (
     "loss",
     "policy_loss",
@@ -56,17 +64,14 @@ KEEP_SNAPSHOTS = 4
 """Adapter states kept in memory for re-scoring stale samples (versions further back are rare)."""
 
 
-@dataclass
-class EpisodeGap:
-    """|trainer - engine| log-prob over an episode's compared tokens (nats)."""
+@dataclass(frozen=True)
+class StalePlan:
+    """The leader's re-scoring plan of a step, which every rank follows."""
 
-    total: float = 0.0
-    tokens: int = 0
-    max: float = 0.0
-
-    @property
-    def mean(self) -> float | None:
-        return self.total / self.tokens if self.tokens else None
+    weights_version: int | None
+    """The version the weights were published as (None: a step moved them since)."""
+    samples: dict[int, list[int]]
+    """Older version -> indices of the step's samples re-scored under its adapter (0: the base model)."""
 
 
 @dataclass
@@ -115,6 +120,8 @@ class Learner:
             betas=(config.adam_beta1, config.adam_beta2),
             weight_decay=config.weight_decay,
         )
+        self._optimizer_state = gathered(self.optimizer.state_dict())
+        """Under FSDP: the whole AdamW state as of the last update or load (empty before the first step)."""
         self.snapshots: OrderedDict[int, dict[str, Tensor]] = OrderedDict()
         """Adapter states by the policy version they were published as (the newest is the weights')."""
         self.weights_version: int | None = None
@@ -130,19 +137,33 @@ class Learner:
             self.snapshots.popitem(last=False)
         self.weights_version = version
 
-    def _old_logps(self, micro: Sequence[MicroBatch]) -> list[Tensor | None]:
+    def optimizer_state(self) -> dict[str, Any]:
+        """The AdamW state as one process holds it (whole moment estimates: gathered after each update
+        under FSDP), what a checkpoint saves."""
+        return self._optimizer_state if self.policy.sharded else self.optimizer.state_dict()
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        """Load a whole AdamW state (a checkpoint's); under FSDP each rank keeps its parameters' shards."""
+        if self.policy.sharded:
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            self.optimizer.load_state_dict(sharded_optimizer_state(state, params))
+            self._optimizer_state = gathered(state)
+        else:
+            self.optimizer.load_state_dict(state)
+
+    def _old_logps(self, passes: Sequence[Pass]) -> list[Tensor | None]:
         if self.config.num_iterations == 1:
-            return [None] * len(micro)
+            return [None] * len(passes)
         with torch.no_grad():
-            return [mb.table(self.policy.logprobs(mb).logps) for mb in micro]
+            return [mb.table(self.policy.logprobs(mb).logps) for mb, _ in passes]
 
     def step(self, samples: Sequence[Sample], *, sequences: int | None = None) -> StepStats:
         """Train on ``samples`` (advantages set): ``num_iterations`` optimizer steps, one pass each.
 
         ``sequences``: what per-sequence losses average over; by default the distinct group members
-        of the samples under ``normalize_per_episode``, else the samples. Under data parallelism
-        every rank gets all of the step's samples and works on its share of the micro-batches; the
-        totals that normalise the loss are the whole step's.
+        of the samples under ``normalize_per_episode``, else the samples. Under data parallelism or
+        FSDP every rank gets all of the step's samples and works on its share of the micro-batches;
+        the totals that normalise the loss are the whole step's.
         """
         if not samples:
             raise ValueError("no samples to train on")
@@ -159,25 +180,26 @@ class Learner:
             micro_batches=len(micro),
             max_completion_length=cfg.max_completion_length,
         )
-        mine = self.world.share(micro)
+        passes = self.world.passes(micro, lockstep=self.policy.sharded)
         sums: dict[str, float] = {}
         maxes: dict[str, float] = {}
         self._gaps = {}
-        if self.world.leader:
-            self._check_stale(samples, sums, maxes)
-        olds = self._old_logps(mine)
+        self._check_stale(samples, self._follow(self.world.broadcast(self._plan(samples))), sums, maxes)
+        olds = self._old_logps(passes)
         first: dict[str, float] = {}
         reduced: dict[str, float] = {}
         for iteration in range(cfg.num_iterations):
             step_sums = dict(sums) if iteration == 0 else {}
-            for mb, old in zip(mine, olds, strict=True):
-                self._accumulate(mb, old, totals, step_sums, maxes if iteration == 0 else {})
-            self.world.sum_gradients(self.policy.parameters())
+            for (mb, counted), old in zip(passes, olds, strict=True):
+                self._accumulate(mb, old, totals, step_sums, maxes if iteration == 0 else {}, counted=counted)
+            if not self.policy.sharded:  # FSDP has reduce-scattered (summed) them already
+                self.world.sum_gradients(self.policy.parameters())
             reduced = self.world.sum_values(step_sums, SUMS, self.policy.device)
             reduced["grad_norm"] = self._apply()
             if iteration == 0:
                 first = reduced
         maxes = self.world.max_values(maxes, MAXES, self.policy.device)
+        self._gather()
         stats = _summarise(
             reduced,
             first,
@@ -192,9 +214,25 @@ class Learner:
             self.weights_version = None  # the weights moved: no served version holds them until published
         return stats
 
+    def _gather(self) -> None:
+        """Under FSDP: the whole adapter and AdamW state onto every rank's CPU (a collective), for the
+        leader's checkpoint and publish and every rank's snapshots."""
+        if self.policy.sharded:
+            self.policy.gather()
+            self._optimizer_state = gathered(self.optimizer.state_dict())
+
     def _accumulate(
-        self, mb: MicroBatch, old: Tensor | None, totals: Totals, sums: dict[str, float], maxes: dict[str, float]
+        self,
+        mb: MicroBatch,
+        old: Tensor | None,
+        totals: Totals,
+        sums: dict[str, float],
+        maxes: dict[str, float],
+        *,
+        counted: bool = True,
     ) -> None:
+        """One forward/backward, its statistics added to ``sums``; a pass that is not ``counted`` (FSDP's
+        padding) backpropagates zero, so its collectives run and its gradients add nothing."""
         cfg = self.config
         out = self.policy.logprobs(mb)
         logps = mb.table(out.logps)  # (B, T)
@@ -218,7 +256,9 @@ class Learner:
             level=cfg.importance_sampling_level,
             seq_tokens=mb.seq_tokens,
         )
-        loss.loss.backward()  # type: ignore[no-untyped-call]
+        (loss.loss if counted else loss.loss * 0.0).backward()  # type: ignore[no-untyped-call]
+        if not counted:
+            return
         for key, value in (
             ("loss", loss.loss),
             ("policy_loss", loss.policy_loss),
@@ -238,38 +278,65 @@ class Learner:
         engine = mb.behaviour_logps[mb.rows, mb.cols]  # (N,)
         fresh = mb.versions == self.weights_version if self.weights_version is not None else None
         if fresh is not None:
-            _engine_gap(trainer, engine, mb.modes, fresh, cfg.engine_logp_tolerance, sums, maxes)
-            _episode_gaps(mb, trainer, engine, fresh, self._gaps)
+            engine_gap(trainer, engine, mb.modes, fresh, cfg.engine_logp_tolerance, sums, maxes)
+            episode_gaps(mb, trainer, engine, fresh, self._gaps)
         stale = (mb.versions >= 0) & ~torch.isnan(engine)
         if fresh is not None:
             stale &= ~fresh
         sums["stale_diff"] = sums.get("stale_diff", 0.0) + float((trainer - engine).abs()[stale].sum())
         sums["stale_n"] = sums.get("stale_n", 0.0) + float(stale.sum())
 
-    @torch.no_grad()
-    def _check_stale(self, samples: Sequence[Sample], sums: dict[str, float], maxes: dict[str, float]) -> None:
-        """Re-score tokens of older versions under the adapter that served them (a bounded sample)."""
+    def _plan(self, samples: Sequence[Sample]) -> StalePlan | None:
+        """The leader's plan: up to ``engine_logp_check_samples`` samples per older version whose
+        adapter is kept (or the base model, version 0). Followers: None, they receive the leader's."""
+        if not self.world.leader:
+            return None
         limit = self.config.engine_logp_check_samples
-        by_version: dict[int, list[Sample]] = {}
-        for sample in samples:
+        chosen: dict[int, list[int]] = {}
+        for index, sample in enumerate(samples):
             for version in sorted({v for v in sample.versions or () if v >= 0 and v != self.weights_version}):
                 if version == 0 or version in self.snapshots:
-                    chosen = by_version.setdefault(version, [])
-                    if len(chosen) < limit:
-                        chosen.append(sample)
-        if not by_version:
+                    picked = chosen.setdefault(version, [])
+                    if len(picked) < limit:
+                        picked.append(index)
+        return StalePlan(self.weights_version, chosen)
+
+    def _follow(self, plan: StalePlan) -> StalePlan:
+        """A follower takes the leader's served version: its weights are the leader's, so a version it
+        has not seen yet is the current adapter (remembered, for later re-scoring under FSDP)."""
+        if not self.world.leader:
+            if plan.weights_version is not None and plan.weights_version not in self.snapshots:
+                self.remember(plan.weights_version)
+            self.weights_version = plan.weights_version
+        return plan
+
+    @torch.no_grad()
+    def _check_stale(
+        self, samples: Sequence[Sample], plan: StalePlan, sums: dict[str, float], maxes: dict[str, float]
+    ) -> None:
+        """Re-score tokens of older versions under the adapter that served them (the plan's samples).
+
+        The leader alone without FSDP; under FSDP every rank runs the same passes (each is a
+        collective) and only the leader's figures are kept."""
+        if not plan.samples or not (self.world.leader or self.policy.sharded):
             return
+        if not self.world.leader:
+            sums, maxes = {}, {}
+        gaps = self._gaps if self.world.leader else {}
+        missing = [v for v in plan.samples if v != 0 and v not in self.snapshots]
+        if missing:
+            raise RuntimeError(f"rank {self.world.rank} holds no adapter of versions {missing} the leader re-scores")
         current = _copy(self.policy.adapter_state())  # on the CPU the state shares the parameters' storage
         try:
-            for version, chosen in sorted(by_version.items()):
+            for version, indices in sorted(plan.samples.items()):
                 if version != 0:
                     self.policy.load_adapter_state(self.snapshots[version])
-                for mb in pack(chosen, self.config.micro_batch_tokens):
+                for mb in pack([samples[i] for i in indices], self.config.micro_batch_tokens):
                     out = self.policy.logprobs(mb, reference=version == 0)
                     engine = mb.behaviour_logps[mb.rows, mb.cols]
                     served = mb.versions == version
-                    _engine_gap(out.logps, engine, mb.modes, served, self.config.engine_logp_tolerance, sums, maxes)
-                    _episode_gaps(mb, out.logps, engine, served, self._gaps)
+                    engine_gap(out.logps, engine, mb.modes, served, self.config.engine_logp_tolerance, sums, maxes)
+                    episode_gaps(mb, out.logps, engine, served, gaps)
         finally:
             self.policy.load_adapter_state(current)
 
@@ -286,65 +353,6 @@ class Learner:
 def _copy(state: dict[str, Tensor]) -> dict[str, Tensor]:
     """A state that later in-place updates of the parameters (AdamW, a swap) cannot change."""
     return {k: v.clone() for k, v in state.items()}
-
-
-def _engine_gap(
-    trainer: Tensor,
-    engine: Tensor,
-    modes: Tensor,
-    served: Tensor,
-    tolerance: float,
-    sums: dict[str, float],
-    maxes: dict[str, float],
-) -> None:
-    """Add |trainer - engine| of the tokens ``served`` by the scored version, per mode, to the sums."""
-    known = served & ~torch.isnan(engine)  # (N,)
-    diff = (trainer - engine).abs()  # (N,)
-    for name, rows in ((m, known & (modes == i)) for i, m in enumerate(MODES)):
-        _add(name, diff[rows], tolerance, sums, maxes)
-    _add("all", diff[known], tolerance, sums, maxes)
-
-
-def _episode_gaps(mb: MicroBatch, trainer: Tensor, engine: Tensor, served: Tensor, gaps: dict[str, EpisodeGap]) -> None:
-    """Add the compared tokens' |trainer - engine| to their episodes' gaps."""
-    known = served & ~torch.isnan(engine)
-    if not bool(known.any()):
-        return
-    diff = (trainer - engine).abs()[known]
-    rows = mb.rows[known]
-    for row in torch.unique(rows).tolist():
-        mine = diff[rows == row]
-        gap = gaps.setdefault(mb.samples[row].episode_id, EpisodeGap())
-        gap.total += float(mine.sum())
-        gap.tokens += int(mine.numel())
-        gap.max = max(gap.max, float(mine.max()))
-
-
-def _add(group: str, diff: Tensor, tolerance: float, sums: dict[str, float], maxes: dict[str, float]) -> None:
-    if diff.numel() == 0:
-        return
-    for key, value in (
-        ("sum", float(diff.sum())),
-        ("n", float(diff.numel())),
-        ("above", float((diff > tolerance).sum())),
-    ):
-        sums[f"engine_{group}_{key}"] = sums.get(f"engine_{group}_{key}", 0.0) + value
-    maxes[f"engine_{group}_max"] = max(maxes.get(f"engine_{group}_max", 0.0), float(diff.max()))
-
-
-def _engine_figures(sums: dict[str, float], maxes: dict[str, float]) -> dict[str, float | None]:
-    out: dict[str, float | None] = {}
-    for group in ENGINE_GROUPS:
-        n = sums.get(f"engine_{group}_n", 0.0)
-        suffix = "" if group == "all" else f"_{group}"
-        out[f"policy/engine_logp_diff_mean{suffix}"] = sums[f"engine_{group}_sum"] / n if n else None
-        out[f"policy/engine_logp_diff_max{suffix}"] = maxes.get(f"engine_{group}_max") if n else None
-        out[f"policy/engine_logp_frac_above{suffix}"] = sums[f"engine_{group}_above"] / n if n else None
-        out[f"policy/engine_logp_tokens{suffix}"] = n
-    stale_n = sums.get("stale_n", 0.0)
-    out["policy/stale_logp_diff_mean"] = sums["stale_diff"] / stale_n if stale_n else None
-    out["policy/stale_logp_tokens"] = stale_n
-    return out
 
 
 def _summarise(
@@ -373,7 +381,7 @@ def _summarise(
         loss_tokens=totals.tokens,
         sequences=totals.sequences,
         micro_batches=totals.micro_batches,
-        engine=_engine_figures(first, maxes),
+        engine=engine_figures(first, maxes),
         outside=int(first["outside"]),
         sums=sums,
     )

@@ -17,7 +17,7 @@ the same way), and it is counted (``trainer/nonfinite_steps``).
 
 Under torchrun only rank 0 (the leader) runs this loop; the other ranks run ``follow.follow``:
 they receive each step's samples from the leader and take their share of the step
-(``trainer.distributed``).
+(``trainer.distributed``: data parallel, or FSDP2 under ``parallelism: fsdp``).
 
 The jobs live in their own modules: claiming (``claims.py``), lease renewal and acks
 (``leases.py``), samples (``data.py``), the update (``learner.py``), checkpoints and rollback
@@ -182,7 +182,7 @@ class Trainer:
         metrics.update(self.counters)
         state = CheckpointState(step=step, version_base=self.version_base, leases=leases, metrics=finite(metrics))
         self.checkpoints.save(
-            adapter=self.policy.adapter_state(), optimizer=self.learner.optimizer.state_dict(), state=state
+            adapter=self.policy.adapter_state(), optimizer=self.learner.optimizer_state(), state=state
         )
         self.step = step
         fault("after_checkpoint", step)
@@ -269,6 +269,7 @@ def data_rules(config: TrainerConfig) -> Rules:
     """The config's data and credit fields, as ``build_batch`` takes them."""
     return Rules(
         max_seq_len=config.max_seq_len,
+        long_samples=config.long_samples,
         scale_rewards=config.scale_rewards,
         turn_credit=config.turn_credit,
         turn_discount=config.turn_discount,

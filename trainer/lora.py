@@ -15,6 +15,13 @@ predict a loss token go through the vocabulary projection, a chunk at a time. Th
 policy for the KL term is the same model with the adapter disabled (no second model in memory).
 That skips whatever the model's own head does to its logits (soft-capping, scaling, a bias): such
 models are refused at start (``check_logit_head``) until the log-prob path applies the same transform.
+
+Under ``parallelism: fsdp`` with several ranks, the model is sharded with FSDP2 after LoRA is
+attached (``trainer.distributed.shard_model``): one group per decoder layer, and the root is
+``WholeForward``, the whole packed forward to log-probs, so the output embedding is used inside
+the root's forward, where FSDP has gathered it. The base stays frozen; the LoRA weights are sharded
+DTensors the optimizer steps shard by shard. The whole adapter is gathered onto every rank after
+each update (``gather``): what ``adapter_state`` returns, checkpoints and publishes.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.config import ConfigError, TrainerConfig, cpu_has_native_bf16
+from trainer.distributed import gathered, shard_like, shard_model
 from trainer.logprobs import LogProbs, Truncation, selected_logprobs
 from trainer.packing import MicroBatch
 
@@ -210,13 +218,29 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
+class WholeForward(torch.nn.Module):
+    """The peft model, with the policy's whole packed forward (ids to log-probs) as its forward.
+
+    FSDP's root: the output embedding (often tied to the input embedding) is used inside the root's
+    forward, where FSDP has gathered it, with the embeddings and the final norm; the backbone's own
+    forward, called alone, would leave it sharded.
+    """
+
+    def __init__(self, model: torch.nn.Module, forward: Callable[..., LogProbs]) -> None:
+        super().__init__()
+        self.model = model
+        self.run = forward
+
+    def forward(self, *args: Any, **kwargs: Any) -> LogProbs:
+        return self.run(*args, **kwargs)
+
+
 class LoraPolicy:
     """The policy being trained: base model + tokenizer + LoRA adapter (the proxy's published versions
     are its saved adapters). ``logprobs`` on a micro-batch is the only compute entry point."""
 
     def __init__(self, config: TrainerConfig) -> None:
-        from peft import LoraConfig, get_peft_model
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         model_dir = config.model_dir
         if not str(model_dir) or not (model_dir / "config.json").is_file():
@@ -231,22 +255,15 @@ class LoraPolicy:
         self.config = config
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=self.dtype, attn_implementation="sdpa")
-        base.set_attn_implementation(ATTENTION)
-        check_logit_head(base, base.model)
-        lora = LoraConfig(
-            r=config.lora_r,
-            lora_alpha=config.lora_alpha,
-            lora_dropout=config.lora_dropout,
-            target_modules=list(config.lora_target_modules),
-            bias="none",
-            task_type="CAUSAL_LM",
+        self.sharded = (
+            config.parallelism == "fsdp"
+            and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1
         )
-        try:
-            self.model = get_peft_model(base, lora).to(self.device)
-        except ValueError as exc:
-            raise ConfigError(f"cannot attach LoRA to {model_dir}: {exc} (check lora_target_modules)") from exc
+        """FSDP2 over the ranks of the process group (one process never shards: nothing to share)."""
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        model = _peft_model(config, self.dtype)
+        self.model = model if self.sharded else model.to(self.device)  # FSDP moves each rank's shards there
         if config.gradient_checkpointing:
             # Non-reentrant checkpointing needs no input that requires grad (the reentrant kind does,
             # which peft's frozen embeddings would not give: peft's enable_input_require_grads).
@@ -255,7 +272,19 @@ class LoraPolicy:
         backbone = self.model.get_base_model().model
         assert isinstance(backbone, torch.nn.Module)
         self.backbone = backbone
-        self.output_weight = self.model.get_output_embeddings().weight  # frozen, often tied to the embedding
+        self.module = WholeForward(self.model, self._forward)
+        self._gathered: dict[str, Tensor] = {}
+        """Under FSDP: the whole adapter as of the last update or load, on the CPU of every rank."""
+        if self.sharded:
+            self._gathered = self._peft_state()  # before sharding: the whole adapter, no collective
+            shard_model(self.module, _decoder_layers(backbone), self.device)
+
+    @property
+    def output_weight(self) -> Tensor:
+        """The output embedding (frozen, often tied to the input embedding; a DTensor under FSDP)."""
+        weight = self.model.get_output_embeddings().weight
+        assert isinstance(weight, Tensor)
+        return weight
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         return (p for p in self.model.parameters() if p.requires_grad)
@@ -269,41 +298,84 @@ class LoraPolicy:
         return self._logprobs(mb)
 
     def _logprobs(self, mb: MicroBatch) -> LogProbs:
-        with PackedForward(len(mb.samples)) as packed:
-            hidden = self.backbone(
-                input_ids=mb.input_ids.to(self.device),
-                position_ids=mb.position_ids.to(self.device),
-                cu_seq_lens_q=mb.cu_seqlens.to(self.device),
-                use_cache=False,
-            ).last_hidden_state
-        packed.check()
-        selected = hidden[0].index_select(0, mb.select.to(self.device))  # (N, H)
-        truncation = Truncation(top_k=mb.top_k, top_p=mb.top_p, min_p=mb.min_p) if mb.truncated else None
-        out = selected_logprobs(
-            selected,
-            self.output_weight,
-            mb.targets.to(self.device),
+        device = self.device
+        out = self.module(  # plain tensors only: FSDP moves a root's tensor inputs to the device
+            mb.input_ids.to(device),
+            mb.position_ids.to(device),
+            mb.cu_seqlens.to(device),
+            mb.select.to(device),
+            mb.targets.to(device),
             mb.temperatures,
-            rows=self.config.logprob_chunk_rows,
-            truncation=truncation,
-            allowed=mb.allowed,
+            Truncation(top_k=mb.top_k, top_p=mb.top_p, min_p=mb.min_p) if mb.truncated else None,
+            mb.allowed,
+            samples=len(mb.samples),
         )
         return LogProbs(out.logps.cpu(), out.entropy.cpu(), out.outside.cpu())
 
+    def _forward(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        cu_seq_lens_q: Tensor,
+        select: Tensor,
+        targets: Tensor,
+        temperatures: Tensor,
+        truncation: Truncation | None,
+        allowed: Tensor | None,
+        *,
+        samples: int,
+    ) -> LogProbs:
+        """``WholeForward``'s forward: the backbone on one packed row, then the selected tokens' log-probs."""
+        with PackedForward(samples) as packed:
+            hidden = self.backbone(
+                input_ids=input_ids, position_ids=position_ids, cu_seq_lens_q=cu_seq_lens_q, use_cache=False
+            ).last_hidden_state
+        packed.check()
+        selected = hidden[0].index_select(0, select)  # (N, H)
+        return selected_logprobs(
+            selected,
+            self.output_weight,
+            targets,
+            temperatures,
+            rows=self.config.logprob_chunk_rows,
+            truncation=truncation,
+            allowed=allowed,
+        )
+
     # -- adapter state ---------------------------------------------------------------------------
 
-    def adapter_state(self) -> dict[str, Tensor]:
+    def _peft_state(self, state: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+        """The adapter in PEFT's names (what vLLM loads), from ``state`` (the model's names) or the model."""
         from peft import get_peft_model_state_dict
 
-        return {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(self.model).items()}
+        adapter = get_peft_model_state_dict(self.model, state_dict=state)
+        return {k: v.detach().cpu().contiguous() for k, v in adapter.items()}
+
+    def gather(self) -> None:
+        """Under FSDP: gather the whole adapter onto every rank's CPU, what ``adapter_state`` returns
+        from then on. A collective: every rank calls it after each update. Nothing otherwise."""
+        if self.sharded:
+            trained = {name: p for name, p in self.model.named_parameters() if p.requires_grad}
+            self._gathered = self._peft_state(gathered(trained))
+
+    def adapter_state(self) -> dict[str, Tensor]:
+        """The whole adapter in PEFT's names, on the CPU (on the CPU without FSDP it shares the weights' storage)."""
+        if self.sharded:
+            return dict(self._gathered)
+        return self._peft_state()
 
     def load_adapter_state(self, state: dict[str, Tensor]) -> None:
+        """Load a whole adapter (PEFT's names). Under FSDP each rank cuts its own shards out of it (every
+        rank holds ``state``): nothing is sent, so any rank may load alone."""
         from peft import set_peft_model_state_dict
 
-        result = set_peft_model_state_dict(self.model, state)
-        unexpected = getattr(result, "unexpected_keys", [])
+        like = next(self.parameters())  # under FSDP every adapter weight is sharded alike: dim 0 over the ranks
+        local = {k: shard_like(v, like) for k, v in state.items()} if self.sharded else state
+        unexpected = getattr(set_peft_model_state_dict(self.model, local), "unexpected_keys", [])
         if unexpected:
             raise ValueError(f"checkpoint adapter does not match this LoRA config (unexpected keys {unexpected[:3]})")
+        if self.sharded:
+            self._gathered = {k: v.detach().to("cpu", like.dtype).clone() for k, v in state.items()}
 
     def save_adapter(self, directory: Path) -> None:
         """Write ``adapter_model.safetensors`` + ``adapter_config.json`` as vLLM loads them."""
@@ -320,3 +392,36 @@ class LoraPolicy:
         for name in ("adapter_model.safetensors", "adapter_config.json"):
             with open(directory / name, "rb") as fh:
                 os.fsync(fh.fileno())
+
+
+def _peft_model(config: TrainerConfig, dtype: torch.dtype) -> Any:
+    """The base model (packed attention, its logit head checked) with a fresh LoRA adapter, on the CPU."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(config.model_dir), dtype=dtype, attn_implementation="sdpa")
+    base.set_attn_implementation(ATTENTION)
+    check_logit_head(base, base.model)
+    lora = LoraConfig(
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=list(config.lora_target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    try:
+        return get_peft_model(base, lora)
+    except ValueError as exc:
+        raise ConfigError(f"cannot attach LoRA to {config.model_dir}: {exc} (check lora_target_modules)") from exc
+
+
+def _decoder_layers(backbone: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers FSDP shards one group each (``model.layers`` in transformers' decoder-only models)."""
+    layers = getattr(backbone, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
+        raise ConfigError(
+            f"{type(backbone).__name__} has no decoder layers at .layers: parallelism=fsdp does not know "
+            "how to shard this model; use parallelism=data"
+        )
+    return list(layers)

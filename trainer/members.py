@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from contract.client import Episode, Group
 from contract.vocabulary import BLAMELESS, Abandoned
-from trainer.config import ScaleRewards, TurnCredit
+from trainer.config import LongSamples, ScaleRewards, TurnCredit
 from trainer.counters import DataStats
 from trainer.merge import episode_samples
 from trainer.retokenize import Retokenizer
@@ -28,6 +28,7 @@ class Rules:
     """How groups become members and advantages (the trainer config's data and credit fields)."""
 
     max_seq_len: int = 2048
+    long_samples: LongSamples = "split"
     scale_rewards: ScaleRewards = "group"
     turn_credit: TurnCredit = "episode"
     turn_discount: float = 1.0
@@ -98,7 +99,14 @@ def _episode_members(
     if per_choice is not None:
         return _choice_members(episode, group, rules, per_choice, retokenize, masker, stats)
     turns = member_turns(episode, retokenize=retokenize, stats=stats, masker=masker)
-    samples = episode_samples(episode, group_id=group.id, max_seq_len=rules.max_seq_len, stats=stats, turns=turns)
+    samples = episode_samples(
+        episode,
+        group_id=group.id,
+        max_seq_len=rules.max_seq_len,
+        stats=stats,
+        turns=turns,
+        long_samples=rules.long_samples,
+    )
     return [Member(episode.id, reward, samples, _turn_rewards(episode, turns, rules, stats))]
 
 
@@ -141,7 +149,13 @@ def _choice_members(
         choice_stats = DataStats()
         turns = member_turns(episode, retokenize=retokenize, stats=choice_stats, choice=choice, masker=masker)
         samples = episode_samples(
-            episode, group_id=group.id, max_seq_len=rules.max_seq_len, stats=choice_stats, choice=choice, turns=turns
+            episode,
+            group_id=group.id,
+            max_seq_len=rules.max_seq_len,
+            stats=choice_stats,
+            choice=choice,
+            turns=turns,
+            long_samples=rules.long_samples,
         )
         choice_stats.choices_unused = 0  # the other choices are members of their own
         if n:  # the call was counted with the first choice

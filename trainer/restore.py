@@ -2,7 +2,9 @@
 
 Loaded at resume, put back when a step is rolled back (a lost lease, a non-finite gradient: the
 step changed nothing that may be kept), and sent to the follower ranks either way, so every rank
-starts each step from the same state.
+starts each step from the same state. Under FSDP too: each rank cuts its shards out of the whole
+state it holds (``LoraPolicy.load_adapter_state``), so the leader loads before the followers
+receive it, as without FSDP.
 """
 
 from __future__ import annotations
@@ -36,18 +38,18 @@ class Restore:
         if latest is None:
             self._initial = (
                 {k: v.clone() for k, v in self.policy.adapter_state().items()},
-                copy.deepcopy(self.learner.optimizer.state_dict()),
+                copy.deepcopy(self.learner.optimizer_state()),
             )
             return None
         adapter, optimizer = self.checkpoints.load_tensors(latest[0])
         self.policy.load_adapter_state(adapter)
-        self.learner.optimizer.load_state_dict(optimizer)
+        self.learner.load_optimizer_state(optimizer)
         return latest
 
     def share(self) -> None:
         """Followers start from the leader's adapter and optimizer state."""
         if self.world.distributed:
-            self.world.broadcast((self.policy.adapter_state(), to_cpu(self.learner.optimizer.state_dict())))
+            self.world.broadcast((self.policy.adapter_state(), to_cpu(self.learner.optimizer_state())))
 
     def roll_back(self, version: int) -> None:
         """Put the adapter and optimizer back to the last checkpoint (on every rank): the state before
@@ -59,7 +61,7 @@ class Restore:
             assert self._initial is not None, "resume() runs before the first step"
             adapter, optimizer = self._initial[0], copy.deepcopy(self._initial[1])
         self.policy.load_adapter_state(adapter)
-        self.learner.optimizer.load_state_dict(optimizer)
+        self.learner.load_optimizer_state(optimizer)
         if version in self.learner.snapshots:  # the weights are that served version
             self.learner.weights_version = version
         if self.world.distributed:

@@ -4,8 +4,8 @@ Token layout: ``input_ids[j]`` with ``loss_mask[j] = 1`` when the policy sampled
 trained, ``behaviour_logprobs[j]`` the engine's (processed) log-prob of it (NaN where unknown or
 masked), and per token the sampling it was drawn with (``temperatures``, ``top_k``, ``top_p``,
 ``min_p``), the serving policy ``versions``, the sampling ``modes`` (index into ``MODES``) and the
-member's ``turns`` (per-turn credit). ``merge.py`` builds samples, ``packing.py`` lays them out in
-micro-batches.
+member's ``turns`` (per-turn credit). ``merge.py`` builds samples (and splits long ones into
+windows of the sequence), ``packing.py`` lays them out in micro-batches.
 """
 
 from __future__ import annotations
@@ -76,4 +76,18 @@ PER_TOKEN = (
     "turns",
     "advantages",
 )
-"""The fields of ``Sample`` that hold one entry per token (cut together by truncation)."""
+"""The fields of ``Sample`` that hold one entry per token (cut and split together, ``merge.py``)."""
+CONTEXT: dict[str, float] = {
+    "loss_mask": 0,
+    "behaviour_logprobs": NAN,
+    "temperatures": 1.0,
+    "top_k": 0,
+    "top_p": 1.0,
+    "min_p": 0.0,
+    "versions": NOT_SAMPLED,
+    "modes": NOT_SAMPLED,
+    "turns": NOT_SAMPLED,
+    "advantages": 0.0,
+}
+"""Per-token entries (every ``PER_TOKEN`` field but the ids) of a token that is context only: what a
+sampled token becomes where it is repeated as the context of a later part of a split sample."""

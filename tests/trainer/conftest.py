@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from tests.support.services import ADMIN_KEY, ProxyProcess
+from trainer.config import TrainerConfig
 
 ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
 
@@ -36,8 +37,16 @@ class TrainerProxy:
         assert response.status_code == 200, response.text
         return response.json()
 
-    def record_group(self, rewards: list[float], *, question: str = "What is 3+4?", max_tokens: int = 4) -> str:
-        """A group of len(rewards) episodes, one real sampled chat call each, then rewarded."""
+    def record_group(
+        self,
+        rewards: Sequence[float | None],
+        *,
+        question: str = "What is 3+4?",
+        max_tokens: int = 4,
+        temperature: float | None = 1.0,
+    ) -> str:
+        """A group of len(rewards) episodes, one real sampled chat call each (temperature None: the
+        engine's default), then rewarded (reward None: abandoned)."""
         created = httpx.post(
             f"{self.url}/groups",
             headers=ADMIN,
@@ -46,24 +55,31 @@ class TrainerProxy:
         )
         assert created.status_code == 201, created.text
         group = created.json()
+        body: dict[str, Any] = {"model": "policy", "messages": [{"role": "user", "content": question}]}
+        body |= {"max_tokens": max_tokens} | ({} if temperature is None else {"temperature": temperature})
         for key, reward in zip(group["episode_keys"], rewards, strict=True):
             reply = httpx.post(
                 f"{key['base_url']}/chat/completions",
                 timeout=300,
                 headers={"authorization": f"Bearer {key['api_key']}"},
-                json={
-                    "model": "policy",
-                    "messages": [{"role": "user", "content": question}],
-                    "max_tokens": max_tokens,
-                    "temperature": 1.0,
-                },
+                json=body,
             )
             assert reply.status_code == 200, reply.text
-            rewarded = httpx.post(
-                f"{self.url}/episodes/{key['id']}/reward", headers=ADMIN, json={"reward": reward}, timeout=60
+            path, outcome = (
+                (f"/episodes/{key['id']}/abandon", {"reason": "scripted"})
+                if reward is None
+                else (f"/episodes/{key['id']}/reward", {"reward": reward})
             )
-            assert rewarded.status_code == 200, rewarded.text
+            finished = httpx.post(f"{self.url}{path}", headers=ADMIN, json=outcome, timeout=60)
+            assert finished.status_code == 200, finished.text
         return str(group["id"])
+
+    def one_step_config(self, model: str, out: Path, **fields: Any) -> TrainerConfig:
+        """A trainer on this proxy's groups that takes one step without waiting for a batch to
+        fill, writing under ``out``; ``fields`` set the rest (``groups_per_step`` at least)."""
+        return TrainerConfig(
+            model=model, proxy_url=self.url, output_dir=str(out), batch_wait_s=0, max_steps=1, **fields
+        )
 
 
 def _unload(vllm_url: str, prefix: str) -> None:

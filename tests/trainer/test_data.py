@@ -192,6 +192,15 @@ def group(gid: str, rewards: list[float | None], *, abandoned: int = 0) -> Group
     return Group(id=gid, task_id="t", status="complete", episodes=episodes)
 
 
+def untrainable_group(gid: str) -> Group:
+    """Two rewarded episodes with nothing to train on: one call's ids are not exact, the other failed."""
+    episodes = [
+        Episode(id="e0", status="rewarded", reward=1.0, calls=[call(0, None, [5], exact=False)]),
+        Episode(id="e1", status="rewarded", reward=0.0, calls=[call(0, SYSTEM, [5], status=502)]),
+    ]
+    return Group(id=gid, task_id="t", status="complete", episodes=episodes)
+
+
 def test_batch_skips_equal_and_thin_groups_and_sets_group_advantages() -> None:
     groups = [
         group("g-signal", [1.0, 0.0, 0.0, 1.0]),
@@ -212,16 +221,7 @@ def test_batch_skips_equal_and_thin_groups_and_sets_group_advantages() -> None:
 
 
 def test_group_without_trainable_calls_is_skipped_and_counted() -> None:
-    empty = Group(
-        id="g",
-        task_id="t",
-        status="complete",
-        episodes=[
-            Episode(id="e0", status="rewarded", reward=1.0, calls=[call(0, None, [5], exact=False)]),
-            Episode(id="e1", status="rewarded", reward=0.0, calls=[call(0, SYSTEM, [5], status=502)]),
-        ],
-    )
-    batch = build_batch([empty], max_seq_len=64, scale_rewards="none")
+    batch = build_batch([untrainable_group("g")], max_seq_len=64, scale_rewards="none")
     assert batch.samples == [] and batch.skipped_empty == 1 and batch.stats.calls_dropped_inexact == 1
     assert batch.stats.calls_failed == 1
 

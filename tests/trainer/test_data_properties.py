@@ -82,11 +82,19 @@ def _generated_from_its_prefix(sample: Sample, j: int, calls: list[Call]) -> boo
     return False
 
 
-@settings(max_examples=300, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+THOROUGH = settings(max_examples=300, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+"""300 random episodes per property, the same ones every run, so a failure reproduces."""
+
+
+def _samples(episode: Episode) -> tuple[list[Sample], DataStats]:
+    stats = DataStats()
+    return episode_samples(episode, group_id="g", max_seq_len=10_000, stats=stats), stats
+
+
+@THOROUGH
 @given(episodes())
 def test_every_trained_token_was_sampled_from_exactly_its_context(episode: Episode) -> None:
-    stats = DataStats()
-    samples = episode_samples(episode, group_id="g", max_seq_len=10_000, stats=stats)
+    samples, stats = _samples(episode)
     calls = episode.calls or []
     for sample in samples:
         lengths = {name: len(getattr(sample, name)) for name in PER_TOKEN if getattr(sample, name) is not None}
@@ -96,11 +104,10 @@ def test_every_trained_token_was_sampled_from_exactly_its_context(episode: Episo
         assert all(_generated_from_its_prefix(sample, j, calls) for j in trained), sample.input_ids
 
 
-@settings(max_examples=300, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@THOROUGH
 @given(episodes())
 def test_every_call_is_trained_or_counted(episode: Episode) -> None:
-    stats = DataStats()
-    samples = episode_samples(episode, group_id="g", max_seq_len=10_000, stats=stats)
+    samples, stats = _samples(episode)
     calls = episode.calls or []
 
     def trained(call: Call) -> bool:
@@ -123,3 +130,56 @@ def test_every_call_is_trained_or_counted(episode: Episode) -> None:
     assert stats.merged + stats.breaks + 1 == len(calls) - stats.calls_deduped
     counted: dict[str, Any] = {k: v for k, v in stats.as_dict().items() if v}
     assert counted.get("samples") == len(samples)
+
+
+# -- samples longer than max_seq_len, split at turn boundaries (issue 33) -----------------------------------
+
+
+def _generated_from_a_suffix_of_its_context(sample: Sample, j: int, calls: list[Call]) -> bool:
+    """Token j of ``sample`` is some call's sampled id, and everything before it in the sample is the
+    end of what came before it there (the call's prompt, then the ids it sampled before j)."""
+    ids = sample.input_ids
+    for call in calls:
+        for choice in call.choices:
+            for t, token in enumerate(choice["token_ids"]):
+                context = [*(call.prompt_token_ids or []), *choice["token_ids"][: t + 1]]
+                if token == ids[j] and len(context) >= j + 1 and context[-(j + 1) :] == ids[: j + 1]:
+                    return True
+    return False
+
+
+def _trained(samples: list[Sample]) -> list[tuple[int, int, int, float, int]]:
+    """Every trained token as (turn, its place among the turn's tokens, id, engine log-prob, version)."""
+    out = []
+    for sample in samples:
+        assert sample.turns is not None and sample.versions is not None
+        seen: dict[int, int] = {}
+        for j, turn in enumerate(sample.turns):
+            seen[turn] = seen.get(turn, -1) + 1
+            if sample.loss_mask[j]:
+                out.append((turn, seen[turn], sample.input_ids[j], sample.behaviour_logprobs[j], sample.versions[j]))
+    return sorted(out)
+
+
+@THOROUGH
+@given(episodes(), st.integers(min_value=2, max_value=24))
+def test_a_long_sample_is_split_into_windows_that_train_every_token_once(episode: Episode, max_seq_len: int) -> None:
+    stats = DataStats()
+    samples = episode_samples(episode, group_id="g", max_seq_len=max_seq_len, stats=stats)
+    whole, _ = _samples(episode)
+    calls = episode.calls or []
+    for sample in samples:
+        assert len(sample) <= max_seq_len
+        lengths = {name: len(getattr(sample, name)) for name in PER_TOKEN if getattr(sample, name) is not None}
+        assert set(lengths.values()) == {len(sample)}, lengths
+        trained = [j for j, m in enumerate(sample.loss_mask) if m]
+        assert trained and trained[0] > 0
+        assert all(_generated_from_a_suffix_of_its_context(sample, j, calls) for j in trained), sample.input_ids
+    split, kept = _trained(samples), _trained(whole)
+    assert len(set(split)) == len(split)  # no token trained twice
+    if stats.samples_truncated:
+        assert set(split) <= set(kept)
+    else:
+        assert split == kept  # nothing lost either
+    assert stats.samples == len(samples) and stats.samples_split <= len(samples)
+    assert stats.tokens_context_cut <= sum(s.num_loss_tokens for s in samples)

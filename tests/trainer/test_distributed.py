@@ -9,31 +9,14 @@ and publishes; a resumed run hands the checkpoint's state to the follower.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.support.services import ADMIN_KEY, ROOT, engine_python
+from tests.support.services import ADMIN_KEY, ROOT
+from tests.support.torchrun import torchrun
 from tests.trainer.conftest import TrainerProxy
-
-
-def torchrun(
-    nproc: int, *args: str, env: dict[str, str] | None = None, timeout: float = 600
-) -> subprocess.CompletedProcess[str]:
-    python = engine_python() if os.path.exists(engine_python()) else sys.executable
-    full_env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(env or {}))
-    return subprocess.run(
-        [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args],
-        cwd=ROOT,
-        env=full_env,
-        text=True,
-        capture_output=True,
-        timeout=timeout,
-    )
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "bnpo"])

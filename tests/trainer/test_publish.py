@@ -61,15 +61,8 @@ def test_publish_loads_the_adapter_on_vllm_and_switches_the_policy(
     assert version == "0"
     group_id = trainer_proxy.record_group([1.0, 0.0])
 
-    config = TrainerConfig(
-        model=vllm_model_dir,
-        proxy_url=trainer_proxy.url,
-        output_dir=str(tmp_path / "run"),
-        groups_per_step=1,
-        batch_wait_s=0,
-        max_steps=1,
-        learning_rate=2e-2,
-        progress=False,
+    config = trainer_proxy.one_step_config(
+        vllm_model_dir, tmp_path / "run", groups_per_step=1, learning_rate=2e-2, progress=False
     )
     assert train(config, policy) == 1
     demand = trainer_proxy.get("/trainer/admission")["trainers"]["trainer"]  # stated with its claims
@@ -128,15 +121,8 @@ def test_sync_mode_drops_stale_groups_and_acks_equal_rewards_as_skipped(
 ) -> None:
     first = trainer_proxy.record_group([1.0, 0.0], question="What is 5+5?")
     behind = trainer_proxy.record_group([0.0, 1.0], question="What is 6+6?")
-    config = TrainerConfig(
-        model=vllm_model_dir,
-        proxy_url=trainer_proxy.url,
-        output_dir=str(tmp_path / "run"),
-        mode="sync",
-        groups_per_step=1,
-        batch_wait_s=0,
-        max_steps=1,
-        tensorboard=False,
+    config = trainer_proxy.one_step_config(
+        vllm_model_dir, tmp_path / "run", mode="sync", groups_per_step=1, tensorboard=False
     )
     assert train(config, policy) == 1  # trains the oldest group, publishes v1: `behind` is now a version old
 

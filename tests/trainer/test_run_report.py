@@ -10,17 +10,15 @@ note gave one group "all 3 rewards equal (0): no signal; all 3 rewards equal (1)
 from __future__ import annotations
 
 import sqlite3
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from contract.client import ProxyClient
 from deploy import groups as report
 from tests.support.services import ADMIN_KEY
-from tests.trainer.conftest import ADMIN, TrainerProxy
+from tests.trainer.conftest import TrainerProxy
 from trainer.config import TrainerConfig
 from trainer.loop import Trainer
 from trainer.lora import LoraPolicy
@@ -36,42 +34,13 @@ def policy(vllm_model_dir: str) -> Iterator[LoraPolicy]:
 
 def _record(proxy: TrainerProxy, rewards: list[float | None]) -> str:
     """A group of one real sampled call per episode, then ``rewards`` (None: abandoned)."""
-    created = httpx.post(
-        f"{proxy.url}/groups",
-        headers=ADMIN,
-        timeout=60,
-        json={"task_id": f"t-{uuid.uuid4().hex[:6]}", "size": len(rewards)},
-    )
-    assert created.status_code == 201, created.text
-    for key, reward in zip(created.json()["episode_keys"], rewards, strict=True):
-        reply = httpx.post(
-            f"{key['base_url']}/chat/completions",
-            headers={"authorization": f"Bearer {key['api_key']}"},
-            json={"model": "policy", "messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 4},
-            timeout=300,
-        )
-        assert reply.status_code == 200, reply.text
-        path, body = (
-            (f"/episodes/{key['id']}/abandon", {"reason": "scripted"})
-            if reward is None
-            else (f"/episodes/{key['id']}/reward", {"reward": reward})
-        )
-        assert httpx.post(f"{proxy.url}{path}", headers=ADMIN, json=body, timeout=60).status_code == 200
-    return str(created.json()["id"])
+    return proxy.record_group(rewards, question="2+2?", temperature=None)
 
 
 def test_each_skipped_group_keeps_its_own_reason_and_the_report_counts_them_as_the_store_holds_them(
     trainer_proxy: TrainerProxy, tmp_path: Path, policy: LoraPolicy, vllm_model_dir: str
 ) -> None:
-    config = TrainerConfig(
-        model=vllm_model_dir,
-        proxy_url=trainer_proxy.url,
-        output_dir=str(tmp_path / "run"),
-        groups_per_step=4,
-        batch_wait_s=0,
-        max_steps=1,
-        tensorboard=False,
-    )
+    config = trainer_proxy.one_step_config(vllm_model_dir, tmp_path / "run", groups_per_step=4, tensorboard=False)
     reporter = Reporter(config.out, tensorboard=False, progress=False, max_steps=1, start_step=0)
     ones, zeros, few = (
         _record(trainer_proxy, [1, 1, 1]),
