@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from trainer import memory
 from trainer.config import TrainerConfig
 from trainer.distributed import Pass, World, gathered, sharded_optimizer_state
 from trainer.lora import LoraPolicy
@@ -98,6 +99,8 @@ class StepStats:
     sums: dict[str, float] = field(default_factory=dict, repr=False)
     episode_gaps: dict[str, EpisodeGap] = field(default_factory=dict, repr=False)
     """Engine mismatch per episode (the tokens compared above): the episode's fidelity audit."""
+    memory: dict[str, float] = field(default_factory=dict)
+    """The process's memory after the step (``memory.figures``: ``perf/rss_gb``, CUDA peaks)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -212,6 +215,9 @@ class Learner:
         stats.episode_gaps = self._gaps  # this rank's share under data parallelism (the leader's is reported)
         if stats.finite:
             self.weights_version = None  # the weights moved: no served version holds them until published
+        del micro
+        memory.release()  # the step's activations and chunks go back to the OS (memory.py says why)
+        stats.memory = memory.figures()
         return stats
 
     def _gather(self) -> None:

@@ -71,6 +71,7 @@ def step_metrics(
     }
     metrics.update({f"data/{k}": v for k, v in batch.stats.as_dict().items()})
     metrics.update(stats.engine)
+    metrics.update(stats.memory)
     metrics.update(collapse_signals(groups))
     return metrics
 

@@ -31,6 +31,11 @@
         "grammar allowed (the trainer rebuilds the engine's mask); a gap here means the mask differs.",
     },
     { title: "Trainer tokens/s", series: [["perf/tokens_per_s", "tokens/s"]] },
+    {
+      title: "Trainer memory (GB)",
+      series: [["perf/rss_gb", "RSS"], ["perf/cuda_max_allocated_gb", "GPU peak"]],
+      note: "After each step; it should stay flat over a long run.",
+    },
     { title: "Staleness (versions behind)", series: [["staleness/mean", "mean"], ["staleness/max", "max"]] },
     { title: "Evaluation", prefix: "eval/" },
   ];

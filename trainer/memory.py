@@ -1,0 +1,64 @@
+"""The trainer process's memory: what it holds, and giving the heap back after each step.
+
+A step allocates and frees activations, gradients and log-prob chunks whose sizes change with every
+batch (packed lengths differ step to step). glibc's malloc keeps freed heap memory for reuse, and
+raises its mmap threshold after a large free, so later large tensors come from the heap too: the
+process's RSS then ratchets up with each new high-water mark and fragmentation, although nothing is
+alive. Measured on SmolLM2-135M (float32, CPU, 6 samples of 220-700 tokens a step): RSS 3.0 GB
+after one step and 4.8 GB after eight without a trim, 0.80 -> 1.02 GB with ``malloc_trim(0)``
+after each step (``bench/trainer_memory.py`` measures it over 200 steps). A trim after each step
+costs milliseconds against a step of seconds. CUDA's caching allocator is another matter (reserved
+GPU memory is reused, not leaked); its figures are reported, not released.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import resource
+from collections.abc import Callable
+from functools import cache
+
+import torch
+
+
+@cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, or None where the C library has none (musl, macOS)."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        trim: Callable[[int], int] = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    return trim
+
+
+def release() -> None:
+    """Collect cycles and hand freed heap pages back to the OS (glibc only; elsewhere a no-op)."""
+    gc.collect()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def rss_gb() -> float:
+    """The process's resident set now (GB), from /proc; the peak where /proc is missing."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+        return pages * resource.getpagesize() / 1e9
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
+
+
+def figures() -> dict[str, float]:
+    """The step's ``perf/`` memory figures: RSS, and on a GPU the allocated and reserved peaks."""
+    out = {"perf/rss_gb": rss_gb()}
+    if torch.cuda.is_available():
+        out["perf/cuda_max_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        out["perf/cuda_reserved_gb"] = torch.cuda.memory_reserved() / 1e9
+        torch.cuda.reset_peak_memory_stats()
+    return out
