@@ -10,15 +10,15 @@ is present). Variants:
 - ``release``: the trainer as shipped (``trainer/memory.py``: collect, then ``malloc_trim(0)``
   after each step);
 - ``none``: the same steps with that release turned into a no-op, the baseline it is measured
-  against in the same run.
+  against in the same run (``--baseline-steps`` of them: its growth shows within tens of steps).
 
 For each variant: RSS after the first step, at the end, the peak, and the slope of a least-squares
 line through the steps after ``--warmup`` (MB per step; flat means ~0), then the footprint the
 process accounts for (weights, LoRA parameters, AdamW state) and what is left (activations freed
 and kept by the allocator, the interpreter, libraries). The last line is one JSON object.
 
-Run from the repo root: ``python -m bench.trainer_memory`` (200 steps per variant; about 10-20
-minutes a variant on 2 CPU cores with the defaults).
+Run from the repo root: ``python -m bench.trainer_memory`` (200 steps shipped, 60 baseline; 2-7 s a
+step on 2 CPU cores with the defaults, slower while other work shares the cores).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def _child(args: argparse.Namespace) -> None:
         started = time.perf_counter()
         stats = learner.step(samples)
         line: dict[str, Any] = {"step": step, "step_s": time.perf_counter() - started, "rss_gb": memory.rss_gb()}
-        line.update({k.removeprefix("perf/"): v for k, v in stats.memory.items() if "cuda" in k})
+        line.update({k.removeprefix("perf/"): v for k, v in stats.memory.items() if k != "perf/rss_gb"})
         if step == 1:
             state = learner.optimizer.state_dict()["state"]
             line["adamw_gb"] = sum(t.numel() * t.element_size() for s in state.values() for t in s.values()) / 1e9
@@ -91,7 +91,8 @@ def _fit(xs: list[float], ys: list[float]) -> float:
 
 
 def _variant(args: argparse.Namespace, name: str) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "bench.trainer_memory", "--child", name, *sys.argv[1:]]
+    steps_arg = ["--steps", str(args.baseline_steps if name == "none" else args.steps)]
+    cmd = [sys.executable, "-m", "bench.trainer_memory", *sys.argv[1:], *steps_arg, "--child", name]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
@@ -104,7 +105,12 @@ def _variant(args: argparse.Namespace, name: str) -> dict[str, Any]:
             continue
         steps.append(line)
         if line["step"] % 10 == 0 or line["step"] == 1:
-            print(f"  {name} step {line['step']}: RSS {line['rss_gb']:.2f} GB ({line['step_s']:.1f} s)", flush=True)
+            peak = line.get("rss_peak_gb", float("nan"))
+            print(
+                f"  {name} step {line['step']}: RSS {line['rss_gb']:.2f} GB, "
+                f"peak in step {peak:.2f} GB ({line['step_s']:.1f} s)",
+                flush=True,
+            )
     if proc.wait() != 0 or not steps:
         raise SystemExit(f"the {name} variant failed (exit {proc.returncode})")
     late = [s for s in steps if s["step"] > args.warmup] or steps
@@ -120,7 +126,9 @@ def _variant(args: argparse.Namespace, name: str) -> dict[str, Any]:
         "adamw_gb": round(first.get("adamw_gb", 0.0), 4),
         "rss_first_gb": round(first["rss_gb"], 3),
         "rss_last_gb": round(steps[-1]["rss_gb"], 3),
-        "rss_peak_gb": round(max(s["rss_gb"] for s in steps), 3),
+        "rss_max_after_step_gb": round(max(s["rss_gb"] for s in steps), 3),
+        "peak_in_step_median_gb": round(sorted(s.get("rss_peak_gb", 0.0) for s in steps)[len(steps) // 2], 3),
+        "peak_in_step_max_gb": round(max(s.get("rss_peak_gb", 0.0) for s in steps), 3),
         "slope_mb_per_step_after_warmup": round(slope_mb, 2),
         "unaccounted_last_gb": round(steps[-1]["rss_gb"] - accounted, 3),
         "median_step_s": round(sorted(s["step_s"] for s in steps)[len(steps) // 2], 2),
@@ -130,6 +138,7 @@ def _variant(args: argparse.Namespace, name: str) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--baseline-steps", type=int, default=60, help="steps of the `none` variant")
     parser.add_argument("--warmup", type=int, default=20, help="steps left out of the slope's fit")
     parser.add_argument("--samples", type=int, default=4, help="samples per step")
     parser.add_argument("--min-tokens", type=int, default=100)

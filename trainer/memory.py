@@ -54,9 +54,36 @@ def rss_gb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
 
 
+def _peak_gb() -> float | None:
+    """The resident set's high-water mark (``VmHWM``) since the last ``_reset_peak``, or None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024 / 1e9  # kB
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak() -> None:
+    """Start a new high-water mark at the current RSS (writing 5 to ``clear_refs``, Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
 def figures() -> dict[str, float]:
-    """The step's ``perf/`` memory figures: RSS, and on a GPU the allocated and reserved peaks."""
+    """The step's ``perf/`` memory figures: RSS now and its peak since the last call (what an OOM
+    sees: the step's activations and chunks while they are alive), and on a GPU the allocated and
+    reserved peaks. Each call starts the next peak."""
     out = {"perf/rss_gb": rss_gb()}
+    peak = _peak_gb()
+    if peak is not None:
+        out["perf/rss_peak_gb"] = peak
+    _reset_peak()
     if torch.cuda.is_available():
         out["perf/cuda_max_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9
         out["perf/cuda_reserved_gb"] = torch.cuda.memory_reserved() / 1e9

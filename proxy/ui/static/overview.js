@@ -33,8 +33,12 @@
     { title: "Trainer tokens/s", series: [["perf/tokens_per_s", "tokens/s"]] },
     {
       title: "Trainer memory (GB)",
-      series: [["perf/rss_gb", "RSS"], ["perf/cuda_max_allocated_gb", "GPU peak"]],
-      note: "After each step; it should stay flat over a long run.",
+      series: [
+        ["perf/rss_gb", "RSS after"],
+        ["perf/rss_peak_gb", "RSS peak"],
+        ["perf/cuda_max_allocated_gb", "GPU peak"],
+      ],
+      note: "RSS after each step (flat over a long run) and its peak during the step (what runs out of memory).",
     },
     { title: "Staleness (versions behind)", series: [["staleness/mean", "mean"], ["staleness/max", "max"]] },
     { title: "Evaluation", prefix: "eval/" },
