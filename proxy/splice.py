@@ -44,6 +44,8 @@ from proxy.store.repository import Repository
 from proxy.upstream import Replica, Upstreams, answer_error
 
 RENDER = "/v1/chat/completions/render"
+SAMPLING_DEFAULT_MAX_TOKENS = 16
+"""vLLM's ``SamplingParams.max_tokens`` default, which its render leaves out (``room``)."""
 GENERATE = "/inference/v1/generate"
 DERENDER = "/v1/chat/completions/derender"
 
@@ -251,8 +253,15 @@ def room(body: dict[str, Any], params: Any, rendered_len: int, spliced_len: int)
     """The render's sampling parameters for the spliced prompt. Without ``max_tokens`` in the request,
     vLLM's render sets it to what the context leaves after *its* prompt; the spliced prompt has
     another length, so the room is recomputed for it (longer: the engine would refuse the call;
-    shorter: the answer would be cut early). Why not, when nothing is left."""
+    shorter: the answer would be cut early). Why not, when nothing is left.
+
+    A render without ``max_tokens`` rendered it as 16: vLLM 0.32 serialises ``SamplingParams`` without
+    the fields at their defaults (msgspec ``omit_defaults``; ``max_tokens`` defaults to 16), and its
+    generate route takes an absent ``max_tokens`` as what the context leaves, so it is put back (a
+    spliced ``max_tokens: 16`` call ran on to the end of an 8k context)."""
     out: dict[str, Any] = dict(params) if isinstance(params, dict) else {}
+    if isinstance(params, dict):
+        out.setdefault("max_tokens", SAMPLING_DEFAULT_MAX_TOKENS)
     asked = body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
     if asked or not isinstance(out.get("max_tokens"), int):
         return out

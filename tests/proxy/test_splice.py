@@ -162,6 +162,13 @@ def test_without_max_tokens_the_room_is_what_the_context_leaves_after_the_splice
     assert room({}, params, 900, 1000) == "the spliced prompt (1000 tokens) leaves no room in the context for an answer"
 
 
+def test_a_render_without_max_tokens_rendered_the_default_16() -> None:
+    """vLLM 0.32's render omits ``max_tokens`` at ``SamplingParams``' default (16); its generate route
+    would take the absent field as the whole rest of the context."""
+    assert room({"max_tokens": 16}, {"temperature": 1.0}, 900, 903) == {"temperature": 1.0, "max_tokens": 16}
+    assert room({"messages": []}, {"temperature": 1.0}, 900, 890) == {"temperature": 1.0, "max_tokens": 26}
+
+
 def test_keep_reasoning_splices_past_a_template_that_drops_it() -> None:
     """Qwen3-style templates drop an earlier turn's reasoning once a new user turn follows: the full
     render no longer starts with the history render. ``strip`` gives up (a break per turn); ``keep``
