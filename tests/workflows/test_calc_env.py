@@ -7,10 +7,10 @@ from collections import Counter
 
 import pytest
 
-from workflows.calc.env import CALCULATOR, SUBMIT, TOOLS, CalcEnv, check_arguments, named
+from workflows.calc.env import CALCULATOR, SUBMIT, TAPE_LINES, TOOLS, CalcEnv, check_arguments, named
 from workflows.calc.reward import call_rewards, score
-from workflows.calc.run import CalcOptions
-from workflows.calc.tasks import MIXES, CalcTask, Step, apply, generate
+from workflows.calc.run import CalcOptions, CalcWorkflow
+from workflows.calc.tasks import CHAIN, CHAIN_MAX, MIXES, CalcTask, Step, apply, generate
 from workflows.registry import load
 
 
@@ -70,6 +70,46 @@ def test_reference_solutions_chain_and_reach_the_answer() -> None:
         operands = [task.steps[0].a, task.steps[0].b] + [s.b for s in task.steps[1:]]
         assert numbers == operands, task  # every operand is in the question, in order
         assert task.answer == task.steps[-1].value >= 0
+
+
+def test_chained_tasks_feed_each_result_into_the_next_step() -> None:
+    chains = generate("train", size=50, chain=12)
+    assert chains == CalcWorkflow(CalcOptions(chain=12, size=50)).tasks("train")
+    assert len({t.id for t in chains}) == 50 and {t.kind for t in chains} == {CHAIN}
+    assert not {t.id for t in chains} & {t.id for t in generate("test", size=50, chain=12)}
+    for task in chains:
+        assert len(task.steps) == 12
+        for first, second in zip(task.steps, task.steps[1:], strict=False):
+            assert second.a == first.value
+        assert all(0 <= s.value and (s.op != "*" or s.a * 5 < CHAIN_MAX) for s in task.steps)
+        said = task.question.removeprefix(f"Start with {task.steps[0].a}. ").removesuffix(". What is the result?")
+        words = {"add": "+", "subtract": "-", "multiply": "*"}
+        assert [(words[w.split()[0].lower()], int(w.split()[-1])) for w in said.split(", ")] == [
+            (s.op, s.b) for s in task.steps
+        ], task.question
+    with pytest.raises(ValueError, match="chain must be 0"):
+        generate("train", chain=1)
+    with pytest.raises(ValueError, match="chain must be 0"):
+        CalcOptions(chain=8, mix="two_step")
+
+
+def test_the_tape_shows_the_last_computations_and_the_next_step() -> None:
+    (task,) = generate("train", size=1, chain=TAPE_LINES + 3)
+    env, plain = CalcEnv(task, tape=True), CalcEnv(task)
+    for k, step in enumerate(task.steps):
+        call = calc(step.a, {"+": "add", "-": "subtract", "*": "multiply"}[step.op], step.b)
+        reply = env.execute(CALCULATOR, call).result or ""
+        assert plain.execute(CALCULATOR, call).result == str(step.value)  # no tape: the bare result
+        lines = reply.split("\n")
+        assert lines[-2] == f"{k + 1}. {step.a} {step.op} {step.b} = {step.value}"
+        assert len(lines) == min(k + 1, TAPE_LINES) + 1 and lines[0].startswith(f"{max(1, k + 2 - TAPE_LINES)}. ")
+        if k + 1 < len(task.steps):
+            assert (
+                lines[-1] == "next: " + task.question.split(", ")[k + 1].removesuffix(". What is the result?").lower()
+            )
+        else:
+            assert lines[-1] == "next: submit the answer"
+    assert env.execute(CALCULATOR, '{"a": 1}').result == "error: arguments must be exactly ['a', 'b', 'op'], got ['a']"
 
 
 def test_word_problems_say_their_operation() -> None:

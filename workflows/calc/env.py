@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from workflows.calc.tasks import OP_OF, CalcTask, apply
+from workflows.calc.tasks import OP_OF, CalcTask, apply, say
 
 CALCULATOR = "calculator"
 SUBMIT = "submit_answer"
@@ -47,6 +47,9 @@ TOOLS: list[dict[str, Any]] = [
 ]
 """The ``tools`` of every request: a calculator and the final answer."""
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+TAPE_LINES = 10
+"""The calculator's tape shows its last this many lines: the tool output grows with the episode up
+to there, then by a line per call (a whole tape would grow it quadratically)."""
 MAX_ABS = 10**12
 """Operands beyond this are refused (a runaway chain of multiplications is not arithmetic practice)."""
 
@@ -104,8 +107,14 @@ class CalcEnv:
     """One episode's state: the calls made so far and the submitted answer."""
 
     task: CalcTask
+    tape: bool = False
+    """Answer a calculator call with its tape, the episode's computations so far (the last
+    ``TAPE_LINES``) and the next step of the task, instead of the bare result: long tool output, as
+    a long-horizon agent's is (file listings, logs), and a pointer to where the chain stands."""
     calls: list[ToolCall] = field(default_factory=list)
     answer: int | None = None
+    lines: list[str] = field(default_factory=list)
+    """The tape: one line per valid calculator call."""
 
     @property
     def submitted(self) -> bool:
@@ -128,7 +137,9 @@ class CalcEnv:
             op = OP_OF[args["op"]]
             value = apply(args["a"], op, args["b"])
             useful = any(step.matches(args["a"], op, args["b"]) for step in self.task.steps)
-            call = ToolCall(tool=tool, arguments=arguments, valid=True, result=str(value), useful=useful)
+            self.lines.append(f"{args['a']} {op} {args['b']} = {value}")
+            result = self._tape() if self.tape else str(value)
+            call = ToolCall(tool=tool, arguments=arguments, valid=True, result=result, useful=useful)
         else:
             self.answer = args["answer"]
             call = ToolCall(
@@ -136,3 +147,12 @@ class CalcEnv:
             )
         self.calls.append(call)
         return call
+
+    def _tape(self) -> str:
+        """The tape's last lines, numbered, then ``next: <the task's next step>`` (or ``next: submit the
+        answer``)."""
+        done = 1 + sum(c.tool == CALCULATOR for c in self.calls)  # calculator turns, this one included
+        steps = self.task.steps
+        upcoming = f"next: {say(steps[done])}" if done < len(steps) else "next: submit the answer"
+        shown = [f"{k}. {line}" for k, line in enumerate(self.lines, 1)][-TAPE_LINES:]
+        return "\n".join([*shown, upcoming])

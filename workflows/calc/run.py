@@ -29,7 +29,7 @@ from openai import AsyncOpenAI
 from workflows.base import Endpoint, Episode, Outcome, Source, Split, Workflow
 from workflows.calc.env import CALCULATOR, SUBMIT, TOOLS, CalcEnv, named
 from workflows.calc.reward import Score, call_rewards, score
-from workflows.calc.tasks import MIXES, CalcTask, generate
+from workflows.calc.tasks import CHAIN, MIXES, CalcTask, generate
 
 TIMEOUT_S = 600.0
 """Per request: on a busy CPU engine a short reply can wait minutes in the queue."""
@@ -66,6 +66,10 @@ calculator's reply), which a 135M model does not infer from the tool schemas alo
 class CalcOptions:
     mix: str = "default"
     """Task mix: default (one- and two-step), one_step, two_step (see tasks.py)."""
+    chain: int = 0
+    """N >= 2: the long-horizon variant instead of the mix: chained tasks of N steps, each on the
+    previous result, N + 1 calls an episode, the calculator answering with its tape (its last 10
+    computations and the next step). chain=22: 23 calls, a context of ~5k tokens (measured 4.5k-4.9k)."""
     size: int | None = None
     """Tasks per split (default: 2000 train, 200 test)."""
     seed: int = 0
@@ -90,6 +94,8 @@ class CalcOptions:
     def __post_init__(self) -> None:
         if self.mix not in MIXES:
             raise ValueError(f"mix must be one of {sorted(MIXES)}, got {self.mix!r}")
+        if self.chain and (self.chain < 2 or self.mix != "default"):
+            raise ValueError(f"chain must be 0 (off) or >= 2 steps, without a mix; got {self.chain}, mix {self.mix!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.size is not None and self.size < 1:
@@ -112,7 +118,7 @@ async def play(
     client: AsyncOpenAI, model: str, task: CalcTask, options: CalcOptions, *, temperature: float, top_p: float = 1.0
 ) -> Transcript:
     """Play one task with ``client``: the environment's record, each call's finish reason, the versions."""
-    env = CalcEnv(task)
+    env = CalcEnv(task, tape=task.kind == CHAIN)
     versions: set[str] = set()
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": options.system_prompt},
@@ -175,7 +181,8 @@ class CalcWorkflow(Workflow[CalcTask, CalcOptions]):
     """An agent workflow: an episode that crashes or times out is the agent's failure."""
 
     def tasks(self, split: Source) -> Sequence[CalcTask]:
-        return generate(split, mix=self.options.mix, size=self.options.size, seed=self.options.seed)
+        options = self.options
+        return generate(split, mix=options.mix, size=options.size, seed=options.seed, chain=options.chain)
 
     def task_id(self, task: CalcTask) -> str:
         return task.id

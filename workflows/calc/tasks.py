@@ -7,7 +7,10 @@ answer (the last step's value). Kinds:
 - ``word1``: a one-step word problem (gain, loss or equal groups): the operation is in the words;
 - ``expr2``: ``What is (37 + 48) * 6?`` or ``What is 37 * 6 - 48?``: two steps, the second on the
   first one's result (which only the calculator's reply holds);
-- ``word2``: a two-step word problem (gain then loss).
+- ``word2``: a two-step word problem (gain then loss);
+- ``chain``: ``Start with 37. Add 12, multiply by 3, subtract 45, ... What is the result?``: the
+  long-horizon variant (``generate(chain=N)``), N steps each on the previous one's result, an
+  episode of N + 1 calls.
 
 A task's split is decided by a stable hash of its numbers and kind (a fifth goes to ``test``), so
 a held-out task is never trained on, whatever the seed. Tasks are drawn with ``seed`` from each
@@ -130,6 +133,39 @@ def _word2(r: random.Random) -> tuple[str, str, tuple[Step, ...]]:
     return f"{name}:{item}:{a}:{b}:{c}", question, (first, Step(first.value, "-", c))
 
 
+CHAIN = "chain"
+CHAIN_MAX = 1000
+"""A chain multiplies only while the product stays below this (so its numbers, repeated on every tape
+line, stay short), and it never goes below zero."""
+
+
+def _chain(steps: int) -> Draw:
+    """Chains of ``steps`` steps: add or subtract a two-digit number, or multiply by 2 to 5."""
+
+    def draw(r: random.Random) -> tuple[str, str, tuple[Step, ...]]:
+        value = r.randint(12, 99)
+        start, out = value, []
+        for _ in range(steps):
+            op = r.choice(OPS)
+            if op == "*" and value * 5 >= CHAIN_MAX:
+                op = "-"
+            b = r.randint(2, 5) if op == "*" else r.randint(11, 99)
+            if op == "-" and b > value:
+                op = "+"
+            out.append(Step(value, op, b))
+            value = apply(value, op, b)
+        said = ", ".join(say(s) for s in out)
+        key = f"{start}" + "".join(f"{s.op}{s.b}" for s in out)
+        return key, f"Start with {start}. {said[0].upper()}{said[1:]}. What is the result?", tuple(out)
+
+    return draw
+
+
+def say(step: Step) -> str:
+    """A chain step in words: ``add 12``, ``subtract 45``, ``multiply by 3``."""
+    return f"{NAMES_OF[step.op]} {'by ' if step.op == '*' else ''}{step.b}"
+
+
 KINDS: dict[str, Draw] = {"mul": _mul, "word1": _word1, "expr2": _expr2, "word2": _word2}
 MIXES: dict[str, dict[str, int]] = {
     "default": {"mul": 1, "word1": 2, "expr2": 1, "word2": 1},
@@ -139,8 +175,9 @@ MIXES: dict[str, dict[str, int]] = {
 """Named task mixes: kind -> weight (see the workflow README for each kind's measured baseline)."""
 
 
-def _draw(kind: str, split: Split, count: int, seed: int) -> list[CalcTask]:
-    """``count`` distinct tasks of ``kind`` in ``split``, drawn with ``seed``."""
+def _draw(kind: str, split: Split, count: int, seed: int, draw: Draw | None = None) -> list[CalcTask]:
+    """``count`` distinct tasks of ``kind`` in ``split``, drawn with ``seed`` (by ``draw``, default
+    the kind's)."""
     rng = random.Random(f"calc:{seed}:{kind}")
     seen: set[str] = set()
     out: list[CalcTask] = []
@@ -149,7 +186,7 @@ def _draw(kind: str, split: Split, count: int, seed: int) -> list[CalcTask]:
         attempts += 1
         if attempts > 200 * count + 1000:
             raise ValueError(f"kind {kind!r}: could not draw {count} distinct {split} tasks")
-        key, question, steps = KINDS[kind](rng)
+        key, question, steps = (draw or KINDS[kind])(rng)
         if key in seen or _held_out(f"{kind}:{key}") != (split == "test"):
             continue
         seen.add(key)
@@ -157,12 +194,19 @@ def _draw(kind: str, split: Split, count: int, seed: int) -> list[CalcTask]:
     return out
 
 
-def generate(split: Split, *, mix: str = "default", size: int | None = None, seed: int = 0) -> list[CalcTask]:
-    """A deterministic list of ``size`` tasks (default ``SIZES[split]``), kinds interleaved by weight."""
+def generate(
+    split: Split, *, mix: str = "default", size: int | None = None, seed: int = 0, chain: int = 0
+) -> list[CalcTask]:
+    """A deterministic list of ``size`` tasks (default ``SIZES[split]``), kinds interleaved by weight;
+    ``chain`` > 0: chained tasks of that many steps instead of the mix."""
     if mix not in MIXES:
         raise ValueError(f"unknown calc mix {mix!r}; choose one of {sorted(MIXES)}")
     weights = MIXES[mix]
     total = size if size is not None else SIZES[split]
+    if chain:
+        if chain < 2:
+            raise ValueError(f"chain must be 0 (off) or >= 2 steps, got {chain}")
+        return _draw(CHAIN, split, total, seed, _chain(chain))
     rounds = -(-total // sum(weights.values()))
     pools = {kind: _draw(kind, split, rounds * w, seed) for kind, w in weights.items()}
     out: list[CalcTask] = []
