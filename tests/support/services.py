@@ -161,7 +161,11 @@ class ProxyProcess:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        wait_http(f"{self.url}/openapi.json", timeout, self.proc, self.log_path)
+        try:
+            wait_http(f"{self.url}/openapi.json", timeout, self.proc, self.log_path)
+        except BaseException:
+            self.stop()  # a proxy that never answered is not left running behind the failed test
+            raise
 
     def kill9(self) -> None:
         assert self.proc is not None
