@@ -39,6 +39,10 @@ Lengths: 1k to 16k on the CPU, 8k to 32k on a GPU. ``flywheel-off`` is skipped a
 ``trl`` above ``--trl-max-tokens`` when set; skipped cells say so. A child that runs out of memory
 is reported as such, not as a crash.
 
+``--mmap-threshold-kb K`` runs every cell (TRL's too) with glibc's mmap threshold fixed at K KB
+(``TrainerConfig.mmap_threshold_kb``): on the CPU the resident peak is then the live tensors, not
+what glibc's heap once held; compare a run with it against one without.
+
 Printed: a table per length (added peak GB, GB per 1k tokens, tokens/s, step seconds), then the
 ratios against the goals of issue 33: flywheel-on's added GB per token at the longest length over
 that at the shortest (goal <= 1.5) and flywheel-on's tokens/s over TRL's at each length (goal
@@ -254,6 +258,10 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(spec["threads"])
     cuda = torch.cuda.is_available()
+    if spec["mmap_threshold_kb"] is not None and not spec["impl"].startswith("flywheel"):
+        from trainer import memory  # Flywheel's cells set it through their config, as a user would
+
+        memory.fix_mmap_threshold(spec["mmap_threshold_kb"])
     if spec["random"]:
         use_random_weights(spec["model"], "cuda" if cuda else "cpu")
     length = spec["length"]
@@ -262,6 +270,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         micro_batch_tokens=length,
         max_seq_len=length,
         gradient_checkpointing=spec["impl"] == "flywheel-on",
+        mmap_threshold_kb=spec["mmap_threshold_kb"],
         threads=spec["threads"],
         seed=spec["seed"],
     )
@@ -492,6 +501,12 @@ def main() -> None:
     parser.add_argument("--warmup-tokens", type=int, default=256, help="sample length of the warm-up step")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads in every cell")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--mmap-threshold-kb",
+        type=int,
+        default=None,
+        help="every cell with glibc's mmap threshold fixed here (TrainerConfig.mmap_threshold_kb); default glibc's",
+    )
     parser.add_argument("--cell-timeout-s", type=float, default=4 * 3600)
     parser.add_argument(
         "--model",
@@ -554,6 +569,7 @@ def main() -> None:
                         "threads": args.threads,
                         "seed": args.seed,
                         "warmup_tokens": args.warmup_tokens,
+                        "mmap_threshold_kb": args.mmap_threshold_kb,
                         "workdir": tmp,
                     }
                     cells[length, impl] = cell = run_cell(spec, args.cell_timeout_s)

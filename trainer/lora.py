@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from trainer import memory
 from trainer.config import ConfigError, TrainerConfig, cpu_has_native_bf16
 from trainer.distributed import gathered, shard_like, shard_model
 from trainer.logprobs import LogProbs, Truncation, selected_logprobs
@@ -250,6 +251,8 @@ class LoraPolicy:
             )
         if config.threads:
             torch.set_num_threads(config.threads)
+        if config.mmap_threshold_kb is not None and not memory.fix_mmap_threshold(config.mmap_threshold_kb):
+            raise RuntimeError("mmap_threshold_kb needs glibc's mallopt, which this C library does not offer")
         torch.manual_seed(config.seed)
         _register_attention()
         self.config = config

@@ -36,6 +36,24 @@ def _malloc_trim() -> Callable[[int], int] | None:
     return trim
 
 
+M_MMAP_THRESHOLD = -3
+"""``mallopt``'s parameter number for the mmap threshold (glibc's malloc.h)."""
+
+
+def fix_mmap_threshold(kb: int) -> bool:
+    """Fix glibc's mmap threshold at ``kb`` (``TrainerConfig.mmap_threshold_kb`` says why and what it
+    costs): allocations above it are mapped and unmapped, never kept in the heap. False where the C
+    library has no ``mallopt`` or refuses the value."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        mallopt = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, kb * 1024))
+
+
 def release() -> None:
     """Collect cycles and hand freed heap pages back to the OS (glibc only; elsewhere a no-op)."""
     gc.collect()

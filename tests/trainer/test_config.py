@@ -35,6 +35,7 @@ def test_local_config_loads_with_overrides(monkeypatch: pytest.MonkeyPatch) -> N
         (["lora_target_modules=lm_head"], "must not include lm_head"),
         (["groups_per_step=many"], "groups_per_step: expected an integer, got 'many'"),
         (["max_steps"], "expected key=value"),
+        (["mmap_threshold_kb=1"], "mmap_threshold_kb must be 4 to 32768"),
     ],
 )
 def test_bad_settings_are_refused_with_a_fix(overrides: list[str], message: str) -> None:

@@ -1,0 +1,47 @@
+"""The trainer's memory rules on the real allocator (glibc): what ``mmap_threshold_kb`` changes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from trainer import memory
+
+HOLES = """
+import json, sys, torch
+from trainer import memory
+if sys.argv[1] != "default":
+    assert memory.fix_mmap_threshold(int(sys.argv[1]))
+warm = torch.ones(6 * 1024 * 1024); del warm  # a 24 MB free: glibc's threshold rises to 24 MB
+live = []
+memory.figures()  # the peak starts here
+base = memory.rss_gb()
+for i in range(20):  # a step's pattern: a transient a little larger each time, small tensors kept between
+    transient = torch.ones(2 * 1024 * 1024 + i * 16 * 1024)  # ~8 MB, touched
+    live.append(torch.ones(16 * 1024))  # 64 KB that stays, after it in the heap
+    del transient
+print(json.dumps({"peak_mb": (memory.figures()["perf/rss_peak_gb"] - base) * 1000}))
+"""
+
+
+def _peak_mb(threshold: str) -> float:
+    out = subprocess.run([sys.executable, "-c", HOLES, threshold], capture_output=True, text=True, check=True)
+    return float(json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt and /proc")
+def test_a_fixed_mmap_threshold_keeps_the_peak_at_what_is_alive() -> None:
+    """glibc's own rule serves 8 MB tensors from the heap once a larger one was freed; each freed one
+    leaves a resident hole the next, larger one does not fit, so the peak is the sum of them all. With
+    the threshold fixed each is unmapped when freed: the peak is about one of them."""
+    default, fixed = _peak_mb("default"), _peak_mb("1024")
+    assert fixed < 30, fixed  # one ~8 MB transient and the small tensors kept
+    assert default > 100, default  # the holes of many transients stayed resident
+
+
+def test_the_step_figures_report_rss_and_its_peak() -> None:
+    figures = memory.figures()
+    assert figures["perf/rss_gb"] > 0 and figures["perf/rss_peak_gb"] >= figures["perf/rss_gb"] * 0.99
