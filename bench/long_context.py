@@ -126,25 +126,18 @@ def group(length: int, vocab: int, seed: int) -> tuple[list[int], list[list[int]
 
 
 def _hwm_bytes() -> int | None:
-    """The kernel's peak resident set of this process (VmHWM), or None where /proc has none."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    """The kernel's peak resident set of this process (VmHWM, ``trainer/memory.py``) in bytes."""
+    from trainer import memory
+
+    peak = memory.peak_gb()
+    return None if peak is None else int(peak * 1e9)
 
 
 def _reset_hwm() -> bool:
-    """Reset VmHWM to the current resident set (Linux: ``clear_refs`` 5); False where refused."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return _hwm_bytes() is not None
+    """Reset VmHWM to the current resident set; False where refused."""
+    from trainer import memory
+
+    return memory.reset_peak()
 
 
 class Peak:

@@ -72,8 +72,8 @@ def rss_gb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
 
 
-def _peak_gb() -> float | None:
-    """The resident set's high-water mark (``VmHWM``) since the last ``_reset_peak``, or None off Linux."""
+def peak_gb() -> float | None:
+    """The resident set's high-water mark (``VmHWM``) since the last ``reset_peak``, or None off Linux."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -84,13 +84,15 @@ def _peak_gb() -> float | None:
     return None
 
 
-def _reset_peak() -> None:
-    """Start a new high-water mark at the current RSS (writing 5 to ``clear_refs``, Linux >= 4.0)."""
+def reset_peak() -> bool:
+    """Start a new high-water mark at the current RSS (writing 5 to ``clear_refs``, Linux >= 4.0);
+    False where that is refused."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:
-        pass
+        return False
+    return peak_gb() is not None
 
 
 def figures() -> dict[str, float]:
@@ -98,10 +100,10 @@ def figures() -> dict[str, float]:
     sees: the step's activations and chunks while they are alive), and on a GPU the allocated and
     reserved peaks. Each call starts the next peak."""
     out = {"perf/rss_gb": rss_gb()}
-    peak = _peak_gb()
+    peak = peak_gb()
     if peak is not None:
         out["perf/rss_peak_gb"] = peak
-    _reset_peak()
+    reset_peak()
     if torch.cuda.is_available():
         out["perf/cuda_max_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9
         out["perf/cuda_reserved_gb"] = torch.cuda.memory_reserved() / 1e9
