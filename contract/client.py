@@ -115,6 +115,7 @@ class _Client(Generic[T, H]):
     # -- groups and episodes (workflows) ---------------------------------------------------------
 
     create_group = _Method(endpoints.create_group)
+    fork = _Method(endpoints.fork)
     create_episode = _Method(endpoints.create_episode)
     group = _Method(endpoints.group)
     pending_groups = _Method(endpoints.pending_groups)

@@ -27,6 +27,7 @@ from contract.schemas import (
     ClaimIn,
     EpisodeAudit,
     EpisodeCreate,
+    ForkIn,
     GroupCreate,
     PublishIn,
     ReleaseIn,
@@ -34,7 +35,7 @@ from contract.schemas import (
     RewardIn,
     StepIn,
 )
-from contract.vocabulary import AbandonCause, AckStatus, TrainMode
+from contract.vocabulary import AbandonCause, AckStatus, ForkRule, TrainMode
 
 R = TypeVar("R")
 CallRewards = Mapping[int, float] | Mapping[str, float]
@@ -101,6 +102,20 @@ def create_episode(task_id: str | None = None, *, metadata: dict[str, Any] | Non
     """A lone episode (recorded, never trained on by GRPO)."""
     body = EpisodeCreate.model_construct(task_id=task_id, metadata=metadata or {})
     return Request("POST", "/episodes", "unsent", CreatedEpisode.model_validate, body)
+
+
+def fork(
+    episode_id: str,
+    at: int,
+    size: int,
+    *,
+    on_divergence: ForkRule = "sample",
+    metadata: dict[str, Any] | None = None,
+) -> Request[CreatedGroup]:
+    """A fork group of a rewarded episode: ``size`` episodes that replay its first ``at`` answered
+    calls, then sample; run the same agent on each episode of ``episode_keys``."""
+    body = ForkIn.model_construct(at=at, size=size, on_divergence=on_divergence, metadata=metadata or {})
+    return Request("POST", f"/episodes/{episode_id}/fork", "unsent", CreatedGroup.model_validate, body)
 
 
 def group(group_id: str) -> Request[Group]:

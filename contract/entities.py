@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from contract.tokens import client_list, rejoin_ids, rejoin_messages
-from contract.vocabulary import AbandonCause, CallApi, CallKind, EpisodeStatus, GroupStatus, TrainStatus
+from contract.vocabulary import AbandonCause, CallApi, CallKind, EpisodeStatus, ForkRule, GroupStatus, TrainStatus
 
 
 class _Entity(BaseModel):
@@ -120,6 +120,16 @@ class Episode(_Entity):
     calls: list[Call] | None = None
     train_audit: dict[str, Any] | None = None
     """The trainer's ``EpisodeAudit`` once its group was trained (kept as sent, so older rows read)."""
+    fork_of: str | None = None
+    """A fork episode's source (``POST /episodes/{id}/fork``): its first ``fork_at`` answered calls
+    were replayed from that episode's record, never sampled, and are context only in training."""
+    fork_at: int | None = None
+    fork_rule: ForkRule | None = None
+    """What happens when the agent's request differs from the replayed one (``on_divergence``)."""
+    diverged_at: int | None = None
+    """The fork's call (0-based among its answered calls) whose request differed from the source's."""
+    divergence: dict[str, Any] | None = None
+    """Which request fields differed there, and the rule applied."""
 
     def rejoined(self) -> Episode:
         """This episode with every call of a delta claim made whole, as ``calls: "whole"`` sends it.

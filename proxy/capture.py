@@ -239,8 +239,10 @@ def capture_response(data: dict[str, Any], kind: CallKind) -> Captured:
             if prompt_ids is None:
                 prompt_ids = choice.prompt_token_ids
         captures.append(choice)
-        slim_choices.append({k: v for k, v in raw.items() if k not in _HEAVY_CHOICE_KEYS})
-    response = {k: v for k, v in data.items() if k not in ("prompt_token_ids", "prompt_logprobs")}
+        slim_choices.append({k: None if k in _HEAVY_CHOICE_KEYS else v for k, v in raw.items()})
+    # The heavy fields are kept apart (``choices``, ``prompt_token_ids``); their keys stay, empty, so a
+    # replay (``proxy/replay.py``) rebuilds the answer with every field where the engine put it.
+    response = {k: None if k in ("prompt_token_ids", "prompt_logprobs") else v for k, v in data.items()}
     response["choices"] = slim_choices
     prompt_tokens, completion_tokens = _usage(data.get("usage"), prompt_ids, captures)
     return _captured(prompt_ids, captures, response, data.get("usage"), prompt_tokens, completion_tokens)

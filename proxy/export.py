@@ -210,7 +210,8 @@ def _sampling(call: CallRecord) -> tuple[str | None, float | None, bool]:
     constrained_out = mode == "constrained" and (
         recorded.get("constrained") == "exclude" or not recorded.get("grammar")
     )
-    trained = mode in TRAINED_MODES and not constrained_out
+    replayed = (call.notes or {}).get("replay") is not None  # a fork's replayed call: its source trained it
+    trained = mode in TRAINED_MODES and not constrained_out and not replayed
     return (
         mode if isinstance(mode, str) else None,
         float(temperature) if isinstance(temperature, int | float) else None,
@@ -354,6 +355,7 @@ def fidelity(episode: EpisodeRecord) -> dict[str, Any]:
         "answered": sum(c.status_code == 200 for c in calls),
         "refused": sum(bool((c.notes or {}).get("refused")) for c in calls),
         "not_delivered": sum(c.status_code == 499 for c in calls),
+        "replayed": sum((c.notes or {}).get("replay") is not None for c in calls),
         "spliced": spliced,
         "splice_unchanged": unchanged,
         "splice_skipped": skipped,

@@ -80,6 +80,14 @@ class Metrics:
             registry=r,
         )
 
+        self.forks = Counter(
+            "flywheel_fork_calls",
+            "Calls of fork episodes by replay outcome: replayed (answered from the source's record), "
+            "diverged (the request differed: the replay ended there), sampled (after the fork point)",
+            ["outcome"],
+            registry=r,
+        )
+
         self.refused = Counter(
             "flywheel_refused_calls",
             "Model calls refused with a 4xx (by the proxy, or by the engine: upstream_rejected), by route (the API) "

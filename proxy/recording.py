@@ -52,6 +52,8 @@ class Recording:
     """The effective sampling (``notes.sampling``), recorded calls only."""
     splice: dict[str, Any] | None = None
     """Whether and how the prompt was spliced (``notes.splice``)."""
+    replay: dict[str, Any] | None = None
+    """The source call a fork's call was answered from (``notes.replay``, ``proxy/replay.py``)."""
     started: float = field(default_factory=time.time)
     t0: float = field(default_factory=time.perf_counter)
     """The call's clock (latency and time to first token)."""
@@ -104,6 +106,8 @@ class Recording:
             notes["sampling"] = self.sampling
         if self.splice is not None:
             notes["splice"] = self.splice
+        if self.replay is not None:
+            notes["replay"] = self.replay
         if self.translation is not None and self.translation.compat:
             notes["compat"] = self.translation.compat
         return notes or None

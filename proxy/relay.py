@@ -7,7 +7,8 @@ A route validates the request and finds its episode; ``Relay.respond`` does the 
 sampled ids of earlier turns into a follow-up prompt (``splice.py``), send to a replica
 (``upstream.py``), capture the exact ids and log-probs (``capture.py``), record (``recording.py``,
 through ``recorder.py``) and only then answer: a plain call after its record committed, a stream
-with its final event held back until then (``streaming.py``). A call in another API
+with its final event held back until then (``streaming.py``). A fork episode's first calls are
+answered from its source's record instead of the engine (``replay.py``), recorded all the same. A call in another API
 (``dialects/``) runs as its chat request and is answered in its own API.
 """
 
@@ -24,6 +25,7 @@ import orjson
 from fastapi.responses import Response, StreamingResponse
 
 from contract.vocabulary import CallKind
+from proxy import replay
 from proxy.adapters import AdapterTable
 from proxy.answers import check_answer, json_object, reading
 from proxy.capture import Wants, capture_response, prepare, sampled, single_prompt, strip_for_client
@@ -34,6 +36,7 @@ from proxy.metrics import Metrics
 from proxy.recorder import Recorder
 from proxy.recording import Recording
 from proxy.refusals import refused
+from proxy.replay import Replayed, Replayer
 from proxy.sampling import SamplingDefaults, settle_grammar
 from proxy.sampling import resolve as resolve_sampling
 from proxy.settings import SamplingSettings
@@ -66,6 +69,8 @@ class Relay:
     """Token-in-token-out follow-up calls; None when ``splice.enabled`` is off."""
     grammars: Grammars | None = None
     """The engine's grammar for constrained calls (``grammar.py``); None: the request-based rule alone."""
+    replayer: Replayer | None = None
+    """Fork episodes' replayed calls (``replay.py``); None: no replay (a proxy without a store)."""
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     """Tasks that outlive their request (recording a disconnected stream); drained on shutdown."""
 
@@ -135,6 +140,7 @@ class ModelCall:
         self.translation = translation
         self.episode_id = episode_id
         self.recorded = episode_id is not None
+        self.replayed: Replayed | None = None
         model_served, version = relay.adapters.resolve(body["model"])  # the adapter serving the model
         self.record = Recording(
             recorder=relay.recorder,
@@ -160,10 +166,33 @@ class ModelCall:
 
     async def respond(self) -> Response:
         """The answer: a stream when the (chat) body asks for one, else one JSON body."""
-        await self._grammar()
+        self.replayed = await self._replay()
+        if self.replayed is None:
+            await self._grammar()
         if self.body.get("stream"):
             return await self.open_stream()
         return await self.complete()
+
+    async def _replay(self) -> Replayed | None:
+        """A fork's call answered from its source's record (``replay.py``): the record then carries
+        the source's version, model and sampling, and the client the source's response id."""
+        replayer = self.relay.replayer
+        if replayer is None or self.episode_id is None:
+            return None
+        try:
+            replayed = await replayer.take(self.episode_id, self.kind, self.record.route, self.body)
+        except FlywheelError as exc:  # diverged under on_divergence: abandon
+            await self.record.failed(exc)
+            raise
+        if replayed is None:
+            return None
+        source, record = replayed.source, self.record
+        record.version, record.model_served = source.policy_version, source.model_served or record.model_served
+        record.sampling = (source.notes or {}).get("sampling")
+        record.replay = replayed.note()
+        if self.translation is not None and source.response_id:
+            self.translation.response_id = source.response_id
+        return replayed
 
     async def _grammar(self) -> None:
         """Record the grammar vLLM will sample this call under, as the engine itself renders it, so
@@ -284,11 +313,13 @@ class ModelCall:
 
     async def _fetch(self) -> tuple[dict[str, Any], bytes | None]:
         """The upstream's answer, parsed, and its bytes (None when the proxy built the answer)."""
+        if self.replayed is not None:
+            return check_answer(replay.answer(self.replayed.source), self.kind, self.record.source), None
         planned = await self._splice()
         if planned is not None:
             assert self.relay.splicer is not None
-            answer = await self.relay.splicer.complete(*planned)
-            return check_answer(answer, self.kind, self.record.source), None
+            spliced = await self.relay.splicer.complete(*planned)
+            return check_answer(spliced, self.kind, self.record.source), None
         response = await self.send(stream=False)
         if response.status_code >= 400:
             raise answer_error(response.status_code, response.content, self.record.replica)
@@ -300,8 +331,10 @@ class ModelCall:
     async def open_stream(self) -> StreamingResponse:
         """Open the upstream stream and hand it to ``streaming.py``; its final event waits for the record."""
         try:
-            planned = await self._splice()
-            if planned is not None:
+            planned = None if self.replayed is not None else await self._splice()
+            if self.replayed is not None:
+                upstream, close = sse_events(replay.stream(self.replayed.source))
+            elif planned is not None:
                 assert self.relay.splicer is not None
                 upstream, close = sse_events(self.relay.splicer.stream(*planned))
             else:

@@ -21,6 +21,7 @@ from trainer.sample import Sample
 CONTEXT_ONLY = (
     "calls_greedy",
     "calls_penalized",
+    "calls_replayed",
     "calls_constrained_excluded",
     "calls_constrained_unmasked",
     "calls_sampling_unrecorded",

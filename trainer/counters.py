@@ -28,6 +28,8 @@ class DataStats:
     """Temperature-0 calls, kept as context with loss mask 0."""
     calls_penalized: int = 0
     """Calls with penalties or token biases the trainer cannot reproduce: context only."""
+    calls_replayed: int = 0
+    """Fork episodes' calls answered from their source's record (``notes.replay``): context only."""
     calls_constrained: int = 0
     """Grammar-constrained calls trained, scored under the engine's rebuilt token mask."""
     calls_constrained_excluded: int = 0

@@ -10,8 +10,8 @@ Which tokens are trained is decided by the call's *effective* sampling, which th
 exactly (temperature, top-k, top-p, min-p go to the log-prob computation); ``constrained`` calls
 (grammar mask) are trained under the mask the engine applied, rebuilt from the recorded grammar
 (``grammar.py``: ``masks`` per token), unless the proxy marked them ``exclude`` or the mask cannot
-be rebuilt (both context only, counted); ``penalized`` and ``greedy`` calls, and calls recorded
-without their effective sampling, stay in the sequence as context (``mode`` -1).
+be rebuilt (both context only, counted); ``penalized`` and ``greedy`` calls, calls recorded
+without their effective sampling, and a fork's replayed calls stay in the sequence as context (``mode`` -1).
 
 A call with n > 1 choices: in a multi-turn episode the choice that the next call continues is the
 one taken (the others are counted as unused); a member that is one choice forces it (``choice``).
@@ -52,8 +52,12 @@ class Turn:
 
 
 def _sampling(call: Call, stats: DataStats) -> tuple[dict[str, Any], int]:
-    """The call's effective sampling and its trained mode (-1: context only), counted."""
+    """The call's effective sampling and its trained mode (-1: context only), counted. A fork's
+    replayed call (``notes.replay``) is context: its tokens were sampled, and trained, in its source."""
     recorded = (call.notes or {}).get("sampling")
+    if (call.notes or {}).get("replay") is not None:
+        stats.calls_replayed += 1
+        return recorded if isinstance(recorded, dict) else {"temperature": 1.0}, -1
     if not isinstance(recorded, dict):
         temperature = call.request.get("temperature")
         if temperature is not None and float(temperature) <= 0:

@@ -27,8 +27,10 @@ import typer
 
 from contract.client import AsyncProxyClient, ProxyError
 from contract.keyfile import key_file_keys
+from contract.vocabulary import ForkRule
 from workflows.base import Endpoint, Split, Workflow
 from workflows.config import RunConfig
+from workflows.forking import ForkRuleName
 from workflows.judge import REWARD_MODES, Judge, JudgeConfig, RewardMode
 from workflows.options import OptionError, describe, parse_options
 from workflows.registry import BUILTIN, load
@@ -116,6 +118,17 @@ def run(
     judge_rubric: Annotated[
         str | None, typer.Option(help="extra scoring instructions for the judge, or @file to read them from")
     ] = None,
+    focus: Annotated[
+        float, typer.Option(help="share of task draws that go where groups are likely to disagree (0: seeded order)")
+    ] = 0.0,
+    fork_share: Annotated[
+        float, typer.Option(help="fork mode: share of the groups that fork a finished group (0: none)")
+    ] = 0.0,
+    fork_rule: Annotated[str, typer.Option(help="where to fork: uniform, failure or entropy")] = "failure",
+    fork_size: Annotated[int | None, typer.Option(help="episodes per fork group (default: --group-size)")] = None,
+    fork_on_divergence: Annotated[
+        str, typer.Option(help="a fork whose agent's request differs from the replayed one: sample or abandon")
+    ] = "sample",
     option: OptionsOpt = None,
     admin_key_file: KeyFileOpt = Path("data/admin.key"),
 ) -> None:
@@ -138,6 +151,11 @@ def run(
             passthrough_key=os.environ.get("FLYWHEEL_AGENT_KEY") or None,
             reward=check_reward(reward),
             judge_weight=judge_weight,
+            focus=focus,
+            fork_share=fork_share,
+            fork_rule=cast(ForkRuleName, fork_rule),
+            fork_size=fork_size,
+            fork_on_divergence=cast(ForkRule, fork_on_divergence),
         )
         passthrough = Endpoint(
             f"{config.proxy_url.rstrip('/')}/passthrough/v1", config.passthrough_key or config.admin_key

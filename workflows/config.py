@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from contract.vocabulary import ForkRule
 from workflows.base import Split
+from workflows.forking import FORK_RULES, ForkRuleName
 from workflows.judge import RewardMode
 
 
@@ -38,6 +40,18 @@ class RunConfig:
     admission_max_wait_s: float = 60.0
     """Longest single wait after the proxy refused a group (429 ``backlog_full``); a longer
     ``Retry-After`` is cut to this, then the runner asks again."""
+    focus: float = 0.0
+    """The share of task draws that go where groups are likely to disagree (``workflows/picking.py``);
+    the rest follow the seeded order over every task. 0: the order alone."""
+    fork_share: float = 0.0
+    """Fork mode: the share of the groups the run makes that are forks of its finished groups
+    (``POST /episodes/{id}/fork``); 0: none."""
+    fork_rule: ForkRuleName = "failure"
+    """Where a finished group is forked (``workflows/forking.py``): uniform, failure or entropy."""
+    fork_size: int | None = None
+    """Episodes per fork group (default: ``group_size``)."""
+    fork_on_divergence: ForkRule = "sample"
+    """A fork whose agent sends a request the source never sent: sample from there, or abandon."""
 
     def __post_init__(self) -> None:
         if self.groups < 1 and not self.loop:
@@ -50,5 +64,15 @@ class RunConfig:
             raise ValueError(f"reward must be verifier, judge or mix (got {self.reward!r})")
         if not 0.0 <= self.judge_weight <= 1.0:
             raise ValueError(f"judge_weight must be in [0, 1] (got {self.judge_weight})")
+        if not 0.0 <= self.focus <= 1.0:
+            raise ValueError(f"focus must be in [0, 1] (got {self.focus})")
+        if not 0.0 <= self.fork_share < 1.0:
+            raise ValueError(f"fork_share must be in [0, 1) (got {self.fork_share})")
+        if self.fork_rule not in FORK_RULES:
+            raise ValueError(f"fork_rule must be one of {', '.join(FORK_RULES)} (got {self.fork_rule!r})")
+        if self.fork_size is not None and self.fork_size < 2:
+            raise ValueError(f"fork_size must be >= 2: siblings are compared (got {self.fork_size})")
+        if self.fork_on_divergence not in ("sample", "abandon"):
+            raise ValueError(f"fork_on_divergence must be sample or abandon (got {self.fork_on_divergence!r})")
         if not self.admission_max_wait_s > 0:
             raise ValueError(f"admission_max_wait_s must be > 0 (got {self.admission_max_wait_s})")

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from workflows.forking import ForkPoint
 from workflows.judge import JudgeStats
 
 Status = Literal["rewarded", "abandoned", "error"]
@@ -36,6 +37,10 @@ class GroupResult:
     episodes: list[EpisodeResult]
     judge_attempts: int | None = None
     """Judge requests this group took (None: not judged); its failures are its episodes' errors."""
+    fork: ForkPoint | None = None
+    """Set on a fork group: the episode it forked and where (``workflows/forking.py``)."""
+    diverged: int = 0
+    """Fork episodes whose agent sent a request the source never sent before the fork point."""
 
 
 @dataclass
@@ -52,10 +57,40 @@ class RunStats:
     """Tasks whose group was still refused when the run stopped (never created, not lost unseen)."""
     create_unanswered: int = 0
     """Group creations the proxy did not answer, each asked again after a pause."""
+    focused_draws: int = 0
+    """Task draws made by the chance a task's group disagrees (``focus``), not the seeded order."""
+    forks_skipped: dict[str, int] = field(default_factory=dict)
+    """Fork mode: finished groups that were due a fork and got none, by why."""
 
     @property
     def episodes(self) -> list[EpisodeResult]:
         return [e for g in self.groups for e in g.episodes]
+
+    def signal(self) -> dict[str, Any]:
+        """Plain groups with two or more rewards, and the share whose rewards differ: the groups GRPO
+        can train on (the trainer skips the others); ``focused_draws`` went by that chance."""
+        judged = [[e.reward for e in g.episodes if e.reward is not None] for g in self.groups if g.fork is None]
+        judged = [r for r in judged if len(r) >= 2]
+        disagreed = sum(max(r) > min(r) for r in judged)
+        return {
+            "groups": len(judged),
+            "disagreed": disagreed,
+            "share": round(disagreed / len(judged), 4) if judged else None,
+            "focused_draws": self.focused_draws,
+        }
+
+    def forks(self) -> dict[str, Any]:
+        """Fork groups made, their episodes, how many diverged before the fork point, and skips."""
+        forks = [g for g in self.groups if g.fork is not None]
+        episodes = sum(len(g.episodes) for g in forks)
+        diverged = sum(g.diverged for g in forks)
+        return {
+            "groups": len(forks),
+            "episodes": episodes,
+            "diverged": diverged,
+            "reached_fork_point": round(1 - diverged / episodes, 4) if episodes else None,
+            "skipped": dict(self.forks_skipped),
+        }
 
     def summary(self) -> dict[str, Any]:
         episodes = self.episodes
@@ -75,6 +110,8 @@ class RunStats:
             "admission_wait_s": round(self.admission_wait_s, 2),
             "groups_not_created": self.groups_not_created,
             "create_unanswered": self.create_unanswered,
+            "signal": self.signal(),
+            "forks": self.forks(),
             "errors": [
                 {"episode_id": e.episode_id, "error": (e.error or "")[:300]} for e in episodes if e.status != "rewarded"
             ][:20],

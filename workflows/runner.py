@@ -12,8 +12,14 @@ not rewarded at once: once every episode of its group has ended, the judge score
 side by side (one request) and their rewards are posted then; if the judge gives up they are
 abandoned with its reason. Episodes whose function raised are abandoned as ever and not judged.
 
+Fork mode (``fork_share`` > 0): after a group ends, while fork groups stay within that share of
+all groups, one of its rewarded episodes is forked where ``fork_rule`` says (``forking.py``) and
+the fork group's episodes run the same task with the same agent; the proxy replays the source's
+calls up to the fork point (``proxy/replay.py``). Skips and divergences are in the summary.
+
 ``loop`` keeps drawing tasks (cycling through a seeded shuffle, balanced over the workflow's
-strata) until ``stop()``; ``max_pending`` pauses it while the trainer has that many complete
+strata; with ``focus``, a share of draws goes to tasks whose groups are likely to disagree:
+``picking.py``) until ``stop()``; ``max_pending`` pauses it while the trainer has that many complete
 groups left to claim, so the data it trains on stays close to the current policy.
 
 Admission control: the proxy refuses a group that could only be trained stale (429 ``backlog_full``,
@@ -49,7 +55,9 @@ from contract.vocabulary import AbandonCause
 from workflows.base import EPISODE_POOL, INFRASTRUCTURE, Endpoint, Episode, Outcome, Workflow
 from workflows.config import RunConfig
 from workflows.failures import cause_of, check_outcome, describe_error
+from workflows.forking import ForkPoint, fork_point
 from workflows.judge import JUDGE_FAILED, Judge, JudgedGroup, abandon, reward_group
+from workflows.picking import TaskPicker
 from workflows.results import EpisodeResult, GroupResult, RunStats, Status
 
 # What callers import from here; ``RunConfig``, the results and ``describe_error`` live beside it.
@@ -125,6 +133,10 @@ class Runner:
         self._episode_slots = asyncio.Semaphore(config.concurrency)
         self._stopping = asyncio.Event()
         self._timeout = config.episode_timeout_s or workflow.episode_timeout_s
+        self._picker: TaskPicker[Any] | None = None
+        """The next task to draw (``picking.py``); made when the run starts."""
+        self._rng = random.Random(config.seed)
+        """Fork points (``forking.py``), seeded like the task order."""
         self._passthrough = Endpoint(f"{client.proxy_url}/passthrough/v1", config.passthrough_key or config.admin_key)
 
     @property
@@ -140,6 +152,7 @@ class Runner:
         if not tasks:
             raise ValueError(f"workflow {self.workflow.name!r} has no {self.config.split} tasks")
         tasks = task_order(tasks, self.config.seed, self.workflow.stratum)
+        self._picker = TaskPicker(tasks, self.workflow.task_id, focus=self.config.focus, seed=self.config.seed)
         in_flight = max(1, math.ceil(self.config.concurrency / self.config.group_size)) + 1
         group_slots = asyncio.Semaphore(in_flight)
         running: set[asyncio.Task[None]] = set()
@@ -155,7 +168,8 @@ class Runner:
                     group_slots.release()
                     break
                 await self._wait_for_trainer()
-                job = loop.create_task(self._group(tasks[n % len(tasks)], pool))
+                job = loop.create_task(self._group(self._picker.next(), pool))
+                self.stats.focused_draws = self._picker.focused
                 running.add(job)
 
                 def finished(j: asyncio.Task[None]) -> None:
@@ -233,20 +247,66 @@ class Runner:
         created = await self._create(task, task_id)
         if created is None:
             return
+        group = await self._play(task, task_id, created, pool)
+        if self._fork_due():
+            await self._fork(task, task_id, group, pool)
+
+    async def _play(
+        self, task: Any, task_id: str, created: CreatedGroup, pool: ThreadPoolExecutor, fork: ForkPoint | None = None
+    ) -> GroupResult:
+        """Run a created group's episodes (a fork group's too: the same agent, unchanged) and report it."""
         ended = await asyncio.gather(
             *(self._episode(task, task_id, created.id, key, i, pool) for i, key in enumerate(created.episode_keys))
         )
         results, attempts = await self._judged(task, task_id, created.id, ended)
         status: str  # the proxy's GroupStatus, or why it is unknown
+        diverged = 0
         try:
-            status = (await self.client.group(created.id)).status
+            found = await self.client.group(created.id)
+            status = found.status
+            diverged = sum(e.diverged_at is not None for e in found.episodes or ())
         except ProxyError as exc:
             status = f"unknown ({exc.message})"
         group = GroupResult(
-            group_id=created.id, task_id=task_id, status=status, episodes=results, judge_attempts=attempts
+            group_id=created.id,
+            task_id=task_id,
+            status=status,
+            episodes=results,
+            judge_attempts=attempts,
+            fork=fork,
+            diverged=diverged,
         )
         self.stats.groups.append(group)
+        if fork is None and self._picker is not None:
+            self._picker.observe(task_id, [e.reward for e in results if e.reward is not None])
         self._on_group(group)
+        return group
+
+    def _fork_due(self) -> bool:
+        """Fork mode: whether one more fork group keeps forks within ``fork_share`` of all groups."""
+        share = self.config.fork_share
+        if share <= 0 or self._stopping.is_set():
+            return False
+        forks = sum(g.fork is not None for g in self.stats.groups)
+        return forks + 1 <= share * (len(self.stats.groups) + 1)
+
+    async def _fork(self, task: Any, task_id: str, group: GroupResult, pool: ThreadPoolExecutor) -> None:
+        """Fork the finished ``group`` where its rule says (``forking.py``) and play the fork group."""
+        cfg = self.config
+        try:
+            episodes = [await self.client.episode(e.episode_id) for e in group.episodes if e.status == "rewarded"]
+            point = fork_point(episodes, cfg.fork_rule, self._rng)
+            if isinstance(point, str):
+                self.stats.forks_skipped[point] = self.stats.forks_skipped.get(point, 0) + 1
+                return
+            created = await self.client.fork(
+                point.source, point.at, cfg.fork_size or cfg.group_size, on_divergence=cfg.fork_on_divergence
+            )
+        except ProxyError as exc:  # e.g. 429 backlog_full: the fork is skipped, never waited for
+            why = f"refused ({exc.status} {exc.code or ''})".replace(" )", ")")
+            self.stats.forks_skipped[why] = self.stats.forks_skipped.get(why, 0) + 1
+            return
+        await self._play(task, task_id, created, pool, fork=point)
 
     async def _judged(
         self, task: Any, task_id: str, group_id: str, ended: list[EpisodeResult | _Played]

@@ -6,6 +6,7 @@ frame their server-sent events the same way; doing it here keeps the two from dr
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 from uuid import uuid4
 
@@ -15,6 +16,12 @@ import orjson
 def new_id(prefix: str) -> str:
     """A fresh id in the client's API: ``<prefix>_<32 hex digits>`` (``msg``, ``toolu``, ``resp``, ``fc``, ...)."""
     return f"{prefix}_{uuid4().hex}"
+
+
+def derived_id(prefix: str, seed: str, n: int) -> str:
+    """The ``n``-th id of an answer whose own id is ``seed``: as unique as the seed (a fresh one is
+    random), and the same again when the answer is replayed under its recorded id (``proxy/replay.py``)."""
+    return f"{prefix}_{hashlib.sha256(f'{seed}/{n}'.encode()).hexdigest()[:32]}"
 
 
 def reasoning_of(message: dict[str, Any]) -> Any:

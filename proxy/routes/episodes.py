@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Query, Request
 
 from contract.entities import CreatedEpisode, CreatedGroup, Episode, EpisodeKey, Group
-from contract.schemas import MAX_STORED_INT, AbandonIn, EpisodeCreate, GroupCreate, Limit, ListOut, RewardIn
+from contract.schemas import MAX_STORED_INT, AbandonIn, EpisodeCreate, ForkIn, GroupCreate, Limit, ListOut, RewardIn
 from contract.vocabulary import EpisodeStatus, GroupStatus, TrainStatus
 from proxy.deps import AdminDep, ServicesDep
 from proxy.errors import BacklogFull, InvalidRequest
@@ -50,6 +50,41 @@ async def create_group(body: GroupCreate, svc: ServicesDep, _: AdminDep, request
         async with svc.admission.admit():
             group = await svc.repo.episodes.create_group(
                 task_id=body.task_id, size=body.size, metadata=body.metadata, episode_metadata=body.episode_metadata
+            )
+    except BacklogFull:
+        svc.metrics.admission_refused.inc()
+        raise
+    svc.metrics.episodes.labels("created").inc(body.size)
+    return CreatedGroup.model_validate(
+        {
+            **Group.model_validate(group).model_dump(),
+            "episode_keys": [_key(svc, request, e.id) for e in group.episodes or []],
+        }
+    )
+
+
+@router.post(
+    "/episodes/{episode_id}/fork",
+    status_code=201,
+    response_model=CreatedGroup,
+    responses={
+        409: {"description": "the episode is open or abandoned: only a rewarded episode is forked"},
+        429: {"description": "backlog_full, as for POST /groups"},
+    },
+)
+async def fork_episode(episode_id: str, body: ForkIn, svc: ServicesDep, _: AdminDep, request: Request) -> CreatedGroup:
+    """A fork group: ``size`` episodes of the source's task whose first ``at`` answered calls are
+    answered from the source's record (``proxy/replay.py``); run the same agent on each, unchanged."""
+    if body.size > svc.settings.episodes.max_group_size:
+        raise InvalidRequest(f"size {body.size} exceeds the limit {svc.settings.episodes.max_group_size}", param="size")
+    try:
+        async with svc.admission.admit():
+            group = await svc.repo.forks.create(
+                canonical_id(episode_id),
+                at=body.at,
+                size=body.size,
+                rule=body.on_divergence,
+                metadata=body.metadata,
             )
     except BacklogFull:
         svc.metrics.admission_refused.inc()

@@ -26,7 +26,7 @@ async def _history(svc: Services, response_id: str, episode_id: str | None) -> l
             "'previous_response_id' needs a recorded episode; passthrough answers are not stored",
             param="previous_response_id",
         )
-    call = await svc.repo.calls.by_response_id(response_id)
+    call = await svc.repo.calls.by_response_id(response_id, episode_id)
     if call is None or call.api != "responses" or (call.client_request or {}).get("store") is False:
         raise NotFound(
             f"no stored response '{response_id}' (answers made with store: false are not kept)",

@@ -44,7 +44,7 @@ def _refusal(episode_id: str, status: str | None) -> FlywheelError:
     )
 
 
-async def _episode_calls(session: AsyncSession, episode_id: str, *, through: int | None = None) -> list[CallRecord]:
+async def episode_calls(session: AsyncSession, episode_id: str, *, through: int | None = None) -> list[CallRecord]:
     """An episode's calls in ordinal order, up to ordinal ``through``: a delta's bases come with it."""
     query = select(Call.__table__).where(Call.episode_id == episode_id)
     if through is not None:
@@ -138,19 +138,21 @@ class Calls:
     async def recent(self, episode_id: str, *, limit: int) -> list[CallRecord]:
         """The episode's newest answered chat calls, newest first: the history a spliced call continues."""
         async with self._sessions.read() as session:
-            calls = await _episode_calls(session, episode_id)
+            calls = await episode_calls(session, episode_id)
         answered = [c for c in reversed(calls) if c.kind == "chat" and c.status_code == 200]
         return answered[:limit]
 
-    async def by_response_id(self, response_id: str) -> CallRecord | None:
-        """The answered call a client saw as ``response_id`` (a Responses ``previous_response_id``)."""
+    async def by_response_id(self, response_id: str, episode_id: str | None = None) -> CallRecord | None:
+        """The answered call a client saw as ``response_id`` (a Responses ``previous_response_id``),
+        ``episode_id``'s own first: a fork's replayed answers carry its source's ids (``proxy/replay.py``)."""
         async with self._sessions.read() as session:
             result = await session.execute(
                 select(Call.episode_id, Call.ordinal)
                 .where(Call.response_id == response_id, Call.status_code == 200)
+                .order_by((Call.episode_id == episode_id).desc())
                 .limit(1)
             )
             row = result.first()
             if row is None:
                 return None
-            return (await _episode_calls(session, row.episode_id, through=row.ordinal))[-1]
+            return (await episode_calls(session, row.episode_id, through=row.ordinal))[-1]

@@ -27,7 +27,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from contract.vocabulary import AbandonCause, CallApi, CallKind, EpisodeStatus, GroupStatus, TrainStatus
+from contract.vocabulary import AbandonCause, CallApi, CallKind, EpisodeStatus, ForkRule, GroupStatus, TrainStatus
 
 
 class Base(DeclarativeBase):
@@ -85,6 +85,14 @@ class Episode(Base):
     finished_at: Mapped[float | None]
     train_audit: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     """What the trainer made of the episode (sent with its group's ack; migration 0007)."""
+    # A fork episode (``proxy/replay.py``, migration 0009): its first ``fork_at`` answered calls are
+    # replayed from ``fork_of``'s record; ``diverged_at`` is the call whose request differed, if one did.
+    fork_of: Mapped[str | None] = mapped_column(String(36), index=True)
+    fork_at: Mapped[int | None]
+    fork_rule: Mapped[ForkRule | None] = mapped_column(String(16))
+    diverged_at: Mapped[int | None]
+    divergence: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    """Why the replay ended early: which request fields differed, and the rule applied."""
 
 
 class Call(Base):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from contract.vocabulary import AbandonCause, CallApi, CallKind, EpisodeStatus, GroupStatus, TrainStatus
+from contract.vocabulary import AbandonCause, CallApi, CallKind, EpisodeStatus, ForkRule, GroupStatus, TrainStatus
 
 
 @dataclass(slots=True)
@@ -84,6 +84,11 @@ class EpisodeRecord:
     calls: list[CallRecord] | None = None
     train_audit: dict[str, Any] | None = None
     abandon_cause: AbandonCause | None = None
+    fork_of: str | None = None
+    fork_at: int | None = None
+    fork_rule: ForkRule | None = None
+    diverged_at: int | None = None
+    divergence: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)

@@ -14,6 +14,7 @@ Which module holds which aggregate:
 
 - ``repo.episodes`` (``episodes.py``): groups and episodes, rewards, abandons, the idle sweep;
 - ``repo.calls`` (``calls.py``): the recorder's group commit, and the reads of stored calls;
+- ``repo.forks`` (``forks.py``): fork groups, the calls their episodes replay, divergence marks;
 - ``repo.versions`` (``versions.py``): the published policy versions;
 - ``repo.leases`` (``leases.py``): the trainer's claims, renewals, acks and releases;
 - ``repo.steps`` (``steps.py``): the trainer's step metrics;
@@ -27,6 +28,7 @@ from proxy.store.calls import Calls
 from proxy.store.db import CONNECT_TIMEOUT_S
 from proxy.store.delta import Tails
 from proxy.store.episodes import Episodes
+from proxy.store.forks import Forks
 from proxy.store.leases import Leases
 from proxy.store.rows import Layout
 from proxy.store.sessions import Sessions
@@ -59,6 +61,7 @@ class Repository:
         """Calls stored as deltas or whole, and base reads from the store (cache misses)."""
         self.episodes = Episodes(self._sessions, tails, min_rewarded=min_rewarded)
         self.calls = Calls(self._sessions, tails, self.layout)
+        self.forks = Forks(self._sessions)
         self.versions = Versions(self._sessions)
         self.leases = Leases(self._sessions)
         self.steps = Steps(self._sessions)

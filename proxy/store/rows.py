@@ -189,6 +189,11 @@ def episode_record(row: Episode, calls: list[CallRecord] | None = None) -> Episo
         calls=calls,
         train_audit=row.train_audit,
         abandon_cause=row.abandon_cause,
+        fork_of=row.fork_of,
+        fork_at=row.fork_at,
+        fork_rule=row.fork_rule,
+        diverged_at=row.diverged_at,
+        divergence=row.divergence,
     )
 
 

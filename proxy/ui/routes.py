@@ -335,6 +335,9 @@ async def episode(request: Request, episode_id: str, svc: ServicesDep, pages: Pa
     if record.group_id is not None:
         group = await svc.repo.episodes.get_group(record.group_id)
         advantage = views.advantages(group.episodes or []).get(record.id)
+    forks: dict[str, list[Any]] = {}
+    for child in await svc.repo.forks.children(record.id):
+        forks.setdefault(child.group_id or "", []).append(child)
     return pages.render(
         request,
         "episode.html",
@@ -342,6 +345,7 @@ async def episode(request: Request, episode_id: str, svc: ServicesDep, pages: Pa
         calls=views.conversation(record),
         advantage=advantage,
         fidelity=ex.fidelity(record),
+        forks=forks,
     )
 
 

@@ -51,6 +51,7 @@ NOTHING_LOST = (
     "calls_dropped_inexact",
     "calls_greedy",
     "calls_penalized",
+    "calls_replayed",
     "calls_constrained_excluded",
     "calls_constrained_unmasked",
     "calls_sampling_unrecorded",

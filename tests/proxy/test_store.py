@@ -631,3 +631,39 @@ async def test_dashboard_counts_are_reused_within_their_ttl_and_recounted_after(
     repo.browse._counted = (repo.browse._counted[0] - 60.0, first) if repo.browse._counted else None  # it ages
     after = await repo.browse.counts()
     assert sum(after.episodes.values()) == sum(first.episodes.values()) + 2
+
+
+async def test_fork_groups_take_the_source_task_and_refuse_what_cannot_be_forked(repo: Repository) -> None:
+    group = await repo.episodes.create_group(task_id="t-1", size=2, metadata={"workflow": "calc"})
+    source, other = [e.id for e in group.episodes or []]
+    for status in (200, 500, 200):  # a failed call is never replayed: two answered calls
+        call = chat_call(source, request={"model": "policy", "messages": []})
+        call.status_code = status
+        assert await repo.calls.insert([call]) == [None]
+    with pytest.raises(Conflict):  # running: no outcome to compare against
+        await repo.forks.create(source, at=1, size=2, rule="sample", metadata={})
+    await repo.episodes.set_reward(source, reward=1.0, call_rewards=None, metadata=None)
+    await repo.episodes.abandon(other, reason="x", cause="agent")
+    with pytest.raises(Conflict):
+        await repo.forks.create(other, at=0, size=2, rule="sample", metadata={})
+    with pytest.raises(InvalidRequest):
+        await repo.forks.create(source, at=3, size=2, rule="sample", metadata={})
+    with pytest.raises(NotFound):
+        await repo.forks.create("00000000-0000-0000-0000-000000000000", at=0, size=1, rule="sample", metadata={})
+    fork = await repo.forks.create(source, at=2, size=3, rule="abandon", metadata={"note": "n"})
+    assert (fork.task_id, fork.size, fork.status) == ("t-1", 3, "open")
+    assert fork.metadata == {
+        "workflow": "calc",
+        "note": "n",
+        "fork": {"source_episode_id": source, "source_group_id": group.id, "at": 2, "rule": "abandon"},
+    }
+    assert [(e.fork_of, e.fork_at, e.fork_rule) for e in fork.episodes or []] == [(source, 2, "abandon")] * 3
+    assert len(await repo.forks.replayable(source)) == 2
+    assert [c.ordinal for c in await repo.forks.replayable(source)] == [0, 2]
+    child = (fork.episodes or [])[0].id
+    assert await repo.forks.answered(child) == 0
+    assert (await repo.forks.fork_of(child)) is not None and await repo.forks.fork_of(source) is None
+    assert await repo.forks.diverge(child, at=1, divergence={"fields": ["tools"], "rule": "abandon"})
+    assert not await repo.forks.diverge(child, at=2, divergence={"fields": ["x"], "rule": "abandon"})
+    assert (await repo.episodes.get_episode(child)).diverged_at == 1
+    assert {e.id for e in await repo.forks.children(source)} == {e.id for e in fork.episodes or []}

@@ -409,3 +409,36 @@ async def test_a_judged_reward_shows_the_judges_verdict_on_the_episode_and_compa
     group_id = (await client.get(f"/episodes/{ids[0]}", headers=ADMIN)).json()["group_id"]
     compare = (await client.get(f"/ui/groups/{group_id}")).text
     assert compare.count('<div class="judge">') == 1 and "judge-model-x" in compare
+
+
+async def test_the_fork_tree_shows_the_source_its_fork_point_and_the_siblings_rewards(ui: Any) -> None:
+    client, repo, ids = ui
+    await _login(client)
+    fork = await repo.forks.create(ids[0], at=1, size=2, rule="sample", metadata={})
+    siblings = [e.id for e in fork.episodes or []]
+    replayed = _call(siblings[0], [{"role": "user", "content": "What is 17 * 23?"}], text="", tool_calls=None,
+                     token_ids=[501, 502, 503], logprobs=[-0.01, -2.5, -0.2], version=1)  # fmt: skip
+    replayed.notes = {
+        **(replayed.notes or {}),
+        "replay": {"source_episode_id": ids[0], "source_ordinal": 0, "index": 0},
+    }
+    assert await repo.calls.insert([replayed]) == [None]
+    assert await repo.forks.diverge(siblings[1], at=0, divergence={"fields": ["messages[1]"], "rule": "sample"})
+    assert not await repo.forks.diverge(siblings[1], at=3, divergence={"fields": ["tools"], "rule": "sample"})
+    await repo.episodes.set_reward(siblings[0], reward=0.75, call_rewards=None, metadata=None)
+    await repo.episodes.abandon(siblings[1], reason="agent failed", cause="agent")
+
+    source = (await client.get(f"/ui/episodes/{ids[0]}")).text
+    assert "<h2>Forks</h2>" in source and "after call 1" in source
+    assert f'<a href="/ui/episodes/{siblings[0]}">#0</a>: 0.75' in source
+    assert f'<a href="/ui/episodes/{siblings[1]}">#1</a>: abandoned (diverged at 0)' in source
+    page = (await client.get(f"/ui/episodes/{siblings[0]}")).text
+    assert f'fork of</dt><dd><a href="/ui/episodes/{ids[0]}">' in page
+    assert "its first 1 answered call replayed" in page
+    assert "never sent to the engine, context only" in page
+    assert '3 sampled, <span class="trained-count">0</span> of them trained' in page  # context only
+    assert "1 calls answered from the source" in page
+    diverged = (await client.get(f"/ui/episodes/{siblings[1]}")).text
+    assert "diverged at call 0" in diverged and "messages[1] differed; sample" in diverged
+    compare = (await client.get(f"/ui/groups/{fork.id}")).text
+    assert "Fork group of episode" in compare

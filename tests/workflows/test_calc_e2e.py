@@ -92,3 +92,41 @@ def test_eval_reports_success_and_validity_apart_without_recording(proxy: ProxyP
     assert report["accuracy"] in {i / 5 for i in range(6)} and report["format_rate"] in {i / 5 for i in range(6)}
     assert 0.0 <= report["call_validity"] <= 1.0 and report["calls_per_episode"] >= 2.0
     assert episode_count(proxy) == before
+
+
+@pytest.mark.vllm
+def test_fork_mode_replays_calc_episodes_to_their_fork_point(proxy: ProxyProcess) -> None:
+    """``--fork-share``: after each plain group, one rewarded episode is forked (uniform point) and
+    the same calc agent runs the fork group; calc's environment is deterministic given the model's
+    answers, so every fork episode reaches its fork point (the replayed calls are the source's)."""
+    summary = run_workflow(
+        proxy,
+        "run",
+        "calc",
+        groups=2,
+        group_size=2,
+        concurrency=2,
+        seed=11,
+        fork_share=0.5,
+        fork_rule="uniform",
+        options={"mix": "two_step", "temperature": 1.0, "top_p": 1.0},
+    )
+    forks = summary["forks"]
+    assert forks["groups"] >= 1 and forks["episodes"] == 2 * forks["groups"]
+    assert (forks["diverged"], forks["reached_fork_point"]) == (0, 1.0)
+    fork_groups = [g for g in groups_of(proxy, "calc") if "fork" in g["metadata"]]
+    assert len(fork_groups) == forks["groups"]
+    for group in fork_groups:
+        at, source = group["metadata"]["fork"]["at"], group["metadata"]["fork"]["source_episode_id"]
+        source_calls = sorted(
+            admin_get(proxy, f"/episodes/{source}", calls="true")["calls"], key=lambda c: c["ordinal"]
+        )
+        for listed in admin_get(proxy, "/episodes", group_id=group["id"])["data"]:
+            raw = admin_get(proxy, f"/episodes/{listed['id']}", calls="true")
+            assert (raw["fork_of"], raw["fork_at"], raw["diverged_at"]) == (source, at, None)
+            calls = sorted(raw["calls"], key=lambda c: c["ordinal"])
+            replayed = [c for c in calls if "replay" in (c["notes"] or {})]
+            assert [c["notes"]["replay"]["source_ordinal"] for c in replayed] == list(range(at))
+            for mine, theirs in zip(replayed, source_calls, strict=False):
+                assert mine["choices"][0]["token_ids"] == theirs["choices"][0]["token_ids"]
+            assert len(calls) > at  # it sampled on from the fork point

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from proxy.dialects.responses.answer import logprobs_of, usage_of
-from proxy.dialects.shared import new_id, reasoning_of, sse
+from proxy.dialects.shared import reasoning_of, sse
 from proxy.errors import FlywheelError
 
 if TYPE_CHECKING:
@@ -43,6 +43,7 @@ class ResponsesStream:
         out: list[bytes] = []
         if not self.started:
             self.started = True
+            self.t.started(chunk)
             skeleton = self.t.envelope("in_progress", [], None)
             self._emit(out, "response.created", response=skeleton)
             self._emit(out, "response.in_progress", response=skeleton)
@@ -135,15 +136,15 @@ class ResponsesStream:
         self._close(out)
         self.open_kind = kind
         if kind == "reasoning":
-            item = self.t.reasoning_item(new_id("rs"), "", "in_progress")
+            item = self.t.reasoning_item(self.t.item_id("rs"), "", "in_progress")
             self._added(out, item, {"type": "reasoning_text", "text": ""})
         elif kind == "message":
-            item = self.t.message_item(new_id("msg"), "", "in_progress", None)
+            item = self.t.message_item(self.t.item_id("msg"), "", "in_progress", None)
             self._added(out, item, {"type": "output_text", "text": "", "annotations": [], "logprobs": []})
         else:
             assert fragment is not None
             self.open = self.t.call_item(
-                new_id("fc"),
+                self.t.item_id("fc"),
                 {"id": fragment.get("id"), "function": {"name": (fragment.get("function") or {}).get("name")}},
                 "in_progress",
             )

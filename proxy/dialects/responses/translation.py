@@ -17,7 +17,7 @@ from proxy.compat import Ledger
 from proxy.dialects.responses.answer import sealed, text_logprobs, usage_of
 from proxy.dialects.responses.request import ResponsesRequest, chat_body
 from proxy.dialects.responses.stream import ResponsesStream
-from proxy.dialects.shared import new_id, reasoning_of
+from proxy.dialects.shared import derived_id, new_id, reasoning_of
 
 
 class ResponsesTranslation:
@@ -37,7 +37,9 @@ class ResponsesTranslation:
         """What ``proxy/compat.py`` decided (``parse`` and the tools): the call's ``notes.compat``."""
         self.client_request = body
         self.response_id = new_id("resp")
+        """Replaced by the recorded id when the call is replayed; the items' ids derive from it."""
         self.created_at = int(time.time())
+        self.items = 0
         include = set(request.include or ())
         self.logprobs = "message.output_text.logprobs" in include
         self.encrypted = "reasoning.encrypted_content" in include
@@ -47,7 +49,18 @@ class ResponsesTranslation:
         """Flattened tool name -> (namespace, name), to name the answer's calls back."""
         self.compat = self.ledger.note()
 
+    def item_id(self, prefix: str) -> str:
+        """The next output item's id (``rs``, ``msg``, ``fc``), derived from the response's id."""
+        self.items += 1
+        return derived_id(prefix, self.response_id, self.items)
+
+    def started(self, chat: dict[str, Any]) -> None:
+        """Date the response by the engine's answer (its first chunk), so a replay dates it alike."""
+        if isinstance(chat.get("created"), int):
+            self.created_at = chat["created"]
+
     def response(self, chat: dict[str, Any]) -> dict[str, Any]:
+        self.started(chat)
         choice = (chat.get("choices") or [{}])[0]
         message = choice.get("message") or {}
         incomplete = choice.get("finish_reason") == "length"
@@ -55,15 +68,15 @@ class ResponsesTranslation:
         output: list[dict[str, Any]] = []
         reasoning = reasoning_of(message)
         if reasoning:
-            output.append(self.reasoning_item(new_id("rs"), reasoning, status))
+            output.append(self.reasoning_item(self.item_id("rs"), reasoning, status))
         text = message.get("content")
         if text:
             logprobs = None
             if self.logprobs:
                 logprobs = text_logprobs((choice.get("logprobs") or {}).get("content") or [], text)
-            output.append(self.message_item(new_id("msg"), text, status, logprobs))
+            output.append(self.message_item(self.item_id("msg"), text, status, logprobs))
         for call in message.get("tool_calls") or ():
-            output.append(self.call_item(new_id("fc"), call, "completed"))
+            output.append(self.call_item(self.item_id("fc"), call, "completed"))
         return self.envelope(status, output, usage_of(chat.get("usage")), incomplete)
 
     def stream(self) -> ResponsesStream:
