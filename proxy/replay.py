@@ -14,8 +14,10 @@ applies: ``sample`` (from there on, as any episode) or ``abandon`` (409 ``fork_d
 episode abandoned with cause ``diverged``). A call whose source asked for log-probs itself is not
 replayable (the record keeps only the sampled tokens' log-probs): a divergence too.
 
-The replay position is the fork's count of answered calls in the store, read once per episode and
-then kept here, so a restarted proxy resumes mid-replay where the record says. Replayed calls are
+The replay position is the fork's count of answered calls in the store, read on every call while
+the replay lasts, so a restarted proxy, or another worker, resumes where the record says; two calls
+of one fork in flight at once both compare with the same source call, and one of them diverges
+(a deterministic agent that replays makes its calls in order). Replayed calls are
 recorded with ``notes.replay`` (source episode and ordinal) and the source's ids, log-probs and
 version: the splice and the trainer's merge see the conversation the agent saw, and the trainer
 keeps them as context only (``trainer/turns.py``). A stream is replayed as one chunk per part
@@ -59,15 +61,13 @@ class _Fork:
     source: str
     at: int
     rule: ForkRule
-    next: int | None = None
-    """The source's answered call the fork's next call replays (None: not read from the store yet)."""
     over: bool = False
     """The replay ended: ``at`` calls replayed, or the fork diverged."""
 
 
 class Replayer:
-    """Which fork calls are replayed, from what; built once per app. ``size``: the episodes and
-    sources held in memory (least recently used dropped first)."""
+    """Which fork calls are replayed, from what; built once per app. ``size``: the episodes (fork or
+    not) and ``sources``: the sources' calls held in memory (least recently used dropped first)."""
 
     def __init__(self, repo: Repository, metrics: Metrics, *, size: int = 4096, sources: int = 16) -> None:
         self._repo = repo
@@ -83,38 +83,35 @@ class Replayer:
         fork = await self._fork(episode_id)
         if fork is None:
             return None
-        if fork.over:
-            self._metrics.forks.labels("sampled").inc()
-            return None
-        if fork.next is None:
-            fork.next = await self._repo.forks.answered(episode_id)
-        if fork.next >= fork.at:
-            fork.over = True
+        if not fork.over:
+            # Read from the store on every call while the replay lasts, never kept here: another
+            # worker process may have answered or diverged this episode since.
+            record = await self._repo.forks.fork_of(episode_id)
+            position = await self._repo.forks.answered(episode_id)
+            fork.over = record is None or record.diverged_at is not None or position >= fork.at
+        if fork.over:  # an ended replay stays ended: kept
             self._metrics.forks.labels("sampled").inc()
             return None
         calls = await self._source(fork.source)
-        source = calls[fork.next]
+        source = calls[position]
         differ = differences(source, kind, api, body)
         if differ:
-            await self._diverged(episode_id, fork, differ)
+            await self._diverged(episode_id, fork, position, differ)
             return None
-        index = fork.next
-        fork.next += 1
         self._metrics.forks.labels("replayed").inc()
-        return Replayed(source=source, index=index, source_episode_id=fork.source)
+        return Replayed(source=source, index=position, source_episode_id=fork.source)
 
-    async def _diverged(self, episode_id: str, fork: _Fork, differ: list[str]) -> None:
-        assert fork.next is not None
+    async def _diverged(self, episode_id: str, fork: _Fork, position: int, differ: list[str]) -> None:
         fork.over = True
         self._metrics.forks.labels("diverged").inc()
         divergence = {"fields": differ, "rule": fork.rule}
-        await self._repo.forks.diverge(episode_id, at=fork.next, divergence=divergence)
+        await self._repo.forks.diverge(episode_id, at=position, divergence=divergence)
         log.warning(
             "fork diverged from its source",
-            extra={"episode": episode_id, "source": fork.source, "at": fork.next, "fields": differ, "rule": fork.rule},
+            extra={"episode": episode_id, "source": fork.source, "at": position, "fields": differ, "rule": fork.rule},
         )
         if fork.rule == "abandon":
-            reason = f"fork diverged from {fork.source} at its answered call {fork.next}: {', '.join(differ)} differ"
+            reason = f"fork diverged from {fork.source} at its answered call {position}: {', '.join(differ)} differ"
             await self._repo.episodes.abandon(episode_id, reason=reason, cause="diverged")
             raise Conflict(reason + " (on_divergence: abandon)", code="fork_diverged")
 
@@ -126,7 +123,6 @@ class Replayer:
         fork = None
         if record is not None and record.fork_of is not None:
             fork = _Fork(source=record.fork_of, at=record.fork_at or 0, rule=record.fork_rule or "sample")
-            fork.over = record.diverged_at is not None
         self._forks[episode_id] = fork
         if len(self._forks) > self._size:
             self._forks.popitem(last=False)

@@ -37,7 +37,12 @@ ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
 TOOLS = [
     {
         "type": "function",
-        "function": {"name": "calculator", "description": "Compute a op b.", "parameters": CALCULATOR_PARAMETERS},
+        "function": {
+            "name": "calculator",
+            "description": "Compute a op b.",
+            "strict": True,  # without it vLLM 0.32's named tool_choice lets any JSON through
+            "parameters": CALCULATOR_PARAMETERS,
+        },
     }
 ]
 NAMED = {"type": "function", "function": {"name": "calculator"}}
@@ -266,9 +271,15 @@ RESPONSES_TOOL = {
     "type": "function",
     "name": "calculator",
     "description": "Compute a op b.",
+    "strict": True,
     "parameters": CALCULATOR_PARAMETERS,
 }
-MESSAGES_TOOL = {"name": "calculator", "description": "Compute a op b.", "input_schema": CALCULATOR_PARAMETERS}
+MESSAGES_TOOL = {
+    "name": "calculator",
+    "description": "Compute a op b.",
+    "strict": True,
+    "input_schema": CALCULATOR_PARAMETERS,
+}
 
 
 def dialect_agent(episode: dict[str, Any], api: str) -> list[dict[str, Any]]:
@@ -324,3 +335,22 @@ def test_a_fork_replays_responses_and_messages_answers_with_their_ids(proxy: Pro
     assert [(c["notes"] or {}).get("replay", {}).get("index") for c in calls] == [0, None]
     assert calls[1]["replica"] == "vllm-0"  # sampled: the replayed history resolved in the fork's own episode
     assert episode_record(proxy, key["id"])["diverged_at"] is None
+
+
+def test_a_fork_replays_across_worker_processes(vllm_url: str, tmp_path: Path) -> None:
+    """With several workers each call may reach another process: the position is the store's."""
+    proxy = ProxyProcess(
+        upstream_url=vllm_url, store_url=f"sqlite+aiosqlite:///{tmp_path / 'flywheel.db'}", workdir=tmp_path, workers=2
+    )
+    proxy.start()
+    try:
+        source, original = rewarded_source(proxy, stream=False)
+        for key in fork(proxy, source["id"], at=3, size=2).json()["episode_keys"]:
+            agent = Agent(key)
+            assert agent.run() == 200
+            assert agent.seen == original.seen
+            record = episode_record(proxy, key["id"])
+            assert record["diverged_at"] is None
+            assert all("replay" in (c["notes"] or {}) for c in record["calls"])
+    finally:
+        proxy.stop()

@@ -57,7 +57,10 @@ def test_a_real_episode_calls_tools_and_merges_into_one_sample(proxy: ProxyProce
             assert sent["role"] == "tool" and sent["tool_call_id"] == answered
         metadata = raw["reward_metadata"]
         assert raw["reward"] == float(metadata["success"]) and metadata["calls"] == 3
-        assert metadata["valid_calls"] == 3 and metadata["all_valid"] is True
+        # Validity is the model's: at temperature 1.0 it can sample a number past the checker's bound
+        # (seen once: "answer is too large"); the count must agree with the errors it reported.
+        assert metadata["valid_calls"] == 3 - len(metadata["errors"])
+        assert metadata["all_valid"] is (metadata["valid_calls"] == 3)
 
         stats = DataStats()
         (sample,) = episode_samples(
