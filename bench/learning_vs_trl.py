@@ -62,7 +62,6 @@ before a full run; its JSON then has ``"trl": null``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -77,7 +76,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the trainer's CLI does, before torch loads
 import torch  # noqa: E402
@@ -87,7 +85,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from bench._procs import free_port, load_average  # noqa: E402
+from bench._procs import load_average  # noqa: E402
+from bench._runs import isolated  # noqa: E402
 from bench._trl import TRAIN_ONLY  # noqa: E402
 from deploy.guard import Guard  # noqa: E402
 from deploy.loop import _evaluate, _steps, _train  # noqa: E402
@@ -357,31 +356,11 @@ def train_trl(shared: Shared, workdir: Path, *, minutes: float, seed: int, threa
 def derived_run_config(
     shared: Shared, workdir: Path, *, minutes: float, seed: int, overrides: dict[str, str]
 ) -> RunConfig:
-    """``run-local.yaml`` with this run's data directory, seed, budget and free ports (never 8000/8100),
-    and ``overrides`` on Flywheel's trainer only (an ablation, e.g. ``mode=sync``)."""
-    proxy_config = yaml.safe_load(shared.run_config.proxy_config_path.read_text())
-    vllm_port, proxy_port = free_port(), free_port()
-    while proxy_port == vllm_port:
-        proxy_port = free_port()
-    proxy_config["proxy"]["upstreams"][0]["url"] = f"http://127.0.0.1:{vllm_port}"
-    (workdir / "proxy.yaml").write_text(yaml.safe_dump(proxy_config))
-    config = dataclasses.replace(
-        shared.run_config,
-        data_dir=str(workdir),
-        proxy_config=str(workdir / "proxy.yaml"),
-        proxy_port=proxy_port,
-        seed=seed,
-        resume=False,
-        budget_minutes=minutes,
-        min_train_minutes=minutes,
-        guard=dataclasses.replace(shared.run_config.guard, action="off"),  # both sides train the same minutes
-        engine=dataclasses.replace(shared.run_config.engine, model=shared.model),
-        trainer=dataclasses.replace(
-            shared.run_config.trainer, overrides={**shared.run_config.trainer.overrides, **overrides}
-        ),
+    """``run-local.yaml`` made private to this run (``bench/_runs.py``), with ``overrides`` on
+    Flywheel's trainer only (an ablation, e.g. ``mode=sync``)."""
+    return isolated(
+        shared.run_config, workdir, minutes=minutes, seed=seed, model=shared.model, trainer_overrides=overrides
     )
-    (workdir / "run.yaml").write_text(yaml.safe_dump(config.to_dict()))
-    return config
 
 
 def count_episodes(stack: Stack) -> dict[str, int]:

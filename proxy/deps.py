@@ -13,7 +13,7 @@ from proxy.admission import Admission
 from proxy.auth import KeyRing, Principal, bearer
 from proxy.depth import MAX_DEPTH, too_deep
 from proxy.errors import AuthenticationFailed, InvalidRequest, PayloadTooLarge, PermissionDenied
-from proxy.gate import EpisodeGate, canonical_id, identify_episode
+from proxy.gate import EpisodeGate, canonical_id, identify_episode, side_episode
 from proxy.metrics import Metrics
 from proxy.recorder import Recorder
 from proxy.relay import Relay
@@ -121,9 +121,13 @@ async def json_body(request: Request, max_bytes: int) -> dict[str, Any]:
 async def episode_of(
     request: Request, svc: Services, who: Principal, path_episode: str | None, *, recorded: bool
 ) -> str | None:
-    """The open episode a recorded call belongs to (None: passthrough)."""
+    """The open episode a recorded call belongs to (None: passthrough), or the one a passthrough
+    call names as its side call (``gate.SIDE_HEADER``)."""
     if not recorded:
-        return None
+        side = side_episode(request.headers, who)
+        if side is not None:
+            await svc.gate.check_open(side)
+        return side
     episode_id = identify_episode(request.headers, canonical_id(path_episode) if path_episode else None, who)
     await svc.gate.check_open(episode_id)
     return episode_id

@@ -20,6 +20,10 @@ from proxy.errors import EpisodeClosed, InvalidRequest, MissingEpisode, NotFound
 from proxy.store.repository import Repository
 
 EPISODE_HEADERS = ("x-episode-id", "x-litellm-session-id")
+SIDE_HEADER = "x-flywheel-side-of"
+"""On ``/passthrough/v1``: the episode an unrecorded-by-default call (a user simulator's) belongs
+beside. It is then recorded on that episode as a side call, never trained (``proxy/relay.py``), so
+the episode page shows it and a fork replays it (``proxy/replay.py``)."""
 
 
 def canonical_id(raw: str, *, param: str = "episode_id") -> str:
@@ -27,6 +31,18 @@ def canonical_id(raw: str, *, param: str = "episode_id") -> str:
         return str(uuid.UUID(raw))
     except (ValueError, AttributeError, TypeError):
         raise InvalidRequest(f"{raw!r} is not an episode id (a UUID)", param=param) from None
+
+
+def side_episode(headers: Headers, principal: Principal) -> str | None:
+    """The episode a passthrough call names with ``X-Flywheel-Side-Of`` (None: none); an episode key
+    may only name its own."""
+    named = headers.get(SIDE_HEADER)
+    if not named:
+        return None
+    episode_id = canonical_id(named, param=SIDE_HEADER)
+    if principal.episode_id is not None and principal.episode_id != episode_id:
+        raise PermissionDenied("this API key belongs to another episode", code="wrong_episode")
+    return episode_id
 
 
 def identify_episode(headers: Headers, path_episode: str | None, principal: Principal) -> str:

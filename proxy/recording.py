@@ -52,6 +52,8 @@ class Recording:
     """The effective sampling (``notes.sampling``), recorded calls only."""
     splice: dict[str, Any] | None = None
     """Whether and how the prompt was spliced (``notes.splice``)."""
+    side: bool = False
+    """A passthrough call recorded beside its episode (``notes.side``; no policy version)."""
     replay: dict[str, Any] | None = None
     """The source call a fork's call was answered from (``notes.replay``, ``proxy/replay.py``)."""
     started: float = field(default_factory=time.time)
@@ -108,6 +110,8 @@ class Recording:
             notes["splice"] = self.splice
         if self.replay is not None:
             notes["replay"] = self.replay
+        if self.side:
+            notes["side"] = True
         if self.translation is not None and self.translation.compat:
             notes["compat"] = self.translation.compat
         return notes or None

@@ -81,11 +81,14 @@ class Relay:
         episode_id: str | None,
         translation: Translation | None = None,
         client_gone: ClientGone | None = None,
+        *,
+        side: bool = False,
     ) -> Response:
         """Run the call and answer it; ``episode_id`` None: passthrough (sent, not recorded).
-        ``client_gone`` (the request's ``is_disconnected``) tells a non-streamed answer no one will read."""
+        ``client_gone`` (the request's ``is_disconnected``) tells a non-streamed answer no one will read.
+        ``side``: a passthrough call recorded beside ``episode_id`` (a user simulator's), never trained."""
         try:
-            call = ModelCall(self, kind, body, episode_id, translation, client_gone)
+            call = ModelCall(self, kind, body, episode_id, translation, client_gone, side=side)
         except FlywheelError as exc:  # refused before anything was sent (a sampling rule): made visible
             route = translation.api if translation else ("chat" if kind == "chat" else "completions")
             own = translation.client_request if translation else body
@@ -132,8 +135,11 @@ class ModelCall:
         episode_id: str | None,
         translation: Translation | None = None,
         client_gone: ClientGone | None = None,
+        *,
+        side: bool = False,
     ) -> None:
         self.relay = relay
+        self.side = side
         self.client_gone = client_gone
         self.kind = kind
         self.body = body
@@ -150,7 +156,8 @@ class ModelCall:
             episode_id=episode_id,
             translation=translation,
             model_served=model_served,
-            version=version,
+            version=None if side else version,  # no policy version: the trainer leaves it out
+            side=side,
         )
         if self.recorded:  # what vLLM samples with is sent explicitly, and recorded
             if kind == "completion":
@@ -218,7 +225,7 @@ class ModelCall:
         the replica, body and plan (``proxy/splice.py``). None: the ordinary route; ``notes.splice``
         then says why, when an earlier call existed."""
         splicer = self.relay.splicer
-        if splicer is None or not self.recorded or self.kind != "chat":
+        if splicer is None or not self.recorded or self.side or self.kind != "chat":
             return None
         messages = self.upstream_body["messages"]
         if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages):

@@ -30,6 +30,8 @@ class Arrival:
     svc: Services
     episode_id: str | None = None
     body: dict[str, Any] = field(default_factory=dict)
+    side: bool = False
+    """A passthrough call recorded beside its episode (``gate.SIDE_HEADER``): never trained."""
 
 
 @asynccontextmanager
@@ -42,6 +44,7 @@ async def arrive(
     svc = arrival.svc
     try:
         arrival.episode_id = await episode_of(request, svc, identify(request), path_episode, recorded=recorded)
+        arrival.side = not recorded and arrival.episode_id is not None
         arrival.body = await json_body(request, svc.settings.max_body_bytes)
         yield arrival
     except FlywheelError as exc:

@@ -40,7 +40,9 @@ async def _handle(request: Request, kind: CallKind, path_episode: str | None, *,
     route: CallApi = "chat" if kind == "chat" else "completions"
     async with arrive(request, path_episode, recorded=recorded, route=route, kind=kind) as call:
         _validate(call.body, kind)
-    return await call.svc.relay.respond(kind, call.body, call.episode_id, client_gone=request.is_disconnected)
+    return await call.svc.relay.respond(
+        kind, call.body, call.episode_id, client_gone=request.is_disconnected, side=call.side
+    )
 
 
 async def _models(request: Request) -> Response:

@@ -28,7 +28,9 @@ async def _handle(request: Request, path_episode: str | None, *, recorded: bool)
         svc = call.svc
         translation = MessagesTranslation.from_request(call.body, svc.settings.compat)
     svc.metrics.on_compat("messages", translation.ledger.counts())
-    return await svc.relay.respond("chat", translation.chat, call.episode_id, translation, request.is_disconnected)
+    return await svc.relay.respond(
+        "chat", translation.chat, call.episode_id, translation, request.is_disconnected, side=call.side
+    )
 
 
 async def _count_tokens(request: Request, path_episode: str | None, *, recorded: bool) -> Response:

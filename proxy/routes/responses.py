@@ -50,7 +50,9 @@ async def _handle(request: Request, path_episode: str | None, *, recorded: bool)
         history = await _history(svc, previous, call.episode_id) if previous else []
         translation = ResponsesTranslation(parsed, call.body, history, ledger)
     svc.metrics.on_compat("responses", ledger.counts())
-    return await svc.relay.respond("chat", translation.chat, call.episode_id, translation, request.is_disconnected)
+    return await svc.relay.respond(
+        "chat", translation.chat, call.episode_id, translation, request.is_disconnected, side=call.side
+    )
 
 
 async def responses(request: Request, path_episode: str | None, *, recorded: bool) -> Response:

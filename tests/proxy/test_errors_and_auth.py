@@ -134,6 +134,33 @@ async def test_agent_key_needs_an_episode_except_on_passthrough(client: httpx.As
     assert len(calls) == 2  # the passthrough call was not recorded anywhere
 
 
+async def test_a_passthrough_call_naming_its_episode_is_recorded_beside_it_never_trained(
+    client: httpx.AsyncClient,
+) -> None:
+    group = await new_group(client)
+    mine, other = group["episode_keys"][0], group["episode_keys"][1]
+    side = {**AGENT, "x-flywheel-side-of": mine["id"]}
+    assert (await client.post("/passthrough/v1/chat/completions", json=CHAT, headers=side)).status_code == 200
+    (call,) = (await client.get(f"/episodes/{mine['id']}", headers=ADMIN)).json()["calls"]
+    assert call["notes"]["side"] is True and call["policy_version"] is None  # the trainer leaves it out
+    assert call["choices"][0]["token_ids"]  # recorded exactly, like any call: a fork can replay it
+    assert_error(
+        await client.post("/passthrough/v1/chat/completions", json=CHAT, headers={**AGENT, "x-flywheel-side-of": "x"}),
+        400,
+        "invalid_request_error",
+    )
+    own_key = {"authorization": f"Bearer {mine['api_key']}", "x-flywheel-side-of": other["id"]}
+    assert_error(
+        await client.post("/passthrough/v1/chat/completions", json=CHAT, headers=own_key),
+        403,
+        "permission_error",
+        "wrong_episode",
+    )
+    await client.post(f"/episodes/{mine['id']}/reward", json={"reward": 1.0}, headers=ADMIN)
+    closed = await client.post("/passthrough/v1/chat/completions", json=CHAT, headers=side)
+    assert closed.status_code == 409  # asked to be recorded on a finished episode: refused, not dropped
+
+
 # -- malformed model calls ------------------------------------------------------------------------
 
 

@@ -28,8 +28,13 @@ def assert_recorded(episode: dict[str, Any], tools: set[str]) -> None:
     for call in episode["calls"]:
         assert call["status_code"] == 200 and call["exact_ids"] is True
         assert call["prompt_token_ids"] and call["choices"][0]["token_ids"]
-        assert call["request"]["model"] == "policy" and not call["request"].get("stream")
-        # Only the agent's calls are recorded: the user simulator goes through /passthrough/v1.
+        assert not call["request"].get("stream")
+        if (call["notes"] or {}).get("side"):
+            # tau2's user simulator, through /passthrough/v1 beside the episode: no policy version,
+            # so never trained; recorded so that the episode page shows it and a fork replays it.
+            assert call["policy_version"] is None and call["request"]["model"] == "policy-base"
+            continue
+        assert call["request"]["model"] == "policy"
         assert {t["function"]["name"] for t in call["request"]["tools"]} >= tools
     assert [c["ordinal"] for c in episode["calls"]] == list(range(len(episode["calls"])))
 
@@ -58,6 +63,44 @@ def test_tau2_airline(proxy: ProxyProcess) -> None:
         }
         if meta["termination_reason"] == "max_steps":
             assert episode["reward"] == 0.0  # tau2 grades a run cut short as a failure
+
+
+def test_tau2_forks_replay_the_agent_and_the_user_simulator(proxy: ProxyProcess) -> None:
+    """Fork mode on tau2: a fork replays the agent's calls and the simulated customer's (side calls)
+    up to the fork point; the run reports how many forks reached it (tau2's determinism, measured)."""
+    options = {"domain": "airline", "max_steps": 6, "max_tokens": 48}
+    summary = run_workflow(
+        proxy,
+        "run",
+        "tau2",
+        groups=1,
+        group_size=2,
+        concurrency=2,
+        fork_share=0.5,
+        fork_rule="uniform",
+        options=options,
+        timeout=900,
+    )
+    forks = summary["forks"]
+    print("FIGURES tau2 forks", forks)
+    if forks["groups"] == 0:  # both episodes ended after one answered call: nowhere to fork
+        assert forks["skipped"] == {"no rewarded episode with two or more answered calls": 1}
+        return
+    (fork_group,) = [g for g in groups_of(proxy, "tau2") if "fork" in g["metadata"]]
+    at = fork_group["metadata"]["fork"]["at"]
+    source = admin_get(proxy, f"/episodes/{fork_group['metadata']['fork']['source_episode_id']}")
+    sides = [(c["notes"] or {}).get("side", False) for c in sorted(source["calls"], key=lambda c: c["ordinal"])]
+    diverged = 0
+    for episode in episodes_of(proxy, fork_group):
+        replayed = [c for c in episode["calls"] if "replay" in (c["notes"] or {})]
+        if episode["diverged_at"] is None:
+            assert len(replayed) == at
+            # The replay covers the customer's turns too, in the order the source made them.
+            assert [(c["notes"] or {}).get("side", False) for c in replayed] == sides[:at]
+        else:
+            diverged += 1
+            assert len(replayed) == episode["diverged_at"] and episode["divergence"]["fields"]
+    assert diverged == forks["diverged"]
 
 
 def test_openhands_on_a_local_tac_task(proxy: ProxyProcess) -> None:

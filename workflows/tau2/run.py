@@ -49,6 +49,9 @@ class Tau2Options:
     user_api_key_env: str | None = None
     """Environment variable holding the key for user_base_url (default: the passthrough key)."""
     user_temperature: float = 0.0
+    record_user: bool = True
+    """Record the customer's calls beside the episode (the proxy's ``X-Flywheel-Side-Of``; default
+    endpoint only): never trained, shown on the episode page, and replayed when the episode is forked."""
     log_level: str = "ERROR"
     """tau2's loguru level (it logs every step at INFO, and every capped reply at WARNING)."""
 
@@ -59,9 +62,17 @@ class Tau2Options:
             raise ValueError(f"user_api_key_env: ${self.user_api_key_env} is not set")
 
 
-def llm_args(endpoint: Endpoint, **sampling: Any) -> dict[str, Any]:
-    """litellm arguments for an OpenAI-compatible endpoint; never streamed."""
-    return {"api_base": endpoint.base_url, "api_key": endpoint.api_key, "stream": False, "num_retries": 0, **sampling}
+SIDE_HEADER = "X-Flywheel-Side-Of"
+"""The proxy's passthrough header that records a call beside an episode (``proxy/gate.py``)."""
+
+
+def llm_args(endpoint: Endpoint, *, side_of: str | None = None, **sampling: Any) -> dict[str, Any]:
+    """litellm arguments for an OpenAI-compatible endpoint; never streamed. ``side_of``: the episode
+    a passthrough call is recorded beside."""
+    args = {"api_base": endpoint.base_url, "api_key": endpoint.api_key, "stream": False, "num_retries": 0, **sampling}
+    if side_of is not None:
+        args["extra_headers"] = {SIDE_HEADER: side_of}
+    return args
 
 
 def simulate(
@@ -172,7 +183,10 @@ class Tau2Workflow(Workflow[Any, Tau2Options]):
             instructions=str(task.user_scenario),
             llm=f"openai/{opts.user_model}",
             llm_args=llm_args(
-                self.user_endpoint(episode), temperature=opts.user_temperature, max_tokens=opts.max_tokens
+                self.user_endpoint(episode),
+                side_of=episode.id if opts.record_user and opts.user_base_url is None else None,
+                temperature=opts.user_temperature,
+                max_tokens=opts.max_tokens,
             ),
         )
         return simulate(
