@@ -96,6 +96,24 @@ class Forks:
             )
             return [episode_record(row) for row in rows.all()]
 
+    async def by_workflow(self) -> dict[str, dict[str, int]]:
+        """Fork episodes per workflow (their group's ``workflow``), and how many diverged before
+        their fork point: the dashboard's determinism figures."""
+        async with self._sessions.read() as session:
+            rows = (
+                await session.execute(
+                    select(Group.meta, Episode.diverged_at)
+                    .join(Group, Episode.group_id == Group.id)
+                    .where(Episode.fork_of.is_not(None))
+                )
+            ).all()
+        counts: dict[str, dict[str, int]] = {}
+        for meta, diverged_at in rows:
+            row = counts.setdefault(str((meta or {}).get("workflow") or "?"), {"episodes": 0, "diverged": 0})
+            row["episodes"] += 1
+            row["diverged"] += diverged_at is not None
+        return counts
+
     async def fork_of(self, episode_id: str) -> EpisodeRecord | None:
         """The episode without its calls when it is a fork (None otherwise, or when it does not exist)."""
         async with self._sessions.read() as session:

@@ -209,7 +209,10 @@ async def overview(request: Request, svc: ServicesDep, pages: Pages = Viewer) ->
     versions = await svc.repo.versions.list(limit=50)
     counts = await svc.repo.browse.counts()
     rate, span = pages.rate.update(_tokens(svc))
-    return pages.render(request, "overview.html", versions=versions, counts=counts, rate=rate, rate_span=span)
+    forks = await svc.repo.forks.by_workflow()
+    return pages.render(
+        request, "overview.html", versions=versions, counts=counts, rate=rate, rate_span=span, forks=forks
+    )
 
 
 def _metric(svc: Services, name: str, **labels: str) -> float | None:

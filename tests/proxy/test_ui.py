@@ -442,3 +442,5 @@ async def test_the_fork_tree_shows_the_source_its_fork_point_and_the_siblings_re
     assert "diverged at call 0" in diverged and "messages[1] differed; sample" in diverged
     compare = (await client.get(f"/ui/groups/{fork.id}")).text
     assert "Fork group of episode" in compare
+    overview = (await client.get("/ui/")).text  # per workflow (the source group has none: "?")
+    assert re.search(r"<td>\?</td><td class=\"num\">2</td><td class=\"num\">50%</td><td class=\"num\">1</td>", overview)
