@@ -35,10 +35,16 @@ def _lease_lost(group: Group, lease_id: str) -> Conflict:
 
 
 async def _min_versions(session: AsyncSession, group_ids: list[str]) -> dict[str, int]:
+    """Each group's oldest serving version over the calls it trains: a fork's replayed calls
+    (``notes.replay``) carry their source's older version but are context only, never its age."""
     result = await session.execute(
         select(Episode.group_id, func.min(Call.policy_version))
         .join(Call, Call.episode_id == Episode.id)
-        .where(Episode.group_id.in_(group_ids), Call.policy_version.is_not(None))
+        .where(
+            Episode.group_id.in_(group_ids),
+            Call.policy_version.is_not(None),
+            Call.notes["replay"].as_string().is_(None),
+        )
         .group_by(Episode.group_id)
     )
     return {gid: v for gid, v in result.all() if gid is not None and v is not None}

@@ -337,6 +337,24 @@ async def test_stale_groups_are_marked_and_skipped(repo: Repository) -> None:
     assert stale.train_status == "stale" and "v1" in (stale.train_note or "")
 
 
+async def test_a_fork_groups_age_is_its_sampled_calls_not_its_replayed_ones(repo: Repository) -> None:
+    """A fork replays calls its source's old version sampled: context only, so they do not make the
+    fork group stale; the calls it sampled itself do."""
+    source_group = await _complete_group(repo, version=1)
+    source = (await repo.episodes.get_group(source_group)).episodes or []
+    fork = await repo.forks.create(source[0].id, at=1, size=2, rule="sample", metadata={})
+    for episode in fork.episodes or []:
+        replayed = chat_call(episode.id, policy_version=1, notes={"replay": {"source_ordinal": 0}})
+        sampled = chat_call(episode.id, policy_version=4)
+        assert await repo.calls.insert([replayed]) == [None]
+        assert await repo.calls.insert([sampled]) == [None]
+        await repo.episodes.set_reward(
+            episode.id, reward=float(episode.group_index or 0), call_rewards=None, metadata=None
+        )
+    claim = await repo.leases.claim(owner="t", max_groups=5, lease_s=60, max_staleness=2, current_version=5)
+    assert [g.id for g in claim.groups] == [fork.id] and claim.stale == 1  # the source group (v1) is stale
+
+
 async def test_policy_versions_only_move_forward(repo: Repository) -> None:
     assert await repo.versions.current() is None
     await repo.versions.add(version=1, name="policy-v1", adapter_path="/a/1", metadata={})
