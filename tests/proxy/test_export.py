@@ -194,3 +194,32 @@ async def test_dashboard_download_streams_the_same_export_behind_the_admin_key(t
             bad = await client.get("/ui/export", params=params, headers=ADMIN)
             assert bad.status_code == 400, (params, bad.text)
             assert bad.json()["error"]["type"] == "invalid_request_error"
+
+
+async def test_a_fork_episode_exports_its_source_and_its_replayed_calls_untrained(
+    store_url: str, tmp_path: Path
+) -> None:
+    await migrate_async(store_url)
+    repo = Repository(store_url)
+    try:
+        source = (await _seed(repo, groups=1))[0]
+        fork = await repo.forks.create(source, at=1, size=2, rule="sample", metadata={})
+        child = (fork.episodes or [])[0].id
+        replayed = _call(child, [{"role": "user", "content": "2+2?"}], [7, 8], [-0.5, -1.0], {"mode": "sampled"})
+        replayed.notes = {**(replayed.notes or {}), "replay": {"source_episode_id": source, "source_ordinal": 0}}
+        follow = _call(child, [{"role": "user", "content": "2+2?"}] * 3, [10], [-0.25], {"mode": "sampled"})
+        assert await repo.calls.insert([replayed]) == [None]
+        assert await repo.calls.insert([follow]) == [None]
+        await repo.forks.diverge((fork.episodes or [])[1].id, at=0, divergence={"fields": ["tools"], "rule": "sample"})
+        await repo.episodes.set_reward(child, reward=1.0, call_rewards=None, metadata=None)
+    finally:
+        await repo.close()
+    done = _export(store_url, tmp_path / "out.jsonl")
+    assert done.returncode == 0, done.stderr
+    rows = {r["episode_id"]: r for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    row = rows[child]
+    assert (row["fork_of"], row["fork_at"], row["diverged_at"]) == (source, 1, None)
+    assert [c["trained"] for c in row["calls"]] == [False, True]  # the replayed call was trained in its source
+    assert row["calls"][0]["choices"][0]["loss_mask"] == [0, 0]
+    assert json.loads(row["fidelity"])["replayed"] == 1
+    assert rows[source]["fork_of"] is None
