@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 from fastapi import APIRouter, Query, Request
 
 from contract.entities import CreatedEpisode, CreatedGroup, Episode, EpisodeKey, Group
@@ -10,6 +12,7 @@ from contract.vocabulary import EpisodeStatus, GroupStatus, TrainStatus
 from proxy.deps import AdminDep, ServicesDep
 from proxy.errors import BacklogFull, InvalidRequest
 from proxy.gate import canonical_id
+from proxy.store.records import GroupRecord
 
 router = APIRouter(tags=["episodes"])
 
@@ -30,6 +33,29 @@ def _key(svc: ServicesDep, request: Request, episode_id: str) -> EpisodeKey:
     )
 
 
+def _check_size(svc: ServicesDep, size: int) -> None:
+    if size > svc.settings.episodes.max_group_size:
+        raise InvalidRequest(f"size {size} exceeds the limit {svc.settings.episodes.max_group_size}", param="size")
+
+
+async def _admitted(svc: ServicesDep, request: Request, create: Callable[[], Awaitable[GroupRecord]]) -> CreatedGroup:
+    """Create a group under admission control (429 ``backlog_full``, counted), with each episode's
+    key and base URL: what ``POST /groups`` and a fork answer alike."""
+    try:
+        async with svc.admission.admit():
+            group = await create()
+    except BacklogFull:
+        svc.metrics.admission_refused.inc()
+        raise
+    svc.metrics.episodes.labels("created").inc(group.size)
+    return CreatedGroup.model_validate(
+        {
+            **Group.model_validate(group).model_dump(),
+            "episode_keys": [_key(svc, request, e.id) for e in group.episodes or []],
+        }
+    )
+
+
 @router.post(
     "/groups",
     status_code=201,
@@ -40,26 +66,17 @@ async def create_group(body: GroupCreate, svc: ServicesDep, _: AdminDep, request
     """Create a group of ``size`` episodes for one task, each with its own key and base URL.
     Refused with 429 ``backlog_full`` and ``Retry-After`` while the groups ahead of the trainer
     already fill its staleness window (``proxy/admission.py``)."""
-    if body.size > svc.settings.episodes.max_group_size:
-        raise InvalidRequest(f"size {body.size} exceeds the limit {svc.settings.episodes.max_group_size}", param="size")
+    _check_size(svc, body.size)
     if body.episode_metadata is not None and len(body.episode_metadata) != body.size:
         raise InvalidRequest(
             f"episode_metadata has {len(body.episode_metadata)} entries; size is {body.size}", param="episode_metadata"
         )
-    try:
-        async with svc.admission.admit():
-            group = await svc.repo.episodes.create_group(
-                task_id=body.task_id, size=body.size, metadata=body.metadata, episode_metadata=body.episode_metadata
-            )
-    except BacklogFull:
-        svc.metrics.admission_refused.inc()
-        raise
-    svc.metrics.episodes.labels("created").inc(body.size)
-    return CreatedGroup.model_validate(
-        {
-            **Group.model_validate(group).model_dump(),
-            "episode_keys": [_key(svc, request, e.id) for e in group.episodes or []],
-        }
+    return await _admitted(
+        svc,
+        request,
+        lambda: svc.repo.episodes.create_group(
+            task_id=body.task_id, size=body.size, metadata=body.metadata, episode_metadata=body.episode_metadata
+        ),
     )
 
 
@@ -75,26 +92,14 @@ async def create_group(body: GroupCreate, svc: ServicesDep, _: AdminDep, request
 async def fork_episode(episode_id: str, body: ForkIn, svc: ServicesDep, _: AdminDep, request: Request) -> CreatedGroup:
     """A fork group: ``size`` episodes of the source's task whose first ``at`` answered calls are
     answered from the source's record (``proxy/replay.py``); run the same agent on each, unchanged."""
-    if body.size > svc.settings.episodes.max_group_size:
-        raise InvalidRequest(f"size {body.size} exceeds the limit {svc.settings.episodes.max_group_size}", param="size")
-    try:
-        async with svc.admission.admit():
-            group = await svc.repo.forks.create(
-                canonical_id(episode_id),
-                at=body.at,
-                size=body.size,
-                rule=body.on_divergence,
-                metadata=body.metadata,
-            )
-    except BacklogFull:
-        svc.metrics.admission_refused.inc()
-        raise
-    svc.metrics.episodes.labels("created").inc(body.size)
-    return CreatedGroup.model_validate(
-        {
-            **Group.model_validate(group).model_dump(),
-            "episode_keys": [_key(svc, request, e.id) for e in group.episodes or []],
-        }
+    _check_size(svc, body.size)
+    source = canonical_id(episode_id)
+    return await _admitted(
+        svc,
+        request,
+        lambda: svc.repo.forks.create(
+            source, at=body.at, size=body.size, rule=body.on_divergence, metadata=body.metadata
+        ),
     )
 
 

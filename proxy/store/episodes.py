@@ -30,6 +30,41 @@ REWARDED: Final = "rewarded"
 ABANDONED: Final = "abandoned"
 
 
+def new_group(
+    task_id: str,
+    size: int,
+    metadata: dict[str, Any],
+    episode_metadata: Sequence[dict[str, Any]] | None = None,
+    **episode_fields: Any,
+) -> tuple[Group, list[Episode]]:
+    """A new open group's row and its ``size`` episode rows (``episode_fields``: set on each)."""
+    now = time.time()
+    group = Group(
+        id=str(uuid.uuid4()), task_id=task_id, size=size, meta=metadata, status=OPEN, created_at=now,
+        train_status="pending",
+    )  # fmt: skip
+    episodes = [
+        Episode(
+            id=str(uuid.uuid4()),
+            group_id=group.id,
+            group_index=i,
+            task_id=task_id,
+            meta=(episode_metadata[i] if episode_metadata else {}),
+            status=OPEN,
+            created_at=now,
+            **episode_fields,
+        )
+        for i in range(size)
+    ]
+    return group, episodes
+
+
+async def add_group(session: AsyncSession, group: Group, episodes: list[Episode]) -> None:
+    session.add(group)
+    await session.flush()  # the group row first: episodes reference it
+    session.add_all(episodes)
+
+
 class Episodes:
     """The episodes-and-groups aggregate; ``min_rewarded`` decides whether a finished group is
     ``complete`` or ``failed``."""
@@ -47,32 +82,9 @@ class Episodes:
         metadata: dict[str, Any],
         episode_metadata: Sequence[dict[str, Any]] | None = None,
     ) -> GroupRecord:
-        now = time.time()
-        group = Group(
-            id=str(uuid.uuid4()),
-            task_id=task_id,
-            size=size,
-            meta=metadata,
-            status=OPEN,
-            created_at=now,
-            train_status="pending",
-        )
-        episodes = [
-            Episode(
-                id=str(uuid.uuid4()),
-                group_id=group.id,
-                group_index=i,
-                task_id=task_id,
-                meta=(episode_metadata[i] if episode_metadata else {}),
-                status=OPEN,
-                created_at=now,
-            )
-            for i in range(size)
-        ]
+        group, episodes = new_group(task_id, size, metadata, episode_metadata)
         async with self._sessions.write() as session:
-            session.add(group)
-            await session.flush()  # the group row first: episodes reference it
-            session.add_all(episodes)
+            await add_group(session, group, episodes)
         return group_record(group, [episode_record(e) for e in episodes])
 
     async def count_backlog(self) -> int:

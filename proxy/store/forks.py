@@ -11,8 +11,6 @@ fork's own (its replay position, so a restarted proxy resumes where the store sa
 
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Any
 
 from sqlalchemy import func, select, update
@@ -20,6 +18,7 @@ from sqlalchemy import func, select, update
 from contract.vocabulary import ForkRule
 from proxy.errors import Conflict, InvalidRequest, NotFound
 from proxy.store.calls import episode_calls
+from proxy.store.episodes import add_group, new_group
 from proxy.store.models import Call, Episode, Group
 from proxy.store.records import CallRecord, EpisodeRecord, GroupRecord
 from proxy.store.rows import episode_record, group_record
@@ -38,7 +37,6 @@ class Forks:
         self, source_id: str, *, at: int, size: int, rule: ForkRule, metadata: dict[str, Any]
     ) -> GroupRecord:
         """A group of ``size`` fork episodes of ``source_id`` at its answered call ``at``."""
-        now = time.time()
         async with self._sessions.write() as session:
             source = await session.get(Episode, source_id)
             if source is None:
@@ -57,33 +55,16 @@ class Forks:
                 )
             source_group = await session.get(Group, source.group_id) if source.group_id else None
             fork = {"source_episode_id": source_id, "source_group_id": source.group_id, "at": at, "rule": rule}
-            group = Group(
-                id=str(uuid.uuid4()),
-                task_id=source.task_id or (source_group.task_id if source_group else source_id),
-                size=size,
-                meta={**(source_group.meta if source_group else {}), **metadata, "fork": fork},
-                status="open",
-                created_at=now,
-                train_status="pending",
+            group, episodes = new_group(
+                source.task_id or (source_group.task_id if source_group else source_id),
+                size,
+                {**(source_group.meta if source_group else {}), **metadata, "fork": fork},
+                [dict(source.meta or {}) for _ in range(size)],
+                fork_of=source_id,
+                fork_at=at,
+                fork_rule=rule,
             )
-            episodes = [
-                Episode(
-                    id=str(uuid.uuid4()),
-                    group_id=group.id,
-                    group_index=i,
-                    task_id=group.task_id,
-                    meta=dict(source.meta or {}),
-                    status="open",
-                    created_at=now,
-                    fork_of=source_id,
-                    fork_at=at,
-                    fork_rule=rule,
-                )
-                for i in range(size)
-            ]
-            session.add(group)
-            await session.flush()  # the group row first: episodes reference it
-            session.add_all(episodes)
+            await add_group(session, group, episodes)
         return group_record(group, [episode_record(e) for e in episodes])
 
     async def children(self, source_id: str) -> list[EpisodeRecord]:

@@ -29,22 +29,12 @@ from tests.support.services import (
     serving_proxy,
     stored_calls,
 )
-from tests.support.tools import CALCULATOR_PARAMETERS
+from tests.support.tools import CALCULATOR_PARAMETERS, CALCULATOR_TOOL
 from trainer.data import DataStats, episode_samples
 
 pytestmark = pytest.mark.vllm
 ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calculator",
-            "description": "Compute a op b.",
-            "strict": True,  # without it vLLM 0.32's named tool_choice lets any JSON through
-            "parameters": CALCULATOR_PARAMETERS,
-        },
-    }
-]
+TOOLS = [CALCULATOR_TOOL]
 NAMED = {"type": "function", "function": {"name": "calculator"}}
 QUESTION = [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "What is 37 * 48?"}]
 

@@ -31,22 +31,12 @@ from tests.support.services import (
     serving_proxy,
     stored_calls,
 )
-from tests.support.tools import CALCULATOR_PARAMETERS
+from tests.support.tools import CALCULATOR_TOOL
 from trainer.data import DataStats, episode_samples
 
 pytestmark = pytest.mark.vllm
 ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calculator",
-            "description": "Compute a op b.",
-            "strict": True,
-            "parameters": CALCULATOR_PARAMETERS,
-        },
-    }
-]
+TOOLS = [CALCULATOR_TOOL]
 QUESTION = [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "What is 37 * 48?"}]
 NAMED = {"type": "function", "function": {"name": "calculator"}}
 

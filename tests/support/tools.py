@@ -19,3 +19,13 @@ CALCULATOR_PARAMETERS: dict[str, Any] = {
         "b": {"type": "integer"},
     },
 }
+CALCULATOR_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Compute a op b.",
+        "strict": True,  # without it vLLM 0.32's named tool_choice lets any JSON through
+        "parameters": CALCULATOR_PARAMETERS,
+    },
+}
+"""The calculator as an OpenAI chat function tool."""
