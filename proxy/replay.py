@@ -181,7 +181,8 @@ def answer(source: CallRecord) -> dict[str, Any]:
     """The source's non-streamed answer as the engine gave it: the recorded body with its token ids
     and log-probs put back where the engine had them."""
     data = copy.deepcopy(source.response or {})
-    data["prompt_token_ids"] = source.prompt_token_ids
+    if "prompt_token_ids" in data or source.kind == "chat":  # a completion carries them per choice
+        data["prompt_token_ids"] = source.prompt_token_ids
     recorded = {int(c.get("index", 0)): c for c in source.choices}
     for choice in data.get("choices") or ():
         rec = recorded.get(int(choice.get("index", 0)), {})

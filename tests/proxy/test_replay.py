@@ -137,3 +137,38 @@ def test_a_request_that_is_not_the_recorded_one_is_named_by_its_first_difference
     assert differences(source, "chat", "responses", REQUEST) == ["api (chat recorded, responses sent)"]
     asked = record(PLAIN, request={**REQUEST, "logprobs": True})
     assert differences(asked, "chat", "chat", {**REQUEST, "logprobs": True})[0].startswith("logprobs")
+
+
+def test_a_completions_answer_is_rebuilt_byte_for_byte_too() -> None:
+    data = {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "created": 1795378398,
+        "model": "policy-base",
+        "choices": [
+            {
+                "index": 0,
+                "text": "11,",
+                "logprobs": {"text_offset": [0, 1, 2], "token_logprobs": [-1.9, -1.2, -1.3], "tokens": ["1", "1", ","]},
+                "finish_reason": "length",
+                "stop_reason": None,
+                "prompt_logprobs": None,
+                "prompt_token_ids": [33, 27],
+                "token_ids": [33, 33, 28],
+            }
+        ],
+        "usage": {"prompt_tokens": 2, "total_tokens": 5, "completion_tokens": 3},
+    }
+    captured = capture_response(copy.deepcopy(data), "completion")
+    source = record(PLAIN)
+    source.kind, source.request = "completion", {"model": "policy", "prompt": "x"}
+    source.response = json.loads(json.dumps(captured.response))
+    source.prompt_token_ids, source.choices = captured.prompt_token_ids, captured.choices
+    rebuilt = answer(source)
+    strip = Wants(token_ids=False, logprobs=False)
+    mine, theirs = copy.deepcopy(rebuilt), copy.deepcopy(data)
+    strip_for_client(mine, strip, "completion")
+    strip_for_client(theirs, strip, "completion")
+    assert orjson.dumps(mine) == orjson.dumps(theirs)
+    again = capture_response(rebuilt, "completion")
+    assert (again.prompt_token_ids, again.choices) == (captured.prompt_token_ids, captured.choices)
