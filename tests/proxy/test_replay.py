@@ -172,3 +172,35 @@ def test_a_completions_answer_is_rebuilt_byte_for_byte_too() -> None:
     assert orjson.dumps(mine) == orjson.dumps(theirs)
     again = capture_response(rebuilt, "completion")
     assert (again.prompt_token_ids, again.choices) == (captured.prompt_token_ids, captured.choices)
+
+
+def test_a_streamed_completions_answer_replays_into_the_same_call() -> None:
+    header = {"id": "cmpl-2", "object": "text_completion", "created": 1795378398, "model": "policy-base"}
+
+    def part(text: str, ids: list[int], lps: list[float], finish: str | None = None) -> dict[str, Any]:
+        choice = {"index": 0, "text": text, "logprobs": {"token_logprobs": lps}, "finish_reason": finish}
+        return {
+            **header,
+            "choices": [{**choice, "token_ids": ids, "prompt_token_ids": [5, 6] if text == "1" else None}],
+        }
+
+    chunks = [part("1", [33], [-1.9]), part("1,", [33, 28], [-1.2, -1.3], "length")]
+    chunks.append({**header, "choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}})
+    capture = StreamCapture("completion")
+    for chunk in chunks:
+        capture.feed(copy.deepcopy(chunk))
+    first = capture.result()
+    source = record(PLAIN)
+    source.kind, source.stream = "completion", True
+    source.response = json.loads(json.dumps(first.response))
+    source.prompt_token_ids, source.choices = first.prompt_token_ids, first.choices
+
+    async def replayed() -> list[dict[str, Any]]:
+        return [chunk async for chunk in stream(source)]
+
+    again = StreamCapture("completion")
+    for chunk in asyncio.run(replayed()):
+        again.feed(chunk)
+    result = again.result()
+    assert result.exact_ids and (result.prompt_token_ids, result.choices) == ([5, 6], first.choices)
+    assert result.response == first.response and first.choices[0]["token_ids"] == [33, 33, 28]
