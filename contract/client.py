@@ -118,6 +118,7 @@ class _Client(Generic[T, H]):
     fork = _Method(endpoints.fork)
     create_episode = _Method(endpoints.create_episode)
     group = _Method(endpoints.group)
+    groups = _Method(endpoints.groups)
     pending_groups = _Method(endpoints.pending_groups)
     episode = _Method(endpoints.episode)
     reward = _Method(endpoints.reward)

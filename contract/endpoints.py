@@ -35,7 +35,7 @@ from contract.schemas import (
     RewardIn,
     StepIn,
 )
-from contract.vocabulary import AbandonCause, AckStatus, ForkRule, TrainMode
+from contract.vocabulary import AbandonCause, AckStatus, ForkRule, GroupStatus, TrainMode
 
 R = TypeVar("R")
 CallRewards = Mapping[int, float] | Mapping[str, float]
@@ -128,6 +128,18 @@ def pending_groups() -> Request[int]:
     # runner from generating during a step: generation and training took turns).
     params: dict[str, str | int] = {"status": "complete", "train_status": "pending", "leased": "false", "limit": 1000}
     return Request("GET", "/groups", "safe", lambda reply: len(reply["data"]), params=params)
+
+
+def groups(
+    *, status: GroupStatus | None = None, task_id: str | None = None, limit: int = 100, offset: int = 0
+) -> Request[list[Group]]:
+    """Groups, newest first (without their episodes; ``group`` has them)."""
+    params: dict[str, str | int] = {"limit": limit, "offset": offset}
+    if status is not None:
+        params["status"] = status
+    if task_id is not None:
+        params["task_id"] = task_id
+    return Request("GET", "/groups", "safe", _data(Group.model_validate), params=params)
 
 
 def episode(episode_id: str, *, calls: bool = True) -> Request[Episode]:

@@ -3,9 +3,10 @@
 GRPO learns nothing from a group whose rewards are all equal: its advantages are zero and the
 trainer skips it. Late in a run most tasks are solved by every member (in a 30-minute math run,
 616 of 887 generated groups were skipped), so drawing tasks blindly spends most generation on
-groups that cannot train. ``TaskPicker`` keeps, per task, how many of this run's groups of it had
-unequal rewards, and estimates the chance its next group does (Laplace's rule: (d + 1) / (n + 2),
-0.5 for a task never drawn). With ``focus`` f, a draw follows the seeded, balanced order
+groups that cannot train. ``TaskPicker`` keeps, per task, how many of its finished groups had
+unequal rewards (this run's, and those the runner reads back from the store at the start), and
+estimates the chance its next group does (Laplace's rule: (d + 1) / (n + 2), 0.5 for a task never
+drawn). With ``focus`` f, a draw follows the seeded, balanced order
 (``runner.task_order``) with probability 1 - f (a floor of exploration over every task, so a task
 that stopped disagreeing is seen again as the policy moves) and otherwise picks a task with
 probability proportional to that estimate. ``focus`` 0 is the order alone, as before.

@@ -57,6 +57,8 @@ class RunStats:
     """Tasks whose group was still refused when the run stopped (never created, not lost unseen)."""
     create_unanswered: int = 0
     """Group creations the proxy did not answer, each asked again after a pause."""
+    recalled_groups: int = 0
+    """With ``focus``: finished groups of this workflow read back from the store at the start."""
     focused_draws: int = 0
     """Task draws made by the chance a task's group disagrees (``focus``), not the seeded order."""
     forks_skipped: dict[str, int] = field(default_factory=dict)
@@ -77,6 +79,7 @@ class RunStats:
             "disagreed": disagreed,
             "share": round(disagreed / len(judged), 4) if judged else None,
             "focused_draws": self.focused_draws,
+            "recalled_groups": self.recalled_groups,
         }
 
     def forks(self) -> dict[str, Any]:

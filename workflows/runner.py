@@ -80,6 +80,8 @@ ADMISSION_WAIT_S = 5.0
 UNANSWERED_LIMIT = 5
 """Unanswered group creations in a row before the runner gives up (each took the client's timeout)."""
 UNANSWERED_WAIT_S = 2.0
+RECALL_GROUPS = 1000
+"""With ``focus``: the most finished groups read back from the store to seed the task statistics."""
 """Pause before asking again for a group creation the proxy did not answer."""
 T = TypeVar("T")
 
@@ -153,6 +155,8 @@ class Runner:
             raise ValueError(f"workflow {self.workflow.name!r} has no {self.config.split} tasks")
         tasks = task_order(tasks, self.config.seed, self.workflow.stratum)
         self._picker = TaskPicker(tasks, self.workflow.task_id, focus=self.config.focus, seed=self.config.seed)
+        if self.config.focus > 0:
+            await self._recall(self._picker)
         in_flight = max(1, math.ceil(self.config.concurrency / self.config.group_size)) + 1
         group_slots = asyncio.Semaphore(in_flight)
         running: set[asyncio.Task[None]] = set()
@@ -192,6 +196,25 @@ class Runner:
             await self.workflow.close()
             pool.shutdown(wait=False, cancel_futures=True)
         return self.stats
+
+    async def _recall(self, picker: TaskPicker[Any]) -> None:
+        """Seed the task statistics with this workflow's finished groups already in the store (a
+        resumed run's, earlier runs'), newest first, at most ``RECALL_GROUPS`` (one read each)."""
+        offset = 0
+        while self.stats.recalled_groups < RECALL_GROUPS:
+            page = await self.client.groups(status="complete", limit=200, offset=offset)
+            if not page:
+                return
+            offset += len(page)
+            for listed in page:
+                meta = listed.metadata
+                if meta.get("workflow") != self.workflow.name or meta.get("split") != self.config.split:
+                    continue
+                if "fork" in meta:  # a fork group's rewards compare one state, not the task
+                    continue
+                group = await self.client.group(listed.id)
+                picker.observe(group.task_id, [e.reward for e in group.episodes or () if e.reward is not None])
+                self.stats.recalled_groups += 1
 
     async def _wait_for_trainer(self) -> None:
         if self.config.max_pending is None:

@@ -127,6 +127,23 @@ async def test_loop_runs_until_stopped_and_leaves_nothing_open(proxy: ProxyProce
         assert admin_get(proxy, f"/groups/{g.group_id}")["counts"] == {"rewarded": 2}
 
 
+async def test_focus_reads_the_workflows_finished_groups_back_from_the_store(proxy: ProxyProcess) -> None:
+    client = AsyncProxyClient(proxy.url, ADMIN_KEY)
+    scripted = Scripted(ScriptOptions(script=("reward:1", "reward:0")))
+    first = await Runner(scripted, config(proxy, groups=2, group_size=2, concurrency=2, seed=4), client).run()
+    assert [g.status for g in first.groups] == ["complete", "complete"]
+    again = Runner(scripted, config(proxy, groups=1, group_size=2, concurrency=2, seed=4, focus=1.0), client)
+    stats = await again.run()
+    await client.aclose()
+    # At least the two groups just run (the module's proxy keeps earlier tests' groups too), each a
+    # disagreement (rewards 1 and 0) on its task: both tasks now count as likely to disagree.
+    assert stats.recalled_groups >= 2 and stats.summary()["signal"]["focused_draws"] == 1
+    picker = again._picker
+    assert picker is not None
+    for task in ("scripted/train-a", "scripted/train-b"):
+        assert picker.outcomes[task].groups >= 1 and picker.outcomes[task].chance > 0.5
+
+
 async def test_a_wrong_admin_key_stops_the_run(proxy: ProxyProcess) -> None:
     client = AsyncProxyClient(proxy.url, "not-the-admin-key-at-all")
     with pytest.raises(ProxyError) as info:
