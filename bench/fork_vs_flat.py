@@ -55,7 +55,7 @@ def store_figures(db: Path) -> dict[str, Any]:
         saved_ms = 0.0
         sources: list[tuple[str, int]] = []
         for tokens, notes, _ in rows:
-            replay = (json.loads(notes) if notes else {}).get("replay")
+            replay = ((json.loads(notes) if notes else None) or {}).get("replay")  # the JSON column holds null
             if replay:
                 replayed += 1
                 sources.append((replay["source_episode_id"], int(replay["source_ordinal"])))
