@@ -119,7 +119,8 @@ class Replayer:
         if episode_id in self._forks:
             self._forks.move_to_end(episode_id)
             return self._forks[episode_id]
-        record = await self._repo.forks.fork_of(episode_id)
+        state = await self._repo.episodes.episode_state(episode_id)  # the gate's own read: no fork, no more
+        record = await self._repo.forks.fork_of(episode_id) if state is not None and state[2] is not None else None
         fork = None
         if record is not None and record.fork_of is not None:
             fork = _Fork(source=record.fork_of, at=record.fork_at or 0, rule=record.fork_rule or "sample")

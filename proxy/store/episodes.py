@@ -120,17 +120,17 @@ class Episodes:
             session.add(episode)
         return episode_record(episode)
 
-    async def episode_state(self, episode_id: str) -> tuple[str, str | None] | None:
-        """(status, group_id) of an episode, or None: the model routes' existence check."""
+    async def episode_state(self, episode_id: str) -> tuple[str, str | None, str | None] | None:
+        """(status, group_id, fork_of) of an episode, or None: the model routes' existence check, and
+        the relay's whether it is a fork (one primary-key read, on SQLite the fast path's)."""
         fast = self._sessions.fast
         if fast is not None:
             async with translated():
                 return await fast.episode_state(episode_id)
         async with self._sessions.read() as session:
-            row = (
-                await session.execute(select(Episode.status, Episode.group_id).where(Episode.id == episode_id))
-            ).first()
-        return (row[0], row[1]) if row else None
+            query = select(Episode.status, Episode.group_id, Episode.fork_of).where(Episode.id == episode_id)
+            row = (await session.execute(query)).first()
+        return (row[0], row[1], row[2]) if row else None
 
     async def get_episode(self, episode_id: str, *, with_calls: bool = True) -> EpisodeRecord:
         async with self._sessions.read() as session:

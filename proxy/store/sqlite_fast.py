@@ -46,7 +46,7 @@ _CHAIN_SQL = "SELECT {} FROM {} WHERE episode_id = ? ORDER BY ordinal".format(
     ", ".join(f'"{name}"' for name in CHAIN_COLUMNS), Call.__tablename__
 )
 _CHAIN_JSON_AT = [i for i, name in enumerate(CHAIN_COLUMNS) if name in JSON_COLUMNS]
-_EPISODE_STATE_SQL = f"SELECT status, group_id FROM {Episode.__tablename__} WHERE id = ?"
+_EPISODE_STATE_SQL = f"SELECT status, group_id, fork_of FROM {Episode.__tablename__} WHERE id = ?"
 # Each episode's status and highest ordinal: one max() per episode (an index seek) instead of
 # GROUP BY over every call of the episodes.
 _EPISODE_STATES_SQL = (
@@ -141,9 +141,9 @@ def _insert_calls(
         raise
 
 
-def _episode_state(conn: sqlite3.Connection, episode_id: str) -> tuple[str, str | None] | None:
+def _episode_state(conn: sqlite3.Connection, episode_id: str) -> tuple[str, str | None, str | None] | None:
     row = conn.execute(_EPISODE_STATE_SQL, (episode_id,)).fetchone()
-    return (row[0], row[1]) if row else None
+    return (row[0], row[1], row[2]) if row else None
 
 
 class SqliteFastPath:
@@ -165,7 +165,7 @@ class SqliteFastPath:
         except sqlite3.IntegrityError as exc:
             raise IntegrityError(_INSERT_CALL_SQL, None, exc) from exc
 
-    async def episode_state(self, episode_id: str) -> tuple[str, str | None] | None:
+    async def episode_state(self, episode_id: str) -> tuple[str, str | None, str | None] | None:
         return await self._reader.run(lambda conn: _episode_state(conn, episode_id))
 
     async def close(self) -> None:

@@ -163,7 +163,7 @@ async def _store_and_read(url: str, *, sqlite_fast_path: bool) -> tuple[list[Cal
         other = await repository.episodes.create_episode(task_id="t", metadata={})
         for batch in varied_calls(episode.id, other.id, 1_700_000_000.25):
             await repository.calls.insert(batch)
-        assert await repository.episodes.episode_state(episode.id) == ("open", None)
+        assert await repository.episodes.episode_state(episode.id) == ("open", None, None)
         assert await repository.episodes.episode_state("00000000-0000-0000-0000-000000000000") is None
         return (
             (await repository.episodes.get_episode(episode.id)).calls or [],
