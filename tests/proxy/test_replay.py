@@ -93,6 +93,15 @@ def record(data: dict[str, Any], *, stream: bool = False, request: dict[str, Any
     )
 
 
+def replayed_chunks(source: CallRecord) -> list[dict[str, Any]]:
+    """The chunks ``replay.stream`` sends for ``source``."""
+
+    async def collect() -> list[dict[str, Any]]:
+        return [chunk async for chunk in stream(source)]
+
+    return asyncio.run(collect())
+
+
 def client_bytes(data: dict[str, Any]) -> bytes:
     """What the proxy sends a client that asked for neither ids nor log-probs (``relay.complete``)."""
     data = copy.deepcopy(data)
@@ -113,11 +122,8 @@ def test_a_streamed_answer_replays_into_the_same_call() -> None:
     chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
     source = record({"chunks": chunks}, stream=True)
 
-    async def replayed() -> list[dict[str, Any]]:
-        return [chunk async for chunk in stream(source)]
-
     capture = StreamCapture("chat")
-    for chunk in asyncio.run(replayed()):
+    for chunk in replayed_chunks(source):
         capture.feed(chunk)
     again = capture.result()
     assert again.exact_ids and again.inexact is None
@@ -195,11 +201,8 @@ def test_a_streamed_completions_answer_replays_into_the_same_call() -> None:
     source.response = json.loads(json.dumps(first.response))
     source.prompt_token_ids, source.choices = first.prompt_token_ids, first.choices
 
-    async def replayed() -> list[dict[str, Any]]:
-        return [chunk async for chunk in stream(source)]
-
     again = StreamCapture("completion")
-    for chunk in asyncio.run(replayed()):
+    for chunk in replayed_chunks(source):
         again.feed(chunk)
     result = again.result()
     assert result.exact_ids and (result.prompt_token_ids, result.choices) == ([5, 6], first.choices)
