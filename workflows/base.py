@@ -172,6 +172,12 @@ class Workflow(ABC, Generic[T, O]):
         that kind's answer for all of them."""
         return None
 
+    def kind(self, task: T) -> str | None:
+        """The family whose outcomes ``--focus`` pools for a task with little record of its own
+        (``picking.py``): tasks of a kind are about as likely to split a group. Its stratum by
+        default; a workflow whose order needs no balancing may still name kinds here."""
+        return self.stratum(task)
+
     @abstractmethod
     async def run_episode(self, task: T, episode: Episode) -> Outcome:
         """Play ``task`` with an agent whose model calls go to ``episode``; return its reward."""

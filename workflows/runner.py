@@ -154,7 +154,9 @@ class Runner:
         if not tasks:
             raise ValueError(f"workflow {self.workflow.name!r} has no {self.config.split} tasks")
         tasks = task_order(tasks, self.config.seed, self.workflow.stratum)
-        self._picker = TaskPicker(tasks, self.workflow.task_id, focus=self.config.focus, seed=self.config.seed)
+        self._picker = TaskPicker(
+            tasks, self.workflow.task_id, focus=self.config.focus, seed=self.config.seed, kind=self.workflow.kind
+        )
         if self.config.focus > 0:
             await self._recall(self._picker)
         in_flight = max(1, math.ceil(self.config.concurrency / self.config.group_size)) + 1

@@ -22,8 +22,12 @@ def test_focus_draws_where_groups_disagreed_and_keeps_exploring() -> None:
         for _ in range(4):
             picker.observe(task, [0.0, 1.0] if task == "t3" else [1.0, 1.0, 1.0])
     draws = Counter(picker.next() for _ in range(2000))
-    # t3's chance is 5/6, the others' 1/6: t3 gets 5/14 of the focused draws plus its share of the order.
-    expected = 2000 * (0.8 * 5 / 14 + 0.2 / 10)
+    # No kinds: the prior is all tasks' rate, p = (4 + 1) / (40 + 2); t3's chance (4 + 2p) / 6, the
+    # others' 2p / 6: t3 gets its share of the focused draws plus its share of the order.
+    p = 5 / 42
+    t3, other = (4 + 2 * p) / 6, 2 * p / 6
+    assert abs(picker.chance("t3") - t3) < 1e-12 and abs(picker.chance("t0") - other) < 1e-12
+    expected = 2000 * (0.8 * t3 / (t3 + 9 * other) + 0.2 / 10)
     assert abs(draws["t3"] - expected) < 0.15 * expected, draws
     assert all(draws[t] > 0 for t in tasks)  # the floor: every task is still drawn
     assert 0.75 < picker.focused / 2000 < 0.85
@@ -36,3 +40,19 @@ def test_a_group_with_fewer_than_two_rewards_is_no_evidence() -> None:
     assert "a" not in picker.outcomes
     picker.observe("a", [0.0, 0.5])
     assert picker.outcomes["a"].chance == 2 / 3
+
+
+def test_a_task_never_drawn_takes_its_kinds_rate() -> None:
+    """Math's task set outnumbers a run's groups: the kind's record steers draws to tasks not yet seen."""
+    tasks = [f"{kind}{i}" for kind in ("easy", "mid") for i in range(50)]
+    picker = TaskPicker(tasks, str, focus=1.0, seed=3, kind=lambda t: t.rstrip("0123456789"))
+    for i in range(10):  # ten tasks of each kind seen once: every easy group agreed, every mid one split
+        picker.observe(f"easy{i}", [1.0, 1.0, 1.0])
+        picker.observe(f"mid{i}", [0.0, 1.0, 1.0])
+    assert picker.kinds["easy"].chance == 1 / 12 and picker.kinds["mid"].chance == 11 / 12
+    assert picker.chance("easy40") == 1 / 12 and picker.chance("mid40") == 11 / 12  # never drawn: the kind's rate
+    assert picker.chance("mid3") == (1 + 2 * 11 / 12) / 3  # its own group, then the kind's pseudo-groups
+    draws = Counter(picker.next().rstrip("0123456789") for _ in range(2000))
+    assert draws["mid"] > 8 * draws["easy"], draws
+    picker.observe("elsewhere", [0.0, 1.0])  # a recalled task outside this order: its own record only
+    assert picker.outcomes["elsewhere"].groups == 1 and sum(k.groups for k in picker.kinds.values()) == 20

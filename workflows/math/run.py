@@ -74,6 +74,11 @@ class MathWorkflow(Workflow[MathProblem, MathOptions]):
     def task_id(self, task: MathProblem) -> str:
         return task.id
 
+    def kind(self, task: MathProblem) -> str:
+        """The generator's kind (``add1``, ``word1``, ...; ``jsonl`` for a file): pooled by ``--focus``.
+        Not a stratum: the generated list is already interleaved by kind, and the order stays as measured."""
+        return task.kind
+
     def task_metadata(self, task: MathProblem) -> dict[str, Any]:
         return {"kind": task.kind, "question": task.question, "answer": task.answer}
 
