@@ -41,6 +41,8 @@ class GroupResult:
     """Set on a fork group: the episode it forked and where (``workflows/forking.py``)."""
     diverged: int = 0
     """Fork episodes whose agent sent a request the source never sent before the fork point."""
+    kind: str | None = None
+    """The task's kind (``Workflow.kind``): the summary's signal is also given per kind."""
 
 
 @dataclass
@@ -71,13 +73,17 @@ class RunStats:
     def signal(self) -> dict[str, Any]:
         """Plain groups with two or more rewards, and the share whose rewards differ: the groups GRPO
         can train on (the trainer skips the others); ``focused_draws`` went by that chance."""
-        judged = [[e.reward for e in g.episodes if e.reward is not None] for g in self.groups if g.fork is None]
-        judged = [r for r in judged if len(r) >= 2]
-        disagreed = sum(max(r) > min(r) for r in judged)
+        by_kind: dict[str, list[bool]] = {}
+        for g in self.groups:
+            rewards = [e.reward for e in g.episodes if e.reward is not None]
+            if g.fork is None and len(rewards) >= 2:
+                by_kind.setdefault(g.kind or "-", []).append(max(rewards) > min(rewards))
+        judged = [d for kind in by_kind.values() for d in kind]
         return {
             "groups": len(judged),
-            "disagreed": disagreed,
-            "share": round(disagreed / len(judged), 4) if judged else None,
+            "disagreed": sum(judged),
+            "share": round(sum(judged) / len(judged), 4) if judged else None,
+            "by_kind": {k: {"groups": len(d), "disagreed": sum(d)} for k, d in sorted(by_kind.items())},
             "focused_draws": self.focused_draws,
             "recalled_groups": self.recalled_groups,
         }

@@ -80,9 +80,9 @@ ADMISSION_WAIT_S = 5.0
 UNANSWERED_LIMIT = 5
 """Unanswered group creations in a row before the runner gives up (each took the client's timeout)."""
 UNANSWERED_WAIT_S = 2.0
+"""Pause before asking again for a group creation the proxy did not answer."""
 RECALL_GROUPS = 1000
 """With ``focus``: the most finished groups read back from the store to seed the task statistics."""
-"""Pause before asking again for a group creation the proxy did not answer."""
 T = TypeVar("T")
 
 
@@ -300,6 +300,7 @@ class Runner:
             judge_attempts=attempts,
             fork=fork,
             diverged=diverged,
+            kind=self.workflow.kind(task),
         )
         self.stats.groups.append(group)
         if fork is None and self._picker is not None:

@@ -1,10 +1,13 @@
-"""Which task the runner draws next (``workflows/picking.py``): the order, or where groups disagree."""
+"""Which task the runner draws next (``workflows/picking.py``): the order, or where groups disagree; and the
+summary's signal that judges it (``workflows/results.py``)."""
 
 from __future__ import annotations
 
 from collections import Counter
 
+from workflows.forking import ForkPoint
 from workflows.picking import TaskPicker
+from workflows.results import EpisodeResult, GroupResult, RunStats
 
 
 def test_without_focus_the_draws_are_the_seeded_order_cycled() -> None:
@@ -56,3 +59,31 @@ def test_a_task_never_drawn_takes_its_kinds_rate() -> None:
     assert draws["mid"] > 8 * draws["easy"], draws
     picker.observe("elsewhere", [0.0, 1.0])  # a recalled task outside this order: its own record only
     assert picker.outcomes["elsewhere"].groups == 1 and sum(k.groups for k in picker.kinds.values()) == 20
+
+
+def test_the_summarys_signal_counts_plain_groups_per_kind() -> None:
+    """What ``--focus`` is judged by: the share of plain groups whose rewards differ, per kind too."""
+
+    def group(n: int, rewards: list[float | None], kind: str | None, fork: ForkPoint | None = None) -> GroupResult:
+        episodes = [
+            EpisodeResult(f"e{n}-{i}", f"g{n}", "t", "rewarded" if r is not None else "abandoned", r, None, 1.0)
+            for i, r in enumerate(rewards)
+        ]
+        return GroupResult(f"g{n}", "t", "complete", episodes, fork=fork, kind=kind)
+
+    stats = RunStats()
+    stats.groups = [
+        group(1, [1.0, 0.0], "add"),
+        group(2, [1.0, 1.0], "add"),
+        group(3, [0.0, 0.0, 0.0], "mul"),
+        group(4, [1.0, None], "mul"),  # one reward: no evidence either way
+        group(5, [0.0, 1.0], None),
+        group(6, [0.0, 1.0], "mul", fork=ForkPoint("e1-0", 1, "uniform")),  # a fork group is not a draw
+    ]
+    signal = stats.signal()
+    assert (signal["groups"], signal["disagreed"], signal["share"]) == (4, 2, 0.5)
+    assert signal["by_kind"] == {
+        "-": {"groups": 1, "disagreed": 1},
+        "add": {"groups": 2, "disagreed": 1},
+        "mul": {"groups": 1, "disagreed": 0},
+    }
