@@ -84,7 +84,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="focus_signal-"))
-    config = isolated(load_run_config(Path(args.config)), workdir, minutes=0, seed=args.seed)
+    config = isolated(load_run_config(Path(args.config)), workdir, minutes=1, seed=args.seed)  # no training: unused
     stack = Stack(config, data_dir=workdir)
     arms: dict[str, dict[str, Any]] = {}
     try:
