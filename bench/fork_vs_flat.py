@@ -12,7 +12,8 @@ proxy, trainer, workflow: ``deploy/loop.py``'s pieces, as ``make run`` runs them
 Each arm: ``--minutes`` of training and the last adapter's evaluation (the config's eval arguments:
 greedy, the held-out split), against the base model's evaluation, run once per seed by its first
 arm. From the arm's store: generated tokens (completion tokens of the calls the engine answered),
-replayed calls and the engine time they saved (their source calls' latency), trained tokens
+replayed calls, the tokens they did not generate, and the engine time they saved (their source
+calls' latency: wall time under the run's concurrency, so an upper bound), trained tokens
 (``data/loss_tokens`` summed over the steps), fork groups, fork episodes and how many diverged before their fork point.
 Reported per arm and seed, then the mean gain per arm and held-out gain per million generated
 tokens, whichever side wins. Prints a table and, as the LAST line, one JSON object.
@@ -52,13 +53,14 @@ def store_figures(db: Path) -> dict[str, Any]:
         rows = conn.execute(
             "SELECT c.completion_tokens, c.notes, c.latency_ms FROM calls c WHERE c.status_code = 200"
         ).fetchall()
-        generated = replayed = 0
+        generated = replayed = replayed_tokens = 0
         saved_ms = 0.0
         sources: list[tuple[str, int]] = []
         for tokens, notes, _ in rows:
             replay = ((json.loads(notes) if notes else None) or {}).get("replay")  # the JSON column holds null
             if replay:
                 replayed += 1
+                replayed_tokens += int(tokens or 0)
                 sources.append((replay["source_episode_id"], int(replay["source_ordinal"])))
             else:
                 generated += int(tokens or 0)
@@ -75,6 +77,7 @@ def store_figures(db: Path) -> dict[str, Any]:
     return {
         "generated_tokens": generated,
         "replayed_calls": replayed,
+        "replayed_tokens": replayed_tokens,
         "engine_seconds_saved": round(saved_ms / 1000, 1),
         "groups": int(groups),
         "fork_groups": int(forks[2] or 0),
@@ -116,7 +119,8 @@ def run_arm(
 
 def table(results: dict[str, dict[int, dict[str, Any]]]) -> str:
     keys = ("before", "after", "gain", "steps", "generated_tokens", "trained_tokens", "generated_per_trained",
-            "replayed_calls", "engine_seconds_saved", "fork_groups", "fork_episodes", "fork_diverged")  # fmt: skip
+            "replayed_calls", "replayed_tokens", "engine_seconds_saved", "fork_groups", "fork_episodes",
+            "fork_diverged")  # fmt: skip
     lines = ["| arm | seed | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
     for arm, seeds in results.items():
         for seed, row in seeds.items():

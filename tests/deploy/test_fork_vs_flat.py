@@ -37,6 +37,7 @@ async def test_generated_tokens_leave_out_replayed_calls_and_the_saved_time_is_t
     assert figures == {
         "generated_tokens": 10 + 10 + 7,  # the source's two calls and the fork's own; not the replays, not a 500
         "replayed_calls": 2,
+        "replayed_tokens": 10 + 10,  # answered from the record, never generated
         "engine_seconds_saved": 0.4,  # what the replayed calls took the engine in the source
         "groups": 2,
         "fork_groups": 1,
