@@ -61,7 +61,6 @@ class TaskPicker(Generic[T]):
         if not order:
             raise ValueError("no tasks to pick from")
         self.order = list(order)
-        self.task_id = task_id
         self.focus = focus
         self.rng = random.Random(seed + 1)
         self._ids = [task_id(t) for t in self.order]
