@@ -25,9 +25,12 @@ keeps vLLM's own ops (``bench/vllm_cpu_lora.py`` measures the two against each o
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -173,9 +176,30 @@ def sgmv_expand_slice(
     bgmv_expand_slice(inputs, lora_b_weights, output_tensor, indices, slice_offset, slice_size, add_inputs)
 
 
+def _skip_without_adapters(method: Callable[..., None]) -> Callable[..., None]:
+    """``method`` of vLLM's CPU LoRA wrapper, returning at once when no token of the batch has an adapter.
+
+    vLLM's V1 runner maps every batch as a prefill (``lora_model_runner_mixin.py``), for which the
+    wrapper computes ``no_lora`` (``compute_meta``: every token's index is -1), and its prefill ops
+    then do nothing; but each LoRA layer still allocates its shrink buffers and walks its slices in
+    Python first: four layers of 30 for every token generated. Without that, base-model requests
+    decode at 17.0 tok/s instead of 11.3 (SmolLM2-135M, float32, one stream, 2-core Xeon; 18.5 with
+    ``--enable-lora`` off). A batch not mapped as a prefill (``no_lora`` not computed) takes the full path.
+    """
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        if self.is_prefill and self.no_lora:
+            return None
+        return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 def install() -> bool:
-    """Put these ops where vLLM's CPU LoRA wrapper looks them up; False (nothing done) when
-    ``FLYWHEEL_VLLM_LORA_OPS=vllm`` asks for vLLM's own."""
+    """Put these ops where vLLM's CPU LoRA wrapper looks them up, and let its linear and logits LoRA
+    return early in a batch without adapters; False (nothing done) when ``FLYWHEEL_VLLM_LORA_OPS=vllm``
+    asks for vLLM's own."""
     if os.environ.get(OPS_ENV, "flywheel") == "vllm":
         return False
     import vllm.lora.ops.torch_ops as torch_ops
@@ -185,6 +209,10 @@ def install() -> bool:
     for name in OPS:
         setattr(torch_ops, name, getattr(this, name))
         setattr(punica_cpu, name, getattr(this, name))
+    wrapper = punica_cpu.PunicaWrapperCPU
+    for name in ("add_lora_linear", "add_lora_logits"):
+        if not hasattr(getattr(wrapper, name), "__wrapped__"):
+            setattr(wrapper, name, _skip_without_adapters(getattr(wrapper, name)))
     return True
 
 

@@ -8,6 +8,7 @@ last slot, which the last test pins down as the difference).
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -135,6 +136,24 @@ def test_install_puts_the_ops_where_the_cpu_wrapper_calls_them(monkeypatch: pyte
         monkeypatch.setattr(vllm_ops, name, getattr(vllm_ops, name))
     monkeypatch.setenv(ops.OPS_ENV, "vllm")
     assert not ops.install() and punica_cpu.bgmv_shrink is vllm_ops.lora_ops.bgmv_shrink
+    for name in ("add_lora_linear", "add_lora_logits"):
+        monkeypatch.setattr(punica_cpu.PunicaWrapperCPU, name, getattr(punica_cpu.PunicaWrapperCPU, name))
     monkeypatch.delenv(ops.OPS_ENV)
-    assert ops.install()
+    assert ops.install() and ops.install()  # a second install wraps nothing twice
     assert all(getattr(punica_cpu, name) is getattr(ops, name) for name in ops.OPS)
+    for name in ("add_lora_linear", "add_lora_logits"):
+        method = getattr(punica_cpu.PunicaWrapperCPU, name)
+        assert not hasattr(method.__wrapped__, "__wrapped__")
+
+
+def test_the_lora_layers_return_at_once_only_in_a_batch_mapped_without_adapters() -> None:
+    calls: list[tuple[Any, ...]] = []
+
+    def add_lora_linear(self: Any, *args: Any) -> None:
+        calls.append(args)
+
+    wrapped = ops._skip_without_adapters(add_lora_linear)
+    assert wrapped(SimpleNamespace(is_prefill=True, no_lora=True), "base only") is None
+    wrapped(SimpleNamespace(is_prefill=True, no_lora=False), "an adapter")
+    wrapped(SimpleNamespace(is_prefill=False, no_lora=True), "no_lora not computed for a decode mapping")
+    assert calls == [("an adapter",), ("no_lora not computed for a decode mapping",)]

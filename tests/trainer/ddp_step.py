@@ -1,5 +1,7 @@
-"""Run under torchrun by test_distributed.py: three real optimizer steps on fixed samples, then each
-rank saves its adapter and step statistics. Not a test module itself (no ``test_`` prefix)."""
+"""Run under torchrun by test_distributed.py: for each loss type named (comma-separated), three real
+optimizer steps on fixed samples from a fresh adapter, then each rank saves its adapter and step
+statistics. One launch for every loss type: a torchrun start costs more than the steps. Not a test
+module itself (no ``test_`` prefix)."""
 
 from __future__ import annotations
 
@@ -25,34 +27,35 @@ QUESTIONS = [
 ]
 
 
-def main(model_dir: str, out: Path) -> None:
+def main(model_dir: str, out: Path, loss_types: list[str]) -> None:
     world = init_world(600)
-    config = TrainerConfig(
-        model=model_dir,
-        dtype="float32",
-        learning_rate=1e-3,
-        loss_type=sys.argv[3],
-        max_seq_len=128,
-        micro_batch_tokens=128,
-        threads=1,
-    )
-    policy = LoraPolicy(config)
-    learner = Learner(policy, config, world)
-    samples = [chat_sample(policy, *q) for q in QUESTIONS]
-    stats = [learner.step(samples[i:] + samples[:i]) for i in range(3)]
-    torch.save(
-        {
-            "adapter": policy.adapter_state(),
-            "loss": [s.loss for s in stats],
-            "grad_norm": [s.grad_norm for s in stats],
-            "entropy": [s.entropy for s in stats],
-            "share": len(world.share(pack(samples, config.micro_batch_tokens))),
-            "micro_batches": stats[0].micro_batches,
-        },
-        out / f"rank{world.rank}-of-{world.size}.pt",
-    )
+    for loss_type in loss_types:
+        config = TrainerConfig(
+            model=model_dir,
+            dtype="float32",
+            learning_rate=1e-3,
+            loss_type=loss_type,
+            max_seq_len=128,
+            micro_batch_tokens=128,
+            threads=1,
+        )
+        policy = LoraPolicy(config)  # seeds torch from config.seed: the same initial adapter every time
+        learner = Learner(policy, config, world)
+        samples = [chat_sample(policy, *q) for q in QUESTIONS]
+        stats = [learner.step(samples[i:] + samples[:i]) for i in range(3)]
+        torch.save(
+            {
+                "adapter": policy.adapter_state(),
+                "loss": [s.loss for s in stats],
+                "grad_norm": [s.grad_norm for s in stats],
+                "entropy": [s.entropy for s in stats],
+                "share": len(world.share(pack(samples, config.micro_batch_tokens))),
+                "micro_batches": stats[0].micro_batches,
+            },
+            out / f"{loss_type}-rank{world.rank}-of-{world.size}.pt",
+        )
     world.close()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]))
+    main(sys.argv[1], Path(sys.argv[2]), sys.argv[3].split(","))

@@ -18,28 +18,34 @@ from tests.support.services import ADMIN_KEY, ROOT
 from tests.support.torchrun import torchrun
 from tests.trainer.conftest import TrainerProxy
 
+LOSS_TYPES = ("dapo", "bnpo")
+"""Normalised by the whole step's tokens (dapo) or per micro-batch (bnpo): each must come out as one process's."""
 
-@pytest.mark.parametrize("loss_type", ["dapo", "bnpo"])
-def test_two_ranks_take_the_step_one_process_takes(vllm_model_dir: str, tmp_path: Path, loss_type: str) -> None:
+
+def test_two_ranks_take_the_step_one_process_takes(vllm_model_dir: str, tmp_path: Path) -> None:
     script = str(ROOT / "tests/trainer/ddp_step.py")
     for nproc in (1, 2):
-        done = torchrun(nproc, script, vllm_model_dir, str(tmp_path), loss_type)
+        done = torchrun(nproc, script, vllm_model_dir, str(tmp_path), ",".join(LOSS_TYPES))
         assert done.returncode == 0, done.stderr[-3000:]
-    one = torch.load(tmp_path / "rank0-of-1.pt")
-    lead, follower = torch.load(tmp_path / "rank0-of-2.pt"), torch.load(tmp_path / "rank1-of-2.pt")
+    for loss_type in LOSS_TYPES:
+        check_equal_steps(tmp_path, loss_type)
 
+
+def check_equal_steps(out: Path, loss_type: str) -> None:
+    one = torch.load(out / f"{loss_type}-rank0-of-1.pt")
+    lead, follower = torch.load(out / f"{loss_type}-rank0-of-2.pt"), torch.load(out / f"{loss_type}-rank1-of-2.pt")
     assert one["micro_batches"] >= 2 and lead["share"] + follower["share"] == one["share"]
     assert lead["share"] >= 1 and follower["share"] >= 1  # both ranks computed part of each step
     for key in ("loss", "grad_norm", "entropy"):  # whole-step statistics, summed over ranks
-        assert lead[key] == pytest.approx(one[key], rel=1e-4), key
-        assert follower[key] == lead[key], key
+        assert lead[key] == pytest.approx(one[key], rel=1e-4), (loss_type, key)
+        assert follower[key] == lead[key], (loss_type, key)
     for name, tensor in one["adapter"].items():
         assert torch.equal(lead["adapter"][name], follower["adapter"][name]), name  # replicas stay identical
         # equal up to float summation order (Adam can magnify that on a near-zero gradient element;
         # 1.1e-4 seen on an AVX-512 CPU); the statistics above pin the normalisation to 1e-4
-        assert float((lead["adapter"][name] - tensor).norm() / tensor.norm()) < 5e-4, name
+        assert float((lead["adapter"][name] - tensor).norm() / tensor.norm()) < 5e-4, (loss_type, name)
     moved = max(float(t.abs().max()) for n, t in one["adapter"].items() if "lora_B" in n)
-    assert moved > 1e-3  # lora_B starts at zero: three steps moved it
+    assert moved > 1e-3, loss_type  # lora_B starts at zero: three steps moved it
 
 
 @pytest.mark.vllm

@@ -49,25 +49,12 @@ def one_group_of_two(
     return group, episodes_of(proxy, group)
 
 
-def test_tau2_airline(proxy: ProxyProcess) -> None:
-    group, episodes = one_group_of_two(proxy, "tau2", {"domain": "airline", "max_steps": 4, "max_tokens": 48})
-    assert group["status"] == "complete" and group["task_id"].startswith("tau2/airline/")
-    for episode in episodes:
-        assert_recorded(episode, {"get_user_details", "book_reservation"})
-        meta = episode["reward_metadata"]
-        assert episode["reward"] in (0.0, 1.0) and meta["termination_reason"] in {
-            "max_steps",
-            "user_stop",
-            "agent_stop",
-            "too_many_errors",
-        }
-        if meta["termination_reason"] == "max_steps":
-            assert episode["reward"] == 0.0  # tau2 grades a run cut short as a failure
-
-
-def test_tau2_forks_replay_the_agent_and_the_user_simulator(proxy: ProxyProcess) -> None:
-    """Fork mode on tau2: a fork replays the agent's calls and the simulated customer's (side calls)
-    up to the fork point; the run reports how many forks reached it (tau2's determinism, measured)."""
+def test_tau2_airline_episodes_are_graded_and_forks_replay_the_agent_and_the_user_simulator(
+    proxy: ProxyProcess,
+) -> None:
+    """One airline group graded by tau2, then fork mode on it: a fork replays the agent's calls and the
+    simulated customer's (side calls) up to the fork point; the run reports how many forks reached it
+    (tau2's determinism, measured). One run for both: each tau2 group costs about a minute here."""
     options = {"domain": "airline", "max_steps": 6, "max_tokens": 48}
     summary = run_workflow(
         proxy,
@@ -81,12 +68,28 @@ def test_tau2_forks_replay_the_agent_and_the_user_simulator(proxy: ProxyProcess)
         options=options,
         timeout=900,
     )
+    (group,) = [g for g in groups_of(proxy, "tau2") if "fork" not in g["metadata"]]
+    assert group["status"] == "complete" and group["task_id"].startswith("tau2/airline/")
+    episodes = episodes_of(proxy, group)
+    assert [e["status"] for e in episodes] == ["rewarded"] * 2, summary
+    for episode in episodes:
+        assert_recorded(episode, {"get_user_details", "book_reservation"})
+        meta = episode["reward_metadata"]
+        assert episode["reward"] in (0.0, 1.0) and meta["termination_reason"] in {
+            "max_steps",
+            "user_stop",
+            "agent_stop",
+            "too_many_errors",
+        }
+        if meta["termination_reason"] == "max_steps":
+            assert episode["reward"] == 0.0  # tau2 grades a run cut short as a failure
     forks = summary["forks"]
     print("FIGURES tau2 forks", forks)
     if forks["groups"] == 0:  # both episodes ended after one answered call: nowhere to fork
         assert forks["skipped"] == {"no rewarded episode with two or more answered calls": 1}
         return
     (fork_group,) = [g for g in groups_of(proxy, "tau2") if "fork" in g["metadata"]]
+    assert fork_group["metadata"]["fork"]["source_episode_id"] in {e["id"] for e in episodes}
     at = fork_group["metadata"]["fork"]["at"]
     source = admin_get(proxy, f"/episodes/{fork_group['metadata']['fork']['source_episode_id']}")
     sides = [(c["notes"] or {}).get("side", False) for c in sorted(source["calls"], key=lambda c: c["ordinal"])]
