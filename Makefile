@@ -55,8 +55,9 @@ lint: engine
 
 # Coverage over the packages named in pyproject's [tool.coverage.run]; spelled out because a bare
 # `--cov` takes the next argument (a test path in PYTEST_ARGS) as its source. Off unless COVERAGE=1
-# (`make coverage`): Python 3.11's line tracer made the in-process proxy tests 1.6x slower (measured:
-# 300 of them, 51 s -> 82 s on a 2-core Xeon), which `make test` cannot afford on a slow machine.
+# (`make coverage`): Python 3.11's line tracer made the in-process proxy tests 1.6-1.7x slower (300 of
+# them on a 2-core Xeon: 51 s -> 82 s, and 61 s -> 104 s in the other order), which `make test` cannot
+# afford on a slow machine.
 COVERAGE ?= 0
 COV = $(if $(filter 1,$(COVERAGE)),--cov=contract --cov=proxy --cov=trainer --cov=deploy --cov=workflows)
 
