@@ -289,6 +289,7 @@ def _synchronize(cuda: bool) -> None:
 def _flywheel(
     config: Any, spec: dict[str, Any], long: tuple[list[int], list[list[int]]], short: Any, cuda: bool
 ) -> dict[str, Any]:
+    from trainer import memory
     from trainer.learner import Learner
     from trainer.lora import LoraPolicy
     from trainer.sample import Sample
@@ -316,6 +317,7 @@ def _flywheel(
     peak = Peak(cuda)
     policy = LoraPolicy(config)
     learner = Learner(policy, config)
+    memory.freeze_resident()  # as the trainer's process does once its model is loaded
     loaded = peak.level() / 1e9
     learner.step(samples(short))  # warm-up
     batch = samples(long)
@@ -456,7 +458,8 @@ def _trl(
 def run_cell(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     """One cell in a fresh process; its result, or what went wrong."""
     cmd = [sys.executable, "-m", "bench.long_context", "--child", json.dumps(spec)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # keep what the caller added
+    env = dict(os.environ, PYTHONPATH=path, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
     started = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)

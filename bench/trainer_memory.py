@@ -51,6 +51,7 @@ def _child(args: argparse.Namespace) -> None:
     config = TrainerConfig(model=args.model, micro_batch_tokens=2048, max_seq_len=args.max_tokens)
     policy = LoraPolicy(config)
     learner = Learner(policy, config)
+    memory.freeze_resident()  # as the trainer's process does once its model is loaded
     rng = random.Random(args.seed)
     weights = sum(p.numel() * p.element_size() for p in policy.model.parameters())
     lora = sum(p.numel() * p.element_size() for p in policy.parameters())

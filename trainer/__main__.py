@@ -64,6 +64,7 @@ def run(ctx: typer.Context, config: ConfigOpt = None) -> None:
     except ConfigError as exc:
         _fail(str(exc))
         return
+    from trainer import memory
     from trainer.follow import follow
     from trainer.loop import Trainer
     from trainer.lora import LoraPolicy
@@ -74,6 +75,7 @@ def run(ctx: typer.Context, config: ConfigOpt = None) -> None:
     except ConfigError as exc:
         _fail(str(exc))
         return
+    memory.freeze_resident()  # the model lives as long as this process: each step's collection skips it
     if client is None:
         steps = follow(cfg, policy, world)
         world.close()

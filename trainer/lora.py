@@ -58,6 +58,9 @@ class _Packed(threading.local):
 
 
 _packed = _Packed()
+HOST_BOUNDS = "flywheel_host_bounds"
+"""The attribute of a device ``cu_seq_lens_q`` that holds its bounds as a host list (``LoraPolicy``
+sets it; gradient checkpointing's recompute passes the same tensor again, on autograd's thread)."""
 
 
 def packed_sdpa(
@@ -81,7 +84,8 @@ def packed_sdpa(
             )
         bounds = [0, query.shape[2]]
     else:
-        bounds = cu_seq_lens_q.tolist()
+        # read on the host: ``.tolist()`` of a GPU tensor would stall the device once per layer
+        bounds = getattr(cu_seq_lens_q, HOST_BOUNDS, None) or cu_seq_lens_q.tolist()
         _packed.bounded_calls += 1
     _refuse_unsupported(kwargs, bounds)
     gqa = key.shape[1] != query.shape[1]
@@ -272,6 +276,12 @@ class LoraPolicy:
             # which peft's frozen embeddings would not give: peft's enable_input_require_grads).
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
+        self.autocast = self.device == "cuda" and self.dtype != torch.float32
+        """Mixed precision on a GPU: peft keeps the adapter in float32 (AdamW's updates of a few 1e-5
+        would round away in bfloat16), so without autocast every LoRA projection casts its input to
+        float32 and multiplies in float32; under autocast the adapter's matmuls run in the base
+        dtype, as vLLM's LoRA kernels do, and the weights stay float32 (measured in
+        ``bench/long_context.py``: deploy/README.md)."""
         backbone = self.model.get_base_model().model
         assert isinstance(backbone, torch.nn.Module)
         self.backbone = backbone
@@ -302,10 +312,12 @@ class LoraPolicy:
 
     def _logprobs(self, mb: MicroBatch) -> LogProbs:
         device = self.device
+        cu_seqlens = mb.cu_seqlens.to(device)
+        setattr(cu_seqlens, HOST_BOUNDS, mb.cu_seqlens.tolist())  # packed_sdpa reads them without a sync
         out = self.module(  # plain tensors only: FSDP moves a root's tensor inputs to the device
             mb.input_ids.to(device),
             mb.position_ids.to(device),
-            mb.cu_seqlens.to(device),
+            cu_seqlens,
             mb.select.to(device),
             mb.targets.to(device),
             mb.temperatures,
@@ -329,7 +341,7 @@ class LoraPolicy:
         samples: int,
     ) -> LogProbs:
         """``WholeForward``'s forward: the backbone on one packed row, then the selected tokens' log-probs."""
-        with PackedForward(samples) as packed:
+        with PackedForward(samples) as packed, torch.autocast(self.device, dtype=self.dtype, enabled=self.autocast):
             hidden = self.backbone(
                 input_ids=input_ids, position_ids=position_ids, cu_seq_lens_q=cu_seq_lens_q, use_cache=False
             ).last_hidden_state
