@@ -108,7 +108,7 @@ async def test_every_sampling_mode_matches_vllm_within_a_hundredth_of_a_nat(
     figures: dict[str, tuple[float, float]] = {}
     for name, sampling in CASES.items():
         bodies = [
-            {"model": "policy", "messages": [{"role": "user", "content": q}], "max_tokens": 48, **sampling}
+            {"model": "policy", "messages": [{"role": "user", "content": q}], "max_tokens": 32, **sampling}
             for q in QUESTIONS
         ]
         episodes = await record(vllm_url, tmp_path, bodies)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -308,8 +309,9 @@ def sample(vllm_url: str, prompt: str, params: dict[str, float | int]) -> tuple[
 def test_matches_the_engines_processed_logprobs(mode: str, vllm_url: str, hf_model: Any) -> None:
     params = MODES[mode]
     diffs, plain_diffs, outside = [], [], 0
-    for prompt in PROMPTS:
-        prompt_ids, ids, engine = sample(vllm_url, prompt, params)
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:  # at once, as agents call: vLLM batches them
+        sampled = list(pool.map(lambda prompt: sample(vllm_url, prompt, params), PROMPTS))
+    for prompt_ids, ids, engine in sampled:
         input_ids = torch.tensor([prompt_ids + ids])
         with torch.no_grad():
             hidden = hf_model.model(input_ids=input_ids).last_hidden_state[0]  # (L, H)
