@@ -237,3 +237,38 @@ def test_policy_refuses_a_soft_capped_model_at_start(tmp_path: Path, vllm_model_
             shutil.copy(Path(vllm_model_dir) / name, tmp_path / name)
     with pytest.raises(ConfigError, match="model type 'gemma2' sets final_logit_softcapping=30.0"):
         LoraPolicy(TrainerConfig(model=str(tmp_path)))
+
+
+def test_adapter_inputs_kept_in_bfloat16_under_autocast_change_no_logit_or_gradient() -> None:
+    """On a GPU the policy stops peft casting LoRA inputs to float32 (``_keep_adapter_inputs``):
+    under autocast the cast only round-trips bfloat16 through float32, so the logits and the
+    adapter's gradients must come out bit for bit the same. Checked with the CPU's autocast."""
+    from peft import LoraConfig, get_peft_model
+
+    from trainer.lora import _keep_adapter_inputs
+
+    def run(keep: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        torch.manual_seed(0)
+        base = tiny("Qwen2Config").to(torch.bfloat16)
+        target = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=target, init_lora_weights=False))
+        assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if p.requires_grad)
+        if keep:
+            assert _keep_adapter_inputs(model) == 2 * len(target)
+        seen: set[torch.dtype] = set()
+        for name, module in model.named_modules():
+            if name.endswith("lora_A.default"):
+                module.register_forward_pre_hook(lambda _m, args: seen.add(args[0].dtype))
+        ids = torch.randint(0, 64, (1, 12))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=ids).logits
+        logits.float().logsumexp(-1).sum().backward()
+        assert seen == {torch.bfloat16 if keep else torch.float32}  # what the adapter's matmul is handed
+        return logits.detach(), [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+    cast_logits, cast_grads = run(keep=False)
+    kept_logits, kept_grads = run(keep=True)
+    assert torch.equal(cast_logits, kept_logits)
+    assert len(cast_grads) == len(kept_grads) == 28
+    for a, b in zip(cast_grads, kept_grads, strict=True):
+        assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b)

@@ -164,3 +164,72 @@ def test_table_scatters_per_token_values_into_the_loss_table() -> None:
     table = mb.table(mb.targets.float())
     assert table.tolist() == [[102.0, 103.0, 104.0], [202.0, 0.0, 0.0]]
     assert torch.equal(table * mb.mask, table)  # nothing outside the mask
+
+
+def _token_by_token(samples: list[Sample]) -> dict[str, list[object]]:
+    """What collate must give, read one token at a time (the definition the tensor code replaces)."""
+    out: dict[str, list[object]] = {k: [] for k in ("select", "rows", "cols", "targets", "temps", "behaviour")}
+    out.update({k: [] for k in ("advantages", "top_k", "top_p", "min_p", "versions", "modes", "allowed")})
+    offset = 0
+    for b, s in enumerate(samples):
+        slot = 0
+        for j in range(1, len(s)):
+            if not s.loss_mask[j]:
+                continue
+            out["select"].append(offset + j - 1)
+            out["rows"].append(b)
+            out["cols"].append(slot)
+            out["targets"].append(s.input_ids[j])
+            out["temps"].append(s.temperatures[j])
+            out["behaviour"].append(s.behaviour_logprobs[j])
+            out["advantages"].append(s.advantage if s.advantages is None else s.advantages[j])
+            for key, default in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0), ("versions", -1), ("modes", 0)):
+                values = getattr(s, key)
+                out[key].append(default if values is None else values[j])
+            out["allowed"].append(s.allowed[j].tolist() if j in s.allowed else None)
+            slot += 1
+        offset += len(s)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_collate_agrees_with_reading_token_by_token(seed: int) -> None:
+    """Random samples (per-token fields set or not, grammar masks on some loss tokens, a sample with
+    no loss token): every per-loss-token field lands where the plain per-token definition puts it."""
+    rng = random.Random(seed)
+    samples = []
+    for k in range(rng.randint(1, 5)):
+        n = rng.randint(1, 40)
+        loss = [j for j in range(n) if rng.random() < (0.0 if k == 1 else 0.6)]
+        extra: dict[str, object] = {}
+        if rng.random() < 0.5:
+            extra["top_k"] = [rng.choice([0, 5, 50]) for _ in range(n)]
+            extra["top_p"] = [rng.choice([1.0, 0.9]) for _ in range(n)]
+            extra["versions"] = [rng.randint(-1, 4) for _ in range(n)]
+        if rng.random() < 0.5:
+            extra["advantages"] = [rng.uniform(-2, 2) for _ in range(n)]
+        if rng.random() < 0.5 and loss:
+            extra["allowed"] = {j: torch.randint(-(2**31), 2**31 - 1, (3,), dtype=torch.int32) for j in loss[::2]}
+        extra["temperatures"] = [rng.choice([1.0, 0.7]) for _ in range(n)]
+        samples.append(sample(f"s{k}", n, loss=loss, advantage=rng.uniform(-1, 1), **extra))  # type: ignore[arg-type]
+    mb = collate(samples)
+    want = _token_by_token(samples)
+    assert mb.select.tolist() == want["select"]
+    assert mb.rows.tolist() == want["rows"] and mb.cols.tolist() == want["cols"]
+    assert mb.targets.tolist() == want["targets"]
+    assert mb.temperatures.tolist() == pytest.approx(want["temps"])
+    for key in ("top_k", "versions", "modes"):
+        assert getattr(mb, key).tolist() == want[key], key
+    for key in ("top_p", "min_p"):
+        assert getattr(mb, key).tolist() == pytest.approx(want[key]), key
+    assert mb.behaviour_logps[mb.rows, mb.cols].tolist() == pytest.approx(want["behaviour"], nan_ok=True)
+    assert mb.advantages[mb.rows, mb.cols].tolist() == pytest.approx(want["advantages"])
+    assert int(mb.mask.sum()) == len(want["select"])
+    if any(a is not None for a in want["allowed"]):
+        assert mb.allowed is not None
+        assert [row if row != [-1, -1, -1] else None for row in mb.allowed.tolist()] == want["allowed"]
+    else:
+        assert mb.allowed is None
+    ids = [i for s in samples for i in s.input_ids]
+    assert mb.input_ids.tolist() == [ids]
+    assert mb.position_ids.tolist() == [[j for s in samples for j in range(len(s))]]
