@@ -61,7 +61,9 @@ def freeze_resident() -> int:
     collection walks every tracked object, and a loaded peft model is hundreds of thousands of them,
     so ``release``'s collection after each step would otherwise cost a fixed ~0.3 s that a GPU step
     of a few seconds feels (measured once, on a 2-core EPYC: Qwen2.5-7B's shape built on the meta
-    device with LoRA on every projection, 472k objects; 0.3-1.3 ms a collection after the freeze).
+    device with LoRA on every projection, 472k objects; 0.3-1.3 ms a collection after the freeze;
+    on an H100's host, the trainer holding the same shape's model, 500k objects frozen and
+    0.3-0.6 ms a collection: deploy/README.md, "Measured on one GPU").
     Frozen objects are still freed by reference counting; only a cycle among them is never
     collected, which is why a process that builds many policies (the tests) does not call this.
     """
