@@ -6,7 +6,8 @@ with whitespace and cut at ``max_tokens``), and a launcher that evaluates only t
 reports the collapsed one as its "after". The guard watches two kinds of evidence:
 
 - **probes**: every ``probe_every`` steps the launcher evaluates the current adapter greedily on the
-  workflow's ``val`` split (train tasks held out of training, ``workflows/base.py``). A probe score
+  workflow's ``val`` split (train tasks held out of training, ``workflows/base.py``), asking for it by
+  its versioned name, so versions the trainer publishes meanwhile do not answer it. A probe score
   more than ``max_drop`` below the best so far, ``patience`` probes in a row, is a collapse.
 - **signals** in the trainer's step metrics (``trainer/metrics.py`` ``collapse_signals``): the share of
   sampled answers cut at the token limit (``signals/cut_fraction``), calls that required a tool call

@@ -118,17 +118,36 @@ def _steps(stack: Stack, since: int) -> list[dict[str, Any]]:
         return []
 
 
+def _current_policy(stack: Stack) -> str:
+    """The adapter name of the policy version serving now (``GET /policy``): ``policy-v{N}``."""
+    try:
+        response = httpx.get(f"{stack.proxy_url}/policy", headers={"authorization": f"Bearer {stack.key}"}, timeout=10)
+    except httpx.HTTPError as exc:
+        raise SystemExit(f"GET /policy failed: {exc!r}") from exc
+    if response.status_code != 200:
+        raise SystemExit(f"GET /policy answered {response.status_code}: {response.text[:200]}")
+    return str(response.json()["name"])
+
+
 def _probe(stack: Stack, config: RunConfig, run_dir: Path, step: int, guard: Guard) -> None:
     """Score the current adapter on the probe split (``guard.probe_args``) and tell the guard; the
-    adapter of a new best probe is copied aside, so a rollback finds it after the trainer pruned it."""
+    adapter of a new best probe is copied aside, so a rollback finds it after the trainer pruned it.
+
+    The probe asks for the version current at its start by name, not the moving ``policy`` alias:
+    the trainer publishes while a probe runs, and a probe answered by two versions would be filed
+    under the newer one (and a rollback would republish that one). A probe that more than one
+    version answered all the same (one recorded before this rule, read again on resume) is refused."""
     try:
-        result = _evaluate(stack, config, run_dir, f"probe-{step}", config.guard.probe_args)
+        pinned = ("--model", _current_policy(stack))
+        result = _evaluate(stack, config, run_dir, f"probe-{step}", (*config.guard.probe_args, *pinned))
+        versions = {str(v) for v in result.get("policy_versions") or []}
+        if len(versions) != 1 or not next(iter(versions)).isdigit():
+            raise SystemExit(f"the probe was answered by policy versions {sorted(versions)}, not one")
     except SystemExit as exc:  # the run goes on: a guard without probes still reads the signals
         guard.probe_failed(step)
         log(f"[guard] probe failed ({exc}); {'skipped' if guard.probing else 'no further probes this run'}")
         return
-    versions = [int(v) for v in result.get("policy_versions") or []]
-    version = max(versions) if versions else None
+    version = int(versions.pop())
     guard.observe_probe(step, version, float(result.get("accuracy") or 0.0))
     best = guard.verdict.best
     source = run_dir / "trainer" / "adapters" / f"v{version}"
@@ -160,13 +179,15 @@ def _rollback(stack: Stack, run_dir: Path, guard: Guard) -> int | None:
 
 
 def _finish_guard(stack: Stack, config: RunConfig, run_dir: Path, guard: Guard, last: int) -> int | None:
-    """After training: probe the last adapter, let the guard compare it with the best probe, and roll
-    back when configured; the version rolled back to, or None."""
-    if config.guard.action == "off" or config.guard.probe_every == 0 or last < 1 or not guard.probing:
+    """After training: probe the last adapter (while probing), let the guard compare it with the best
+    probe, and roll back when configured; the version rolled back to, or None. A collapse the step
+    signals declared after probing stopped still rolls back to the best probe kept before."""
+    if config.guard.action == "off" or last < 1:
         return None
-    if guard.verdict.last is None or guard.verdict.last.step != last:
-        _probe(stack, config, run_dir, last, guard)
-    guard.final_check(last)
+    if config.guard.probe_every > 0 and guard.probing:
+        if guard.verdict.last is None or guard.verdict.last.step != last:
+            _probe(stack, config, run_dir, last, guard)
+        guard.final_check(last)
     verdict = guard.verdict
     if verdict.collapsed:
         log(f"[guard] collapse: {'; '.join(verdict.reasons)}")

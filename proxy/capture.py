@@ -132,6 +132,10 @@ class ChoiceCapture:
     logprobs: list[float] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    reasoning: list[str] = field(default_factory=list)
+    reasoning_key: str = "reasoning"
+    """The field vLLM streams reasoning in (``reasoning``; older vLLM: ``reasoning_content``), kept
+    as the message's, where a non-streamed answer has it."""
     finish_reason: str | None = None
     stop_reason: Any = None
     prompt_token_ids: list[int] | None = None
@@ -269,8 +273,14 @@ def _captured(
     )
 
 
+REASONING = ("reasoning_content", "reasoning")
+"""Where vLLM streams a reasoning model's thinking (the dialects read it in the same order)."""
+
+
 class StreamCapture:
-    """Accumulate SSE chunks of one streamed response into the record a non-streamed call gets."""
+    """Accumulate SSE chunks of one streamed response into the record a non-streamed call gets: its
+    reasoning deltas too, joined into the message as a non-streamed answer carries it (a fork's
+    replay streams it back, ``replay.stream``)."""
 
     def __init__(self, kind: CallKind) -> None:
         self.kind = kind
@@ -304,6 +314,11 @@ class StreamCapture:
                 delta = raw.get("delta") or {}
                 if delta.get("content"):
                     choice.text.append(delta["content"])
+                    content = True
+                key = next((k for k in REASONING if delta.get(k)), None)
+                if key is not None:
+                    choice.reasoning.append(delta[key])
+                    choice.reasoning_key = key
                     content = True
                 for call in delta.get("tool_calls") or ():
                     self._merge_tool_call(choice, call)
@@ -341,7 +356,7 @@ class StreamCapture:
     def result(self) -> Captured:
         captures = [self.choices[i] for i in sorted(self.choices)]
         for choice in captures:
-            choice.ids_missing = choice.ids_missing or (not choice.token_ids and bool(choice.text))
+            choice.ids_missing = choice.ids_missing or (not choice.token_ids and bool(choice.text or choice.reasoning))
         prompt_tokens, completion_tokens = _usage(self.usage, self.prompt_token_ids, captures)
         if self.kind == "chat":
             body_choices = [
@@ -353,6 +368,8 @@ class StreamCapture:
                         "role": "assistant",
                         "content": "".join(c.text) or None,
                         "tool_calls": [c.tool_calls[i] for i in sorted(c.tool_calls)] or None,
+                        # the message's reasoning, where a non-streamed answer keeps it (``replay.stream``)
+                        **({c.reasoning_key: "".join(c.reasoning)} if c.reasoning else {}),
                     },
                 }
                 for c in captures

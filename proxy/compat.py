@@ -29,7 +29,7 @@ a coding agent at it") mirrors this one:
                 hosted tools (``compat.hosted_tools``)                              dropped / refused
                 tools[].defer_loading                                               mapped: not shown
     Messages    messages[].role "system" (``compat.system_messages``)               mapped: a turn / merged
-                thinking (``compat.thinking_switch``)                               mapped: disabled / used
+                thinking (``compat.thinking_switch``; absent: off)                  mapped: disabled / used
                 output_config.effort (``compat.reasoning_effort``)                  ignored / used
                 context_management: clear_thinking / clear_tool_uses                ignored, mapped / refused
                 citations, signature, caller, eager_input_streaming                 ignored
@@ -365,7 +365,12 @@ _MESSAGES_SHAPED = {"thinking": _thinking, "context_management": _context_manage
 
 
 def messages_top(extras: dict[str, Any], body: dict[str, Any], ledger: Ledger) -> None:
-    """The top-level fields of a Messages request that its translator does not use."""
+    """The top-level fields of a Messages request that its translator does not use. Without
+    ``thinking``, a configured thinking switch is sent off: Anthropic's default, where the chat
+    template's own may be on (Qwen3's is)."""
+    switch = ledger.settings.thinking_switch
+    if switch is not None and extras.get("thinking") is None:
+        ledger.chat.setdefault("chat_template_kwargs", {})[switch] = False
     for name, value in extras.items():
         if value is None:
             continue

@@ -21,7 +21,8 @@ of one fork in flight at once both compare with the same source call, and one of
 recorded with ``notes.replay`` (source episode and ordinal) and the source's ids, log-probs and
 version: the splice and the trainer's merge see the conversation the agent saw, and the trainer
 keeps them as context only (``trainer/turns.py``). A stream is replayed as one chunk per part
-(role, text, each tool call, finish, usage): the same answer once assembled, not the same chunking.
+(role, reasoning, text, each tool call, finish, usage): the same answer once assembled, not the
+same chunking.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from contract.vocabulary import CallApi, CallKind, ForkRule
+from proxy.capture import REASONING
 from proxy.errors import Conflict
 from proxy.metrics import Metrics
 from proxy.store.records import CallRecord
@@ -196,9 +198,11 @@ def answer(source: CallRecord) -> dict[str, Any]:
 
 async def stream(source: CallRecord) -> AsyncGenerator[dict[str, Any], None]:
     """The source's streamed answer, one chunk per part: the role (with the prompt ids), per choice
-    its text and each tool call (the sampled ids and log-probs on its first part), its finish, then usage."""
+    its reasoning, text and each tool call (the sampled ids and log-probs on its first part), its
+    finish, then usage. The reasoning is the recorded message's, in the field vLLM sent it in."""
     response = source.response or {}
     chat = source.kind == "chat"
+    messages = {int(c.get("index", 0)): c.get("message") or {} for c in response.get("choices") or ()}
     header = {
         "id": response.get("id"),
         "object": "chat.completion.chunk" if chat else "text_completion",
@@ -214,6 +218,10 @@ async def stream(source: CallRecord) -> AsyncGenerator[dict[str, Any], None]:
         index = rec.get("index", 0)
         parts: list[dict[str, Any]] = []
         if chat:
+            message = messages.get(int(index), {})
+            key = next((k for k in REASONING if message.get(k)), None)
+            if key is not None:
+                parts.append({"delta": {key: message[key]}})
             if rec.get("text"):
                 parts.append({"delta": {"content": rec["text"]}})
             for j, call in enumerate(rec.get("tool_calls") or ()):

@@ -32,12 +32,18 @@ The rules, per deployment (``sampling`` in the proxy settings):
   the engine could not be asked for is kept as context by the trainer (counted).
 - A temperature below vLLM's sampling epsilon (1e-5) is greedy: not a sample from the policy,
   kept as context only.
+- A value out of the range vLLM's ``SamplingParams`` accepts (``n: -1``, ``top_p: 0``) is the
+  proxy's own 400 (``RANGES``), before anything is sent: the rules are repeated rather than
+  vLLM's code called, since importing it would bring torch into the proxy (seconds, half a GiB),
+  and the proxy's image has no vLLM; ``tests/proxy/test_sampling.py`` holds them to vLLM's own.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,6 +73,35 @@ MODEL_FIELDS = ("temperature", "top_p", "top_k", "min_p")
 MAX_TOP_K = 2**31 - 1
 """No vocabulary is larger; a larger ``top_k`` (say 1e30, read as a float) would become an integer
 orjson cannot send on."""
+
+
+RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
+    "n": (lambda v: v >= 1, "at least 1"),
+    "temperature": (lambda v: 0 <= v <= 2, "in [0, 2]"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "max_tokens": (lambda v: v >= 1, "at least 1"),
+    "max_completion_tokens": (lambda v: v >= 1, "at least 1"),
+    "min_tokens": (lambda v: v >= 0, "at least 0"),
+    "presence_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    "frequency_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    "repetition_penalty": (lambda v: 0 < v < math.inf, "a finite number above 0"),
+    "logprobs": (lambda v: v >= 0 or v == -1, "at least 0, or -1"),
+    "top_logprobs": (lambda v: v >= 0 or v == -1, "at least 0, or -1"),
+    "prompt_logprobs": (lambda v: v >= 0 or v == -1, "at least 0, or -1"),
+}
+"""What vLLM 0.32's ``SamplingParams._verify_args`` accepts per field (``top_k``: ``resolve``); NaN
+fails every rule. A value of another type is left to vLLM's own 400."""
+
+
+def check_ranges(body: dict[str, Any]) -> None:
+    """Refuse a request whose sampling value the engine would refuse, naming the field."""
+    for key, (accepts, allowed) in RANGES.items():
+        value = body.get(key)
+        if key == "max_tokens" and body.get("max_completion_tokens") is not None:
+            continue  # vLLM's chat route reads max_completion_tokens first, max_tokens only without it
+        if isinstance(value, int | float) and not isinstance(value, bool) and not accepts(value):
+            raise InvalidRequest(f"'{key}' must be {allowed}, got {value!r}", param=key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +180,7 @@ def resolve(
     ``min_p`` as vLLM applied them, ``mode``, ``from_model`` (fields the model's defaults supplied),
     ``pinned`` (penalties set neutral), and ``constraint`` / ``penalties`` when present.
     """
+    check_ranges(body)
     effective: dict[str, float] = {}
     from_model: list[str] = []
     for key in MODEL_FIELDS:

@@ -172,8 +172,8 @@ class CompatSettings(_Section):
     system message only first."""
     thinking_switch: str | None = None
     """The chat-template variable that turns the model's reasoning on and off (Qwen3:
-    ``enable_thinking``), set from Anthropic's ``thinking``; None: the model has no reasoning, and
-    ``thinking`` is served as disabled."""
+    ``enable_thinking``), set from Anthropic's ``thinking`` (off without it, Anthropic's default); None:
+    the model has no reasoning, and ``thinking`` is served as disabled."""
     reasoning_effort: bool = False
     """The chat template reads ``reasoning_effort`` (gpt-oss): effort hints (Responses'
     ``reasoning.effort``, Anthropic's ``output_config.effort``) are sent on; False: accepted without effect."""

@@ -17,6 +17,7 @@ import ctypes
 import ctypes.util
 import gc
 import resource
+import sys
 from collections.abc import Callable
 from functools import cache
 
@@ -87,7 +88,8 @@ def rss_gb() -> float:
             pages = int(f.read().split()[1])
         return pages * resource.getpagesize() / 1e9
     except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
+        unit = 1 if sys.platform == "darwin" else 1024  # getrusage(2): bytes on macOS, KiB elsewhere
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit / 1e9
 
 
 def peak_gb() -> float | None:

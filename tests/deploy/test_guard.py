@@ -5,12 +5,15 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import pytest
 
+from deploy import loop
 from deploy.guard import Guard
-from deploy.run_config import GuardSection, RunConfigError
+from deploy.run_config import GuardSection, RunConfig, RunConfigError
 
 DATA = Path(__file__).parent / "data"
 SECTION = GuardSection(probe_every=5, max_drop=0.1, patience=2, window=3, max_cut_fraction=0.5)
@@ -115,6 +118,67 @@ def test_off_watches_nothing() -> None:
 def test_bad_settings_are_refused(fields: dict[str, float], message: str) -> None:
     with pytest.raises(RunConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         GuardSection(**fields)  # type: ignore[arg-type]
+
+
+STACK = SimpleNamespace(proxy_url="http://proxy", key="k")
+
+
+def _serving(version: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The proxy's ``GET /policy`` answers ``version`` (its adapter ``policy-v{version}``)."""
+
+    def get(url: str, **_: Any) -> httpx.Response:
+        assert url == "http://proxy/policy"
+        return httpx.Response(200, json={"version": version, "name": f"policy-v{version}"})
+
+    monkeypatch.setattr(loop.httpx, "get", get)
+
+
+def test_a_probe_scores_the_version_current_when_it_starts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The trainer publishes v6 while a probe of v5 runs: asked for the moving ``policy`` alias, the
+    probe is answered by both and would be filed under v6 (and a rollback would republish v6); asked
+    for ``policy-v5`` by name, every answer is v5's."""
+
+    def evaluate(stack: Any, config: RunConfig, run_dir: Path, label: str, args: tuple[str, ...]) -> dict[str, Any]:
+        pinned = "--model" in args and args[args.index("--model") + 1] == "policy-v5"
+        return {"accuracy": 0.4, "policy_versions": ["5"] if pinned else ["5", "6"]}
+
+    _serving(5, monkeypatch)
+    monkeypatch.setattr(loop, "_evaluate", evaluate)
+    guard = Guard(SECTION)
+    loop._probe(STACK, RunConfig(guard=SECTION), tmp_path, 10, guard)  # type: ignore[arg-type]
+    assert guard.verdict.last is not None and (guard.verdict.last.step, guard.verdict.last.version) == (10, 5)
+
+    # A probe recorded before (a resumed run's) that two versions answered is refused, not filed.
+    monkeypatch.setattr(loop, "_evaluate", lambda *_: {"accuracy": 0.9, "policy_versions": ["5", "6"]})
+    loop._probe(STACK, RunConfig(guard=SECTION), tmp_path, 15, guard)  # type: ignore[arg-type]
+    assert [p.step for p in guard.probes] == [10] and guard.probe_failures == 1
+
+
+def test_a_collapse_in_the_signals_rolls_back_after_probing_stopped(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Probes failed twice (probing off), then the signals declare a collapse: the launcher still
+    republishes the best version it kept."""
+    section = dataclasses.replace(SECTION, action="rollback")
+    guard = Guard(section)
+    for step in range(1, 6):
+        guard.observe_step(step, healthy(step))
+    guard.observe_probe(5, 5, 0.42)
+    guard.probe_failed(10)
+    guard.probe_failed(15)
+    for step in range(6, 16):
+        guard.observe_step(step, {**healthy(step), "signals/cut_fraction": 0.9})
+    assert guard.verdict.collapsed and not guard.probing
+    rolled: list[int | None] = []
+
+    def rollback(stack: Any, run_dir: Path, g: Guard) -> int:
+        rolled.append(g.verdict.best.version if g.verdict.best else None)
+        return 7
+
+    monkeypatch.setattr(loop, "_rollback", rollback)
+    monkeypatch.setattr(loop, "_probe", lambda *_: pytest.fail("probing stopped: no further probe"))
+    assert loop._finish_guard(STACK, RunConfig(guard=section), tmp_path, guard, 15) == 7  # type: ignore[arg-type]
+    assert rolled == [5]
 
 
 def _replay(name: str) -> tuple[Guard, dict[str, Any]]:

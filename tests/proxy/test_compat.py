@@ -215,6 +215,25 @@ def test_a_reasoning_model_gets_the_template_switch_and_the_effort() -> None:
     assert count["chat_template_kwargs"] == {"enable_thinking": True}  # the prompt the call would render
 
 
+def test_without_thinking_a_reasoning_model_is_served_with_thinking_off() -> None:
+    """Anthropic's default is no thinking; the chat template's may be on (Qwen3's is): with the switch
+    configured, a request without ``thinking`` sends it off rather than leave the template's default."""
+    settings = CompatSettings(thinking_switch="enable_thinking")
+    body = {"model": "policy", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}
+    switch = {
+        kind: MessagesTranslation.from_request({**body, "thinking": {"type": kind}} if kind else body, settings)
+        for kind in (None, "enabled", "disabled")
+    }
+    assert {kind: t.chat["chat_template_kwargs"] for kind, t in switch.items()} == {
+        None: {"enable_thinking": False},
+        "enabled": {"enable_thinking": True},
+        "disabled": {"enable_thinking": False},
+    }
+    count = count_tokens_chat({k: v for k, v in body.items() if k != "max_tokens"}, settings)
+    assert count["chat_template_kwargs"] == {"enable_thinking": False}  # the prompt the call would render
+    assert "chat_template_kwargs" not in MessagesTranslation.from_request(body).chat  # no switch: nothing to set
+
+
 def test_merge_puts_a_conversation_system_message_into_the_leading_one() -> None:
     t = MessagesTranslation.from_request(claude_code(), CompatSettings(system_messages="merge"))
     assert [m["role"] for m in t.chat["messages"]] == ["system", "user"]

@@ -93,6 +93,26 @@ async def test_a_sampling_rule_refusal_on_the_chat_route_is_recorded(client: htt
     assert await _metric(client, 'flywheel_refused_calls_total{reason="invalid_request_error",route="chat"}') == 1.0
 
 
+@pytest.mark.parametrize(("field", "value"), [("n", -1), ("temperature", -1), ("top_p", 0)])
+async def test_a_sampling_value_the_engine_would_refuse_never_reaches_it(
+    sqlite_url: str, field: str, value: float
+) -> None:
+    """``n: -1`` reached the engine (issue 42): a value out of vLLM's range is the proxy's own 400, in
+    OpenAI's shape, and the episode holds the refusal only: nothing sent, nothing answered."""
+    seen: list[tuple[str, dict[str, Any]]] = []
+    async with running_app(make_settings(sqlite_url), fake_upstream(seen)) as client:
+        group = await new_group(client, size=1)
+        body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], field: value}
+        response = await client.post("/v1/chat/completions", json=body, headers=episode_auth(group))
+        calls = await _calls(client, group["episode_keys"][0]["id"])
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["type"], error["param"]) == ("invalid_request_error", field)
+    assert [path for path, _ in seen if path.endswith("/chat/completions")] == []
+    assert [(c["status_code"], c["choices"]) for c in calls] == [(400, [])]
+
+
 @pytest.mark.parametrize(
     ("path", "body", "field"),
     [

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 
 from proxy.capture import StreamCapture, Wants, capture_response, strip_for_client
 from proxy.replay import answer, differences, stream
@@ -207,3 +208,40 @@ def test_a_streamed_completions_answer_replays_into_the_same_call() -> None:
     result = again.result()
     assert result.exact_ids and (result.prompt_token_ids, result.choices) == ([5, 6], first.choices)
     assert result.response == first.response and first.choices[0]["token_ids"] == [33, 33, 28]
+
+
+@pytest.mark.parametrize("key", ["reasoning", "reasoning_content"])
+def test_a_streamed_answer_keeps_its_reasoning_as_the_plain_answer_does(key: str) -> None:
+    """vLLM streams a reasoning model's thinking as ``delta.reasoning`` (older vLLM: ``reasoning_content``).
+    Lost from the record, the replayed stream carried no thinking, the agent sent none back, and its
+    fork diverged at the next call's messages (issue 42)."""
+    header = {"id": "chatcmpl-r", "object": "chat.completion.chunk", "created": 1795378398, "model": "policy-base"}
+
+    def part(delta: dict[str, Any], ids: list[int], finish: str | None = None) -> dict[str, Any]:
+        logprobs = {"content": [{"token": "t", "logprob": -0.5, "bytes": None, "top_logprobs": []}] * len(ids)}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish, "token_ids": ids}
+        return {**header, "choices": [choice]}
+
+    opening = {"index": 0, "delta": {"role": "assistant", "content": ""}}
+    chunks = [
+        {**header, "choices": [opening], "prompt_token_ids": [1, 2]},
+        part({key: "2 + 3"}, [7, 8]),
+        part({key: " is 5."}, [9]),
+        part({"content": "5"}, [10], "stop"),
+        {**header, "choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}},
+    ]
+    plain = copy.deepcopy(PLAIN)
+    plain["choices"][0]["message"] = {"role": "assistant", "content": "5", key: "2 + 3 is 5."}
+    streamed = record({"chunks": chunks}, stream=True)
+    assert streamed.exact_ids
+    assert streamed.response is not None and record(plain).response is not None
+    message = streamed.response["choices"][0]["message"]
+    assert message.get(key) == record(plain).response["choices"][0]["message"][key] == "2 + 3 is 5."
+
+    replayed = replayed_chunks(streamed)
+    thinking = [c["choices"][0]["delta"].get(key) for c in replayed if c["choices"]]
+    assert "".join(t for t in thinking if t) == "2 + 3 is 5."
+    capture = StreamCapture("chat")
+    for chunk in replayed:
+        capture.feed(chunk)
+    assert capture.result().response == streamed.response

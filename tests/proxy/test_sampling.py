@@ -138,3 +138,39 @@ def test_a_non_numeric_temperature_is_a_clear_400() -> None:
     with pytest.raises(InvalidRequest) as refused:
         resolved({"temperature": "hot"})
     assert refused.value.param == "temperature"
+
+
+ENGINE_RANGES: dict[str, list[float]] = {
+    "n": [-1, 0, 1, 4],
+    "temperature": [-1, -0.1, 0, 0.7, 2, 2.5, float("nan")],
+    "top_p": [-0.5, 0, 0.1, 1, 1.5],
+    "min_p": [-0.1, 0, 0.5, 1, 1.1],
+    "max_tokens": [-1, 0, 1, 16],
+    "min_tokens": [-1, 0, 3],
+    "presence_penalty": [-2.5, -2, 0, 2, 2.5],
+    "frequency_penalty": [-2.5, -2, 0, 2, 2.5],
+    "repetition_penalty": [-1, 0, 0.5, 1.2, float("inf")],
+    "logprobs": [-2, -1, 0, 5],
+    "prompt_logprobs": [-2, -1, 0, 5],
+}
+
+
+def test_out_of_range_values_are_refused_as_the_engine_refuses_them() -> None:
+    """The proxy repeats the ranges of vLLM's ``SamplingParams._verify_args`` (importing vLLM would
+    bring torch into the proxy); here they are held to the engine's own rules, value by value."""
+    engine = pytest.importorskip("vllm.sampling_params")
+    refusal = pytest.importorskip("vllm.exceptions").VLLMClientError
+    for field, values in ENGINE_RANGES.items():
+        for value in values:
+            try:
+                engine.SamplingParams(**{field: value})
+                theirs = None
+            except refusal:
+                theirs = field
+            try:
+                resolved({"messages": [], field: value})
+                mine = None
+            except InvalidRequest as refused:
+                assert refused.status_code == 400
+                mine = refused.param
+            assert mine == theirs, f"{field}={value}"

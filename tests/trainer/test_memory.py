@@ -84,3 +84,19 @@ def test_freezing_the_resident_heap_leaves_a_steps_cycles_collectable() -> None:
     assert result["step_cycle_freed"] is True
     assert result["frozen_cycle_kept"] is True
     assert result["count_after"] == result["frozen"]
+
+
+@pytest.mark.parametrize(("platform", "maxrss", "gb"), [("linux", 2_000_000, 2.048), ("darwin", 2_000_000_000, 2.0)])
+def test_rss_without_proc_reads_the_peak_in_each_platforms_unit(
+    monkeypatch: pytest.MonkeyPatch, platform: str, maxrss: int, gb: float
+) -> None:
+    """Where /proc is missing, ``ru_maxrss`` is the figure: KiB on Linux, bytes on macOS."""
+
+    def no_proc(*_: object, **__: object) -> None:
+        raise FileNotFoundError("/proc/self/statm")
+
+    monkeypatch.setattr(memory, "open", no_proc, raising=False)  # the module's own name shadows the builtin
+    monkeypatch.setattr(sys, "platform", platform)
+    usage = memory.resource.getrusage(memory.resource.RUSAGE_SELF)
+    monkeypatch.setattr(memory.resource, "getrusage", lambda _: type(usage)((*usage[:2], maxrss, *usage[3:])))
+    assert memory.rss_gb() == pytest.approx(gb)

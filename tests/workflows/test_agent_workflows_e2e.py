@@ -85,8 +85,8 @@ def test_tau2_airline_episodes_are_graded_and_forks_replay_the_agent_and_the_use
             assert episode["reward"] == 0.0  # tau2 grades a run cut short as a failure
     forks = summary["forks"]
     print("FIGURES tau2 forks", forks)
-    if forks["groups"] == 0:  # both episodes ended after one answered call: nowhere to fork
-        assert forks["skipped"] == {"no rewarded episode with two or more answered calls": 1}
+    if forks["groups"] == 0:  # no agent call sampled after an episode's first call: nowhere to fork
+        assert forks["skipped"] == {"no rewarded episode with a sampled agent call after its first answered call": 1}
         return
     (fork_group,) = [g for g in groups_of(proxy, "tau2") if "fork" in g["metadata"]]
     assert fork_group["metadata"]["fork"]["source_episode_id"] in {e["id"] for e in episodes}

@@ -8,14 +8,31 @@ from contract.client import Call, Episode
 from workflows.config import RunConfig
 from workflows.forking import fork_point
 
+NOWHERE = "no rewarded episode with a sampled agent call after its first answered call"
 
-def episode(name: str, reward: float | None, logprobs: list[list[float]], *, failed: int | None = None) -> Episode:
+
+def call(ordinal: int, logprobs: list[float], *, side: bool = False) -> Call:
+    """An answered call as the proxy records it: the agent's is sampled under a policy version; a
+    side call (a user simulator's, on the passthrough route) has no version and answers greedily."""
+    return Call(
+        ordinal=ordinal,
+        choices=[{"index": 0, "token_ids": [1] * len(logprobs), "logprobs": logprobs}],
+        policy_version=None if side else 1,
+        notes={"side": True, "sampling": {"mode": "greedy"}} if side else {"sampling": {"mode": "sampled"}},
+    )
+
+
+def episode(
+    name: str,
+    reward: float | None,
+    logprobs: list[list[float]],
+    *,
+    failed: int | None = None,
+    side: tuple[int, ...] = (),
+) -> Episode:
     """An episode whose answered calls sampled tokens with these engine log-probs (a failed call
-    at ordinal ``failed`` is no answered call: a fork never replays it)."""
-    calls = [
-        Call(ordinal=i, choices=[{"index": 0, "token_ids": [1] * len(lp), "logprobs": lp}], status_code=200)
-        for i, lp in enumerate(logprobs)
-    ]
+    at ordinal ``failed`` is no answered call: a fork never replays it; calls ``side`` are side calls)."""
+    calls = [call(i, lp, side=i in side) for i, lp in enumerate(logprobs)]
     if failed is not None:
         calls.insert(failed, Call(ordinal=failed, status_code=500))
         calls = [c.model_copy(update={"ordinal": i}) for i, c in enumerate(calls)]
@@ -41,6 +58,25 @@ def test_entropy_forks_at_the_least_certain_call_after_the_first() -> None:
     assert (point.source, point.at) == ("b", 2)
 
 
+def test_fork_points_are_the_agents_sampled_calls_never_a_side_call() -> None:
+    """A tau2 conversation ends with the user simulator's (greedy, side) call: forking there would
+    sample no agent decision, and its log-probs say nothing of the policy's certainty."""
+    group = [
+        episode("won", 1.0, [[-0.1], [-0.2], [-0.1], [-5.0]], side=(1, 3)),
+        episode("lost", 0.0, [[-0.1], [-0.3], [-0.4], [-9.0]], side=(1, 3)),
+    ]
+    failure = fork_point(group, "failure", random.Random(0))
+    assert not isinstance(failure, str)
+    assert (failure.source, failure.at) == ("lost", 2)  # the agent's last call, not the customer's
+    entropy = fork_point(group, "entropy", random.Random(0))
+    assert not isinstance(entropy, str)
+    assert (entropy.source, entropy.at) == ("lost", 2)
+    rng = random.Random(1)
+    assert {getattr(fork_point(group, "uniform", rng), "at", None) for _ in range(50)} == {2}
+    customer_only = [episode("a", 1.0, [[-0.1], [-0.2]], side=(1,)), episode("b", 0.0, [[-0.1], [-0.2]], side=(1,))]
+    assert fork_point(customer_only, "failure", rng) == NOWHERE
+
+
 def test_uniform_points_fall_inside_every_candidate_and_no_candidate_is_a_reason() -> None:
     group = [episode("a", 1.0, [[-0.1]] * 4), episode("b", 0.5, [[-0.1]] * 2), episode("c", None, [[-0.1]] * 9)]
     rng = random.Random(3)
@@ -52,9 +88,7 @@ def test_uniform_points_fall_inside_every_candidate_and_no_candidate_is_a_reason
         assert 1 <= point.at <= (3 if point.source == "a" else 1)
         seen.add((point.source, point.at))
     assert seen == {("a", 1), ("a", 2), ("a", 3), ("b", 1)}
-    assert fork_point([episode("one-call", 1.0, [[-0.1]])], "uniform", rng) == (
-        "no rewarded episode with two or more answered calls"
-    )
+    assert fork_point([episode("one-call", 1.0, [[-0.1]])], "uniform", rng) == NOWHERE
 
 
 def test_fork_settings_are_checked_when_the_run_is_configured() -> None:
