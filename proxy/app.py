@@ -174,7 +174,13 @@ def _services(
         metrics=metrics,
         sampling=sampling,
         sampling_rules=settings.sampling,
-        splicer=Splicer(upstreams, store, depth=splice.depth, keep_reasoning=splice.reasoning == "keep")
+        splicer=Splicer(
+            upstreams,
+            store,
+            depth=splice.depth,
+            keep_reasoning=splice.reasoning == "keep",
+            shadow_share=splice.shadow_share,
+        )
         if splice.enabled
         else None,
         grammars=Grammars(upstreams),

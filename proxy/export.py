@@ -340,15 +340,23 @@ def episode_row(episode: EpisodeRecord, advantage: float | None) -> dict[str, An
 
 def fidelity(episode: EpisodeRecord) -> dict[str, Any]:
     """Whether what was trained is what was sampled, for one episode: what the proxy did to its
-    calls (spliced, splice skipped and why, refused, answered to a client that had left) and, once
-    its group was trained, the trainer's audit from the ack (``trainer/audit.py``; None before)."""
+    calls (spliced, splice skipped and why, the splice's shadow check: calls checked and mismatches
+    by cause; refused, answered to a client that had left) and, once its group was trained, the
+    trainer's audit from the ack (``trainer/audit.py``; None before)."""
     calls = episode.calls or []
-    spliced = unchanged = 0
+    spliced = unchanged = checked = 0
     skipped: dict[str, int] = {}
+    mismatched: dict[str, int] = {}
     for call in calls:
         note = (call.notes or {}).get("splice")
         if not isinstance(note, dict):
             continue
+        shadow = note.get("shadow")
+        if isinstance(shadow, dict) and shadow.get("checked"):
+            checked += 1
+            if shadow.get("mismatch"):
+                cause = str(shadow["mismatch"])
+                mismatched[cause] = mismatched.get(cause, 0) + 1
         if "skipped" in note:
             reason = str(note["skipped"])
             skipped[reason] = skipped.get(reason, 0) + 1
@@ -365,6 +373,7 @@ def fidelity(episode: EpisodeRecord) -> dict[str, Any]:
         "spliced": spliced,
         "splice_unchanged": unchanged,
         "splice_skipped": skipped,
+        "splice_shadow": {"checked": checked, "mismatch": mismatched},
         "trainer": episode.train_audit,
     }
 

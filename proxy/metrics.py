@@ -79,6 +79,13 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        self.splice_shadow = Counter(
+            "flywheel_splice_shadow",
+            "Planned splices by shadow check result: agree (the spliced prompt is vLLM's render outside the "
+            "sampled ids), a mismatch's cause (prefix, closing, tail), unchecked (not drawn, or spans unknown)",
+            ["result"],
+            registry=r,
+        )
 
         self.forks = Counter(
             "flywheel_fork_calls",

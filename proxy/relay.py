@@ -248,12 +248,23 @@ class ModelCall:
             self._no_splice(plan)
             return None
         self.record.splice = plan.note
+        self._count_shadow(plan.note["shadow"])
         if not plan.note["changed"]:  # the render already holds the sampled ids: the ordinary route is cheaper
             self.relay.metrics.splices.labels("unchanged").inc()
             return None
         self.relay.metrics.splices.labels("spliced").inc()
         self.record.replica = replica
         return replica, body, plan
+
+    def _count_shadow(self, shadow: dict[str, Any]) -> None:
+        """Count the splice's shadow check (``shadow.py``); a mismatch is logged, the model acted on it."""
+        result = "unchecked" if not shadow["checked"] else shadow["mismatch"] or "agree"
+        self.relay.metrics.splice_shadow.labels(result).inc()
+        if shadow.get("mismatch"):
+            log.warning(
+                "spliced prompt differs from the render outside the sampled ids",
+                extra={"episode": self.episode_id, "cause": shadow["mismatch"], "at": shadow["at"]},
+            )
 
     def _no_splice(self, why: str) -> None:
         self.record.splice = {"skipped": why}

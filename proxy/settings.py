@@ -153,6 +153,11 @@ class SpliceSettings(_Section):
     render after that turn: one sequence per episode, what vLLM sees recorded and trained exactly,
     though it is not what the template alone would show the model. ``strip``: the template decides
     (the call goes the ordinary way, a break)."""
+    shadow_share: float = Field(default=1.0, ge=0.0, le=1.0)
+    """The share of spliced calls whose prompt is compared with vLLM's ordinary render of the same
+    request outside the sampled ids (``proxy/shadow.py``; ``notes.splice.shadow``,
+    ``flywheel_splice_shadow_total``). The splice makes that render anyway, so checking is one pass
+    over two id lists: 1.0 checks every call; 0 turns the check off."""
 
 
 class CompatSettings(_Section):

@@ -18,32 +18,38 @@ How (vLLM's disaggregated token API, ``vllm serve --enable-scale-out``, in vllm-
    (``add_generation_prompt: false``). What follows the latter inside the former is the new tail:
    tool results, user turns, the generation prompt.
 3. *Splice.* Earlier prompt ids + the choice's sampled ids + the template's end-of-turn tokens the
-   model did not sample itself + the tail.
+   model did not sample itself + the tail. The shadow check (``shadow.py``) compares the result
+   with the request's ordinary render outside the sampled ids (``notes.splice.shadow``).
 4. ``POST /inference/v1/generate`` with those ids, then ``POST /v1/chat/completions/derender``,
    which parses the sampled ids into the chat response (tool calls included) as vLLM's chat route
    would.
 
 When the splice does not apply (no earlier call continued, history rewritten, an edited turn, a
-template that renders an earlier turn differently once more messages follow) the call goes the
-ordinary way and its record says why (``notes.splice.skipped``): the trainer counts the break.
+turn cut at a stop string, a template that renders an earlier turn differently once more messages
+follow) the call goes the ordinary way and its record says why (``notes.splice.skipped``): the
+trainer counts the break.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from proxy.answers import json_object, reading
+from proxy.answers import json_object, malformed, reading
 from proxy.errors import UpstreamError
+from proxy.shadow import earlier_spans, index_of, shadow_note
 from proxy.store.records import CallRecord
 from proxy.store.repository import Repository
 from proxy.upstream import Replica, Upstreams, answer_error
 
 RENDER = "/v1/chat/completions/render"
+TOKENS_RENDER = "/v1/completions/render"
+"""A prompt of token ids rendered: the sampling parameters vLLM would give it (``Splicer.room_for``)."""
 SAMPLING_DEFAULT_MAX_TOKENS = 16
 """vLLM's ``SamplingParams.max_tokens`` default, which its render leaves out (``room``)."""
 GENERATE = "/inference/v1/generate"
@@ -224,18 +230,10 @@ def splice(
         return "template renders the earlier turn differently once more messages follow"
     if rendered[: len(prompt)] != prompt:
         return "template renders turns before the continued one differently once more messages follow"
-    end = _find(rendered, closing, len(prompt))
+    end = index_of(rendered, closing, len(prompt))
     if end is None:
         return "the re-rendered earlier turn has no end-of-turn ids"
     return [*prompt, *sampled, *closing[have:], *rendered[end + len(closing) :]]
-
-
-def _find(ids: list[int], needle: list[int], start: int) -> int | None:
-    """The first index >= ``start`` where ``needle`` occurs in ``ids``."""
-    for i in range(start, len(ids) - len(needle) + 1):
-        if ids[i : i + len(needle)] == needle:
-            return i
-    return None
 
 
 def ended_elsewhere(choice: dict[str, Any], closing: list[int]) -> str | None:
@@ -249,11 +247,26 @@ def ended_elsewhere(choice: dict[str, Any], closing: list[int]) -> str | None:
     return None
 
 
-def room(body: dict[str, Any], params: Any, rendered_len: int, spliced_len: int) -> dict[str, Any] | str:
+def ended_on_string(call: CallRecord, choice: dict[str, Any]) -> str | None:
+    """Why a turn that stopped on a matched stop string (vLLM reports it as a string ``stop_reason``)
+    is not spliced: vLLM cuts the string from the text but keeps its tokens in the sampled ids, so the
+    agent sends back the cut text and a splice would put the string back (``Action: add\\nObservation:``
+    then the end of turn), a context the agent never sent. None: no stop string ended it."""
+    stop = choice.get("stop_reason")
+    if isinstance(stop, str):
+        return (
+            f"call {call.ordinal}'s turn ended on the stop string {stop!r}: its sampled ids hold the string "
+            "the text was cut at"
+        )
+    return None
+
+
+def room(body: dict[str, Any], params: Any, engine_max_tokens: int | None) -> dict[str, Any]:
     """The render's sampling parameters for the spliced prompt. Without ``max_tokens`` in the request,
-    vLLM's render sets it to what the context leaves after *its* prompt; the spliced prompt has
-    another length, so the room is recomputed for it (longer: the engine would refuse the call;
-    shorter: the answer would be cut early). Why not, when nothing is left.
+    vLLM's render set it by its own rule (``get_max_tokens``: the least of what the context leaves
+    after *its* prompt, the generation config's ``max_new_tokens`` and the platform's cap); the
+    spliced prompt has another length, so ``engine_max_tokens`` is the same rule as the engine
+    applied it to the spliced prompt (``Splicer.room_for``). None: the client set its own.
 
     A render without ``max_tokens`` rendered it as 16: vLLM 0.32 serialises ``SamplingParams`` without
     the fields at their defaults (msgspec ``omit_defaults``; ``max_tokens`` defaults to 16), and its
@@ -262,14 +275,14 @@ def room(body: dict[str, Any], params: Any, rendered_len: int, spliced_len: int)
     out: dict[str, Any] = dict(params) if isinstance(params, dict) else {}
     if isinstance(params, dict):
         out.setdefault("max_tokens", SAMPLING_DEFAULT_MAX_TOKENS)
-    asked = body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
-    if asked or not isinstance(out.get("max_tokens"), int):
-        return out
-    left = int(out["max_tokens"]) + rendered_len - spliced_len
-    if left < 1:
-        return f"the spliced prompt ({spliced_len} tokens) leaves no room in the context for an answer"
-    out["max_tokens"] = left
+    if engine_max_tokens is not None:
+        out["max_tokens"] = engine_max_tokens
     return out
+
+
+def asked_max_tokens(body: dict[str, Any]) -> bool:
+    """Whether the request sets its own answer length (vLLM reads ``max_completion_tokens`` first)."""
+    return body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
 
 
 def _as_chat_logprob(item: dict[str, Any]) -> dict[str, Any]:
@@ -298,14 +311,25 @@ class Splicer:
     """Finds what a call continues, plans and runs spliced calls; the end-of-turn ids are learned
     once per replica."""
 
-    def __init__(self, upstreams: Upstreams, repo: Repository, *, depth: int = 4, keep_reasoning: bool = False) -> None:
+    def __init__(
+        self,
+        upstreams: Upstreams,
+        repo: Repository,
+        *,
+        depth: int = 4,
+        keep_reasoning: bool = False,
+        shadow_share: float = 1.0,
+    ) -> None:
         self.upstreams = upstreams
         self.repo = repo
         self.depth = depth
+        """How many of the episode's newest calls are searched for the one continued."""
         self.keep_reasoning = keep_reasoning
         """``splice.reasoning: keep``: splice past a template that drops earlier reasoning."""
-        """How many of the episode's newest calls are searched for the one continued."""
+        self.shadow_share = shadow_share
+        """``splice.shadow_share``: the share of planned splices compared with the ordinary render (``shadow.py``)."""
         self._closing: dict[str, list[int]] = {}
+        self._limits: dict[str, tuple[int, int | None]] = {}
 
     async def find(self, episode_id: str, body: dict[str, Any]) -> Continued | str | None:
         """The newest of the episode's last ``depth`` chat calls that ``body``'s messages continue
@@ -324,6 +348,9 @@ class Splicer:
         for call in calls:
             found = continued(messages, call)
             if found is not None:
+                stop_string = ended_on_string(call, found.choice)
+                if stop_string is not None:
+                    return stop_string
                 if call.request.get("parallel_tool_calls") is False and not _engine_grammar(call):
                     return (
                         f"call {call.ordinal} asked for one tool call (parallel_tool_calls false) without an "
@@ -356,6 +383,55 @@ class Splicer:
 
     async def _render(self, replica: Replica, body: dict[str, Any]) -> dict[str, Any]:
         return await self._post(replica, RENDER, body, optional=True)
+
+    async def room_for(self, replica: Replica, body: dict[str, Any], ids: list[int]) -> int | str | None:
+        """The ``max_tokens`` vLLM gives the spliced prompt ``ids`` when the request sets none: its
+        rule (``get_max_tokens``: the least of what the context leaves, the generation config's
+        ``max_new_tokens`` and the server's caps) applied by the engine itself to this length, through
+        its completions render with the model's default cap as the request's limit (that render
+        reads an absent ``max_tokens`` as 16, not as the default: ``limits``). None when the
+        request sets its own; why not, when the prompt leaves no room (the render refuses it)."""
+        if asked_max_tokens(body):
+            return None
+        context, cap = await self.limits(replica, body["model"])
+        return await self._tokens_room(replica, body["model"], ids, cap or context)
+
+    async def limits(self, replica: Replica, model: str) -> tuple[int, int | None]:
+        """The engine's context length (``/v1/models``' ``max_model_len``) and its default answer
+        length where that binds (a generation config's ``max_new_tokens``; else None), learned once
+        per replica: the chat render of a one-token message without ``max_tokens`` gives the default
+        when it is below that prompt's room, which the completions render gives under the context
+        length as the limit (vLLM refuses a larger one)."""
+        if replica.name not in self._limits:
+            response = await self.upstreams.send(replica, "GET", "/v1/models")
+            listed = json_object(response.content, replica.name).get("data") if response.status_code == 200 else None
+            context = next((m.get("max_model_len") for m in listed or () if isinstance(m, dict)), None)
+            if not isinstance(context, int):
+                raise SpliceUnavailable(f"{replica.name} /v1/models names no max_model_len")
+            probe = await self._render(replica, {"model": model, "messages": _PROBE})
+            params = probe.get("sampling_params")
+            default = int(params.get("max_tokens", SAMPLING_DEFAULT_MAX_TOKENS)) if isinstance(params, dict) else None
+            room = await self._tokens_room(replica, model, list(probe["token_ids"]), context)
+            cap = default if isinstance(room, int) and default is not None and default < room else None
+            self._limits[replica.name] = (context, cap)
+        return self._limits[replica.name]
+
+    async def _tokens_room(self, replica: Replica, model: str, ids: list[int], limit: int) -> int | str:
+        """vLLM's ``max_tokens`` for prompt ``ids`` under the request limit ``limit`` (its completions
+        render), or why there is none."""
+        asked = {"model": model, "prompt": ids, "max_tokens": limit}
+        response = await self.upstreams.send(replica, "POST", TOKENS_RENDER, content=orjson.dumps(asked))
+        if response.status_code in (403, 404, 405, 501):
+            raise SpliceUnavailable(f"{replica.name} {TOKENS_RENDER} answered {response.status_code}")
+        if response.status_code == 400:
+            return f"the spliced prompt ({len(ids)} tokens) leaves no room in the context for an answer"
+        if response.status_code >= 400:
+            raise answer_error(response.status_code, response.content, replica)
+        try:
+            params = orjson.loads(response.content)[0]["sampling_params"]
+            return int(params.get("max_tokens", SAMPLING_DEFAULT_MAX_TOKENS))
+        except (orjson.JSONDecodeError, LookupError, TypeError, ValueError, AttributeError):
+            raise malformed(replica.name, f"{TOKENS_RENDER} answered no sampling parameters") from None
 
     async def closing(self, replica: Replica, body: dict[str, Any]) -> list[int]:
         """The end-of-turn ids of the template ``body`` is rendered with (the engine's, or the request's
@@ -397,10 +473,14 @@ class Splicer:
         if isinstance(ids, str):
             return ids
         canonical: list[int] = rendered["token_ids"]
-        params = room(body, rendered.get("sampling_params"), len(canonical), len(ids))
-        if isinstance(params, str):
-            return params
+        engine_max_tokens = await self.room_for(replica, body, ids) if len(ids) != len(canonical) else None
+        if isinstance(engine_max_tokens, str):
+            return engine_max_tokens
+        params = room(body, rendered.get("sampling_params"), engine_max_tokens)
         rendered = {**rendered, "sampling_params": params}
+        earlier = earlier_spans(cont.call)
+        prompt = len(cont.call.prompt_token_ids)
+        spans = None if earlier is None else [*earlier, [prompt, prompt + len(cont.choice["token_ids"])]]
         note = {
             "from": cont.call.ordinal,
             "choice": cont.choice.get("index", 0),
@@ -413,6 +493,10 @@ class Splicer:
                 if rendered["token_ids"][: len(history["token_ids"])] != history["token_ids"]
                 else {}
             ),
+            **({"spans": spans} if spans is not None else {}),
+            "shadow": shadow_note(ids, canonical, spans, closing)
+            if random.random() < self.shadow_share
+            else {"checked": False, "why": "not drawn (splice.shadow_share)"},
         }
         return Plan(generate={**rendered, "token_ids": ids}, note=note)
 

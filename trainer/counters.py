@@ -47,6 +47,14 @@ class DataStats:
     """Constrained tokens the grammar forced (engine log-prob 0): no decision, out of the loss."""
     choices_unused: int = 0
     """Choices of n > 1 calls that no later call continued (and no per-choice reward named)."""
+    splice_shadow_prefix: int = 0
+    """Spliced calls whose prompt differs from vLLM's ordinary render before the continued turn, outside
+    the sampled ids (``notes.splice.shadow``, ``proxy/shadow.py``): trained as sampled, but from a
+    context the template would not give the model."""
+    splice_shadow_closing: int = 0
+    """Spliced calls whose end-of-turn ids after a sampled turn differ from the render's."""
+    splice_shadow_tail: int = 0
+    """Spliced calls whose new messages (after the continued turn) differ from the render's."""
     merged: int = 0
     """Calls appended to the previous call's sample."""
     breaks: int = 0

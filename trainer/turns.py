@@ -3,7 +3,9 @@
 Calls are taken in ordinal order. Failed calls, calls to a model that is not the policy, and calls
 without exact token ids are left out (the last retokenized first if configured), counted either
 way. Retried calls (identical prompt ids, one after another) keep the one a later call continues,
-else the last; the same prompt after other turns is a branch and kept (``_without_retries``).
+else the last; the same prompt after other turns is a branch and kept (``_without_retries``). A
+spliced call whose prompt the proxy's shadow check found to differ from the ordinary render outside
+the sampled ids (``notes.splice.shadow``) is kept and counted by cause (``data/splice_shadow_*``).
 
 Which tokens are trained is decided by the call's *effective* sampling, which the proxy records
 (``notes.sampling``, see proxy/sampling.py): ``sampled`` and ``truncated`` calls are reproduced
@@ -21,12 +23,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
 from contract.client import Call, Episode
 from contract.tokens import continues, extends
+from contract.vocabulary import ShadowMismatch
 from trainer.counters import DataStats
 from trainer.retokenize import Retokenizer
 from trainer.sample import MODES, NAN
@@ -87,6 +90,17 @@ def _sampling(call: Call, stats: DataStats) -> tuple[dict[str, Any], int]:
     return recorded, -1
 
 
+def _shadow(call: Call, stats: DataStats) -> None:
+    """Count the splice's shadow mismatch on ``call`` by cause (``notes.splice.shadow``): the data is
+    kept, the step's metrics show how often the model acted on a context the template would not give."""
+    splice = (call.notes or {}).get("splice")
+    shadow = splice.get("shadow") if isinstance(splice, dict) else None
+    cause = shadow.get("mismatch") if isinstance(shadow, dict) else None
+    if cause in get_args(ShadowMismatch):
+        field = f"splice_shadow_{cause}"
+        setattr(stats, field, getattr(stats, field) + 1)
+
+
 def _choice_tokens(call: Call, index: int) -> tuple[list[int], list[float]] | None:
     choice = next((c for c in call.choices if c.get("index", 0) == index), None)
     if choice is None or not call.exact_ids or call.prompt_token_ids is None or choice.get("token_ids") is None:
@@ -136,6 +150,7 @@ def _turns(
     turns: list[Turn] = []
     for i, call in enumerate(ordered):
         stats.calls += 1
+        _shadow(call, stats)
         if call.status_code != 200 or not call.choices:
             stats.calls_failed += 1
             continue

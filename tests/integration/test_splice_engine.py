@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sqlite3
+import time
 from typing import Any
 
 import httpx
@@ -169,6 +170,94 @@ def test_a_follow_up_that_offers_other_tools_is_rendered_from_its_own_request(pr
 
 
 THINKING = (ROOT / "tests" / "support" / "templates" / "chatml_strips_thinking.jinja").read_text()
+TOOLS_TEMPLATE = (ROOT / "configs" / "templates" / "smollm2_tools.jinja").read_text()
+SYSTEM_OPENS = "{{ '<|im_start|>system\\n' }}"
+CLOCKED = TOOLS_TEMPLATE.replace(
+    SYSTEM_OPENS,
+    SYSTEM_OPENS + "{% if messages[0]['role'] == 'system' %}{{ strftime_now('%S')[-1] + '\\n' }}{% endif %}",
+)
+"""The engine's template, its system block (rendered so with tools) opened by the clock's last
+seconds digit: Llama 3.1's template renders the date there ("Today Date"), so its prompts change at
+midnight; this one, every second. (Only under a system message: the splice's end-of-turn probe
+has none.)"""
+
+
+WORDS = {"regex": "[a-z]{2,8}( [a-z]{2,8}){1,3}"}
+"""A few words: the plumbing engine's random weights never end a free answer on their own, and under
+a grammar the sampler picks spellings the tokenizer would not (the render re-tokenizes them)."""
+
+
+def say(episode: dict[str, Any], messages: list[dict[str, Any]], **extra: Any) -> list[dict[str, Any]]:
+    """One sampled call of ``episode``; the conversation after its answer and one more user turn."""
+    response = httpx.post(
+        f"{episode['base_url']}/chat/completions",
+        headers={"authorization": f"Bearer {episode['api_key']}"},
+        timeout=300,
+        json={
+            "model": "policy",
+            "messages": messages,
+            "temperature": 1.0,
+            "max_tokens": 16,
+            "structured_outputs": WORDS,
+        }
+        | extra,
+    )
+    assert response.status_code == 200, response.text
+    answer = response.json()["choices"][0]["message"]["content"]
+    return [*messages, {"role": "assistant", "content": answer}, {"role": "user", "content": "And then?"}]
+
+
+def shadow_count(proxy: ProxyProcess, result: str) -> float:
+    """``flywheel_splice_shadow_total{result}`` now (0 before the first)."""
+    line = f'flywheel_splice_shadow_total{{result="{result}"}} '
+    metrics = httpx.get(f"{proxy.url}/metrics", headers=ADMIN).text
+    return next((float(x[len(line) :]) for x in metrics.splitlines() if x.startswith(line)), 0.0)
+
+
+def test_every_spliced_prompt_agrees_with_the_render_outside_the_sampled_ids(proxy: ProxyProcess) -> None:
+    """Three calls on the engine's template: the second's and third's prompts are checked against
+    vLLM's own render of the same request; the third leaves out both sampled turns (the first's
+    inherited from the second call's note), which the render re-tokenizes from their text."""
+    agreed = shadow_count(proxy, "agree")
+    episode = new_episode(proxy, "shadow")
+    say(episode, say(episode, say(episode, QUESTION)))
+    one, two, three = stored_calls(proxy, episode["id"])
+    spans = [[len(one["prompt_token_ids"]), len(sampled_ids(one))]]
+    assert two["notes"]["splice"]["spans"] == spans
+    assert three["notes"]["splice"]["spans"] == [*spans, [len(two["prompt_token_ids"]), len(sampled_ids(two))]]
+    for call in (two, three):
+        assert call["notes"]["splice"]["shadow"] == {"checked": True, "mismatch": None, "at": None}
+    assert shadow_count(proxy, "agree") == agreed + 2
+
+
+def test_a_template_that_renders_the_time_is_caught_in_the_prefix(proxy: ProxyProcess, vllm_url: str) -> None:
+    """The request's template renders the clock into the system block: a second later the earlier
+    prompt is no longer the render of the same history, though the follow-up's render still extends
+    its history's render, so every rule of the splice passes and the model generates from the old
+    clock. The shadow check finds it, at the clock's id, and the trainer counts it."""
+    opens = httpx.post(
+        f"{vllm_url}/tokenize",
+        json={"model": "policy-base", "prompt": "<|im_start|>system\n", "add_special_tokens": False},
+    )
+    clock_at = len(opens.json()["tokens"])  # the digit follows the system block's opening ids
+    assert CLOCKED.count("strftime_now") == 1
+    caught = shadow_count(proxy, "prefix")
+    for _ in range(3):  # until the follow-up's two renders fall within one second (nearly always)
+        episode = new_episode(proxy, "clock")
+        messages = say(episode, QUESTION, chat_template=CLOCKED, tools=TOOLS)
+        time.sleep(1.05 - time.time() % 1)  # just past the next second: the clock's digit has moved on
+        say(episode, messages, chat_template=CLOCKED, tools=TOOLS)
+        one, two = stored_calls(proxy, episode["id"])
+        if "differently" not in two["notes"]["splice"].get("skipped", ""):
+            break
+    assert two["notes"]["splice"]["changed"] is True  # spliced: the splice's own rules saw nothing wrong
+    assert two["prompt_token_ids"][: len(one["prompt_token_ids"])] == one["prompt_token_ids"]
+    assert two["notes"]["splice"]["shadow"] == {"checked": True, "mismatch": "prefix", "at": clock_at}
+    assert shadow_count(proxy, "prefix") == caught + 1
+    stats = DataStats()
+    raw = {"id": episode["id"], "status": "rewarded", "reward": 1.0, "calls": [one, two]}
+    episode_samples(Episode.model_validate(raw), group_id="g", max_seq_len=8192, stats=stats, masker=grammar_masker())
+    assert (stats.splice_shadow_prefix, stats.merged) == (1, 1)  # counted, and trained as sampled
 
 
 def _thinking_episode(proxy: ProxyProcess) -> tuple[dict[str, Any], dict[str, Any]]:

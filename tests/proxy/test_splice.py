@@ -149,24 +149,25 @@ def test_a_turn_that_stopped_on_another_stop_token_is_not_spliced() -> None:
     )
     assert ended_elsewhere({"stop_reason": None}, CLOSING) is None  # the end-of-sequence token: the template's
     assert ended_elsewhere({"stop_reason": 99}, CLOSING) is None
-    assert ended_elsewhere({"stop_reason": "\n\n"}, CLOSING) is None  # a stop string: no stop token sampled
+    assert ended_elsewhere({"stop_reason": "\n\n"}, CLOSING) is None  # a stop string: ``ended_on_string``'s rule
 
 
-def test_without_max_tokens_the_room_is_what_the_context_leaves_after_the_spliced_prompt() -> None:
-    """vLLM's render sets max_tokens from its own prompt's length; the spliced prompt is another length."""
-    params = {"max_tokens": 100, "temperature": 1.0}
-    assert room({"messages": []}, params, 900, 903) == {"max_tokens": 97, "temperature": 1.0}
-    assert room({"messages": []}, params, 900, 880)["max_tokens"] == 120  # type: ignore[index]
-    assert room({"max_tokens": 50}, {"max_tokens": 50}, 900, 903) == {"max_tokens": 50}  # the client's own
-    assert room({"max_completion_tokens": 50}, {"max_tokens": 50}, 900, 903) == {"max_tokens": 50}
-    assert room({}, params, 900, 1000) == "the spliced prompt (1000 tokens) leaves no room in the context for an answer"
+def test_without_max_tokens_the_room_is_the_engines_own_for_the_spliced_prompt() -> None:
+    """vLLM's render set max_tokens by its rule for its own prompt's length; the spliced prompt is
+    another length, and the engine's rule for it (``Splicer.room_for``) replaces the render's. The
+    old arithmetic (the render's value plus the length difference) was wrong under a generation
+    config's ``max_new_tokens``: 2048 there and a spliced prompt 100 tokens longer gave 1948 (issue 42)."""
+    params = {"max_tokens": 2048, "temperature": 1.0}
+    assert room({"messages": []}, params, 2048) == {"max_tokens": 2048, "temperature": 1.0}
+    assert room({"messages": []}, {"max_tokens": 100}, 97) == {"max_tokens": 97}
+    assert room({"max_tokens": 50}, {"max_tokens": 50}, None) == {"max_tokens": 50}  # the client's own
 
 
 def test_a_render_without_max_tokens_rendered_the_default_16() -> None:
     """vLLM 0.32's render omits ``max_tokens`` at ``SamplingParams``' default (16); its generate route
     would take the absent field as the whole rest of the context."""
-    assert room({"max_tokens": 16}, {"temperature": 1.0}, 900, 903) == {"temperature": 1.0, "max_tokens": 16}
-    assert room({"messages": []}, {"temperature": 1.0}, 900, 890) == {"temperature": 1.0, "max_tokens": 26}
+    assert room({"max_tokens": 16}, {"temperature": 1.0}, None) == {"temperature": 1.0, "max_tokens": 16}
+    assert room({"messages": []}, {"temperature": 1.0}, 26) == {"temperature": 1.0, "max_tokens": 26}
 
 
 def test_keep_reasoning_splices_past_a_template_that_drops_it() -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from tests.proxy.conftest import ADMIN, fake_upstream, make_settings, running_app
+from tests.proxy.conftest import ADMIN, fake_upstream, fake_vllm_completion, make_settings, running_app
 
 USER = {"role": "user", "content": "Describe it."}
 
@@ -58,3 +58,26 @@ async def test_a_follow_up_to_a_single_tool_call_request_without_a_grammar_is_no
     async with running_app(make_settings(sqlite_url), fake_upstream()) as client:
         _, second = await _episode_calls(client, [first, follow])
     assert second["notes"]["splice"]["skipped"].startswith("call 0 asked for one tool call (parallel_tool_calls false)")
+
+
+async def test_a_follow_up_to_a_turn_cut_at_a_stop_string_is_not_spliced(sqlite_url: str) -> None:
+    """vLLM cuts a matched stop string from the text but keeps its tokens in the sampled ids: the agent
+    sends back the cut text, and a splice would put ``Action: add\\nObservation:`` and the end of turn
+    into the next prompt, a context the agent never sent (issue 42)."""
+
+    def stopped(request: httpx.Request, body: dict[str, Any]) -> httpx.Response | None:
+        if request.url.path != "/v1/chat/completions":
+            return None
+        data = fake_vllm_completion(body)
+        data["choices"][0]["message"]["content"] = "Action: add"
+        data["choices"][0]["stop_reason"] = "\nObservation:"
+        return httpx.Response(200, json=data)
+
+    first = {"model": "policy", "messages": [USER], "stop": ["\nObservation:"]}
+    follow = {
+        **first,
+        "messages": [USER, {"role": "assistant", "content": "Action: add"}, {"role": "user", "content": "5"}],
+    }
+    async with running_app(make_settings(sqlite_url), fake_upstream(respond=stopped)) as client:
+        _, second = await _episode_calls(client, [first, follow])
+    assert second["notes"]["splice"]["skipped"].startswith("call 0's turn ended on the stop string '\\nObservation:'")

@@ -161,6 +161,32 @@ def test_a_retry_keeps_the_answer_the_agent_acted_on_and_a_branch_is_not_a_retry
     assert (stats.calls_deduped, stats.merged, stats.breaks) == (1, 1, 0)
 
 
+def test_shadow_mismatches_of_spliced_calls_are_counted_by_cause_and_the_calls_kept() -> None:
+    """The proxy's shadow check (``notes.splice.shadow``) marks a spliced prompt that differs from the
+    ordinary render outside the sampled ids; the step counts them by cause, and trains the calls."""
+    a, b, c = [10, EOS], [11, EOS], [12, EOS]
+
+    def spliced(ordinal: int, prompt: list[int], completion: list[int], mismatch: str | None) -> Call:
+        made = call(ordinal, prompt, completion)
+        shadow = {"checked": True, "mismatch": mismatch, "at": 1 if mismatch else None}
+        assert made.notes is not None
+        return made.model_copy(update={"notes": {**made.notes, "splice": {"from": ordinal - 1, "shadow": shadow}}})
+
+    calls = [
+        call(0, SYSTEM, a),
+        spliced(1, SYSTEM + a + TOOL_OUTPUT, b, "prefix"),
+        spliced(2, SYSTEM + a + TOOL_OUTPUT + b + TOOL_OUTPUT, c, None),
+        spliced(3, SYSTEM + a + TOOL_OUTPUT + b + TOOL_OUTPUT + c + TOOL_OUTPUT, a, "tail"),
+    ]
+    stats = DataStats()
+    (sample,) = episode_samples(
+        Episode(id="e", status="rewarded", reward=1.0, calls=calls), group_id="g", max_seq_len=64, stats=stats
+    )
+    assert len(sample.input_ids) == 17 and stats.merged == 3
+    shadow = {k: v for k, v in stats.as_dict().items() if k.startswith("splice_shadow")}
+    assert shadow == {"splice_shadow_prefix": 1, "splice_shadow_closing": 0, "splice_shadow_tail": 1}
+
+
 def test_truncation_keeps_masks_aligned_and_drops_samples_left_without_loss_tokens() -> None:
     stats = DataStats()
     samples = episode_samples(multi_turn_episode(), group_id="g-1", max_seq_len=5, stats=stats)
