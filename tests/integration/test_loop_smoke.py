@@ -3,7 +3,8 @@
 The launcher runs exactly as ``make run`` does (proxy, trainer and math workflow as processes,
 evaluation before and after, report and plot), but with a tiny budget, routed to the session's
 vLLM instead of starting its own. The loop has closed when a published adapter served later
-episodes.
+episodes. SmolLM2 serves it, not the plumbing model: the trainer skips groups whose rewards are all
+equal, and only a model that sometimes solves the task makes groups that train.
 """
 
 from __future__ import annotations
@@ -47,13 +48,13 @@ OVERRIDES = {"calc": {"turn_credit": "discounted"}}
 
 @pytest.mark.parametrize("workflow", sorted(WORKFLOWS))
 def test_two_short_steps_publish_an_adapter_that_serves_later_episodes(
-    vllm_url: str, vllm_model_dir: str, tmp_path: Path, workflow: str
+    smol_vllm_url: str, smol_dir: str, tmp_path: Path, workflow: str
 ) -> None:
     config = {
         "data_dir": str(tmp_path),
         "proxy_config": "configs/local.yaml",
         "proxy_port": free_port(),
-        "engine": {"url": vllm_url, "model": vllm_model_dir},
+        "engine": {"url": smol_vllm_url, "model": smol_dir},
         "seed": 3,
         "budget_minutes": 12,
         "budget_steps": 2,  # the launcher passes it to the trainer as max_steps and waits for it

@@ -1,10 +1,14 @@
 """Start the real services tests run against, and stop them cleanly.
 
-vLLM is expensive (about a minute to start, plus warm-up), so one engine serves a whole pytest
-session. ``FLYWHEEL_TEST_VLLM_URL`` points tests at an engine that is already running (handy while
-developing); otherwise the session starts its own with the engine venv's Python
-(``FLYWHEEL_ENGINE_PYTHON``, default: this interpreter) and the converted model
-(``FLYWHEEL_MODEL_DIR``, default: ``deploy.model.fetch()``).
+vLLM is expensive (about a minute to start, plus warm-up), so one engine per model serves a whole
+pytest session. Two models: the plumbing model (``deploy.model.fetch_tiny``: SmolLM2's tokenizer and
+template on a two-layer random body), which every test of ids, log-probs, splicing and faults uses,
+and SmolLM2-135M itself, kept for tests that need a model able to do the task (the learning smoke,
+the workflows' rewards, tool calls produced freely). ``FLYWHEEL_TEST_VLLM_URL`` and
+``FLYWHEEL_TEST_SMOL_VLLM_URL`` point tests at engines already running (``tests/run_suites.py``
+sets both); otherwise the session starts its own with the engine venv's Python
+(``FLYWHEEL_ENGINE_PYTHON``, default: this interpreter) on ``FLYWHEEL_TINY_MODEL_DIR`` and
+``FLYWHEEL_MODEL_DIR`` (default: built by ``deploy.model``).
 """
 
 from __future__ import annotations
@@ -45,6 +49,16 @@ def engine_python() -> str:
 
 
 def model_dir() -> str:
+    """The plumbing model: what the shared engine ``vllm_url`` serves."""
+    if os.environ.get("FLYWHEEL_TINY_MODEL_DIR"):
+        return os.environ["FLYWHEEL_TINY_MODEL_DIR"]
+    from deploy.model import fetch_tiny
+
+    return str(fetch_tiny())
+
+
+def smol_model_dir() -> str:
+    """SmolLM2-135M-Instruct, converted: what ``smol_vllm_url`` serves."""
     if os.environ.get("FLYWHEEL_MODEL_DIR"):
         return os.environ["FLYWHEEL_MODEL_DIR"]
     from deploy.model import fetch
@@ -52,15 +66,15 @@ def model_dir() -> str:
     return str(fetch())
 
 
-def shared_engine(log: Path) -> Any:
-    """The tests' shared vLLM (``tests/conftest.py``, ``tests/run_suites.py``): the model, a small KV
-    cache and float32 as the tests pin it, and request-level chat templates allowed (vLLM refuses a
-    request's ``chat_template`` without ``--trust-request-chat-template``), which the reasoning
-    splice tests send."""
+def shared_engine(log: Path, model: str | None = None) -> Any:
+    """A shared vLLM of the tests (``tests/conftest.py``, ``tests/run_suites.py``): ``model`` (default:
+    the plumbing model), a small KV cache and float32 as the tests pin it, and request-level chat
+    templates allowed (vLLM refuses a request's ``chat_template`` without
+    ``--trust-request-chat-template``), which the reasoning splice tests send."""
     from deploy.vllm import VLLMServer
 
     return VLLMServer(
-        model=model_dir(),
+        model=model or model_dir(),
         port=free_port(),
         python=engine_python(),
         log_path=log,

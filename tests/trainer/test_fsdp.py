@@ -214,10 +214,12 @@ def test_torchrun_cli_trains_sharded_publishes_and_resumes(
     assert "resumed from step-00000001" in done.stderr
     assert [trainer_proxy.get(f"/groups/{g}")["trained_step"] for g in groups] == [1, 2]
     assert trainer_proxy.get("/policy")["version"] == 2  # vLLM loaded both adapters rank 0 published
-    adapter = load_file(str(out / "adapters" / "v2" / "adapter_model.safetensors"))  # whole: (r, 576), (576, r)
+    adapter = load_file(str(out / "adapters" / "v2" / "adapter_model.safetensors"))  # whole: (r, H), (H, r)
     r = json.loads((out / "adapters" / "v2" / "adapter_config.json").read_text())["r"]
+    hidden = json.loads((Path(vllm_model_dir) / "config.json").read_text())["hidden_size"]
     q_proj = "base_model.model.model.layers.0.self_attn.q_proj"
-    assert adapter[f"{q_proj}.lora_A.weight"].shape == (r, 576) and adapter[f"{q_proj}.lora_B.weight"].shape == (576, r)
+    assert adapter[f"{q_proj}.lora_A.weight"].shape == (r, hidden)
+    assert adapter[f"{q_proj}.lora_B.weight"].shape == (hidden, r)
 
 
 if __name__ == "__main__":
