@@ -56,6 +56,8 @@ SHAPING: Final = (
 SPEC_FIELDS: Final = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 """``StructuredOutputsParams`` fields that name a grammar (vLLM compiles the first one set)."""
 OPTION_FIELDS: Final = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
+"""Options recorded as the render reports them; vLLM 0.32's backends read none of them from a request
+(only from ``--structured-outputs-config``), so the trainer ignores them."""
 NO_TOKEN_API = (403, 404, 405, 501)
 """Render answers of a replica without the route (no ``--enable-scale-out``, or vLLM < 0.32)."""
 

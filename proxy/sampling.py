@@ -21,10 +21,11 @@ The rules, per deployment (``sampling`` in the proxy settings):
   trainer counts them); ``penalties: reject`` answers 400.
 - Grammar constraints (``tool_choice`` ``required`` or a named function, ``response_format``
   ``json_object``/``json_schema``/``structural_tag``, ``structured_outputs``, legacy ``guided_*``,
-  and in vLLM 0.32 any ``strict`` tool): vLLM samples under a token mask, and its processed
-  log-probs are those of the masked distribution. Which grammar it applies is the engine's own
-  decision, so the proxy asks the engine (``grammar.py``) and records it with the call
-  (``grammar``); ``settle_grammar`` then makes the engine's answer decide the mode. The trainer
+  and in vLLM 0.32 ``tool_choice: auto`` with a ``strict`` tool or ``parallel_tool_calls: false``):
+  vLLM samples under a token mask, and its processed log-probs are those of the masked
+  distribution. Which grammar it applies is the engine's own decision, so the proxy asks the
+  engine (``grammar.py``) and records it with the call (``grammar``); ``settle_grammar`` then
+  makes the engine's answer decide the mode (unasked, ``_constraint``'s copy of the rule). The trainer
   replays that grammar over the sampled ids and scores each token under the same mask
   (``trainer/grammar.py``); tokens the grammar forced (one allowed token, engine log-prob 0) carry
   no decision and stay out of the loss. ``constrained: train`` (default) trains such calls,
@@ -48,6 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
+
 from contract.vocabulary import SamplingMode
 from proxy.errors import InvalidRequest
 from proxy.grammar import UNKNOWN
@@ -67,6 +70,8 @@ PENALTIES: dict[str, Any] = {"repetition_penalty": 1.0, "presence_penalty": 0.0,
 BIASES = ("logit_bias", "bad_words", "allowed_token_ids", "min_tokens", "use_beam_search")
 """Fields that change the distribution when set to anything truthy."""
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+LAX_FLAG: TypeAdapter[bool | None] = TypeAdapter(bool | None)
+"""vLLM's request models are lax pydantic: a tool's ``strict`` or ``parallel_tool_calls`` may be a string."""
 SAMPLING_EPS = 1e-5
 """vLLM samples greedily below this temperature."""
 MODEL_FIELDS = ("temperature", "top_p", "top_k", "min_p")
@@ -139,13 +144,29 @@ class SamplingDefaults:
 
 
 def _constraint(body: dict[str, Any]) -> str | None:
-    """The grammar vLLM will sample this request under, if any (a short description)."""
-    choice = body.get("tool_choice")
-    if body.get("tools") and choice == "required":
+    """The grammar vLLM will sample this request under, if any (a short description).
+
+    The request's side of the rule, for when the engine cannot be asked (``grammar.py``). With tools
+    and ``tool_choice: auto`` (also what an omitted ``tool_choice`` means), vLLM 0.32's parser
+    (``DelegatingParser._apply_structural_tag``, ``resolve_tool_strictness``) applies its structural
+    tag once a tool is ``strict`` or ``parallel_tool_calls`` is false, under the default
+    ``--tool-strict-level auto`` and a parser with a structural tag (hermes, Flywheel's). A parser
+    without one samples those calls free: the render then says so (``settle_grammar``); unasked,
+    they stay constrained, so context only, never trained over the full vocabulary.
+    """
+    tools = body.get("tools")
+    choice = body.get("tool_choice", "auto" if tools else None)
+    if tools and choice == "required":
         return "tool_choice=required"
-    if body.get("tools") and isinstance(choice, dict):
+    if tools and isinstance(choice, dict):
         name = (choice.get("function") or {}).get("name")
         return f"tool_choice=function:{name}"
+    if tools and choice == "auto" and isinstance(tools, list):
+        functions = [t["function"] for t in tools if isinstance(t, dict) and isinstance(t.get("function"), dict)]
+        if any(_flag(f.get("strict")) for f in functions):
+            return "tools=strict"
+        if functions and _flag(body.get("parallel_tool_calls")) is False:
+            return "parallel_tool_calls=false"
     fmt = body.get("response_format")
     if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
         return f"response_format={fmt.get('type')}"
@@ -153,6 +174,14 @@ def _constraint(body: dict[str, Any]) -> str | None:
         if body.get(key):
             return key
     return None
+
+
+def _flag(value: Any) -> bool | None:
+    """A ``bool | None`` field as vLLM's pydantic models read it (``"true"`` and ``1`` are True)."""
+    try:
+        return LAX_FLAG.validate_python(value)
+    except ValidationError:
+        return None  # the engine answers 400 for it
 
 
 def _penalties(body: dict[str, Any]) -> dict[str, Any]:

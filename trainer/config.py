@@ -144,6 +144,11 @@ class TrainerConfig:
     from the grammar the proxy recorded (``trainer/grammar.py``), so their log-probs equal vLLM's.
     False scores them unmasked, as before issue 28, where the calc agent collapsed after ~20 steps:
     for ablations only."""
+    grammar_disable_any_whitespace: bool = False
+    """Must equal ``disable_any_whitespace`` of the engine's ``--structured-outputs-config`` (vLLM's
+    default False, which Flywheel's launcher keeps): JSON grammars are rebuilt with free whitespace
+    unless it is set. vLLM 0.32 reads only the server's value, never the request's field, so the
+    trainer does the same (``trainer/grammar.py``)."""
     max_completion_length: int = 1024
     """Dr. GRPO's constant normaliser (tokens): dr_grpo divides the summed loss by
     sequences * this. Used by no other loss type."""

@@ -12,17 +12,21 @@ The proxy records the grammar as vLLM's render route reports it (``proxy/grammar
 ``notes.sampling.grammar``, one of ``structural_tag``, ``json``, ``json_object``, ``regex``,
 ``choice``, ``grammar``). Here it is compiled with xgrammar as vLLM 0.32's xgrammar backend
 compiles it (``vllm/v1/structured_output/backend_xgrammar.py``: the tokenizer's vocabulary padded
-to the model's ``vocab_size``; JSON with free whitespace unless ``disable_any_whitespace``; the
-matcher's stop tokens are the request's stop ids plus the model's end-of-sequence ids), and a
-matcher walks the sampled ids: before each token, ``fill_next_token_bitmask`` gives the allowed
-set it was sampled from, then the token is accepted. Once the grammar has ended, vLLM applies no
-mask, so neither does this.
+to the model's ``vocab_size``; JSON with free whitespace unless the *server's*
+``--structured-outputs-config`` sets ``disable_any_whitespace``, the trainer's
+``grammar_disable_any_whitespace``: the engine reads it nowhere else, so a request's own value is
+ignored here too; the matcher's stop tokens are the request's stop ids plus the model's
+end-of-sequence ids), and a matcher walks the sampled ids: before each token,
+``fill_next_token_bitmask`` gives the allowed set it was sampled from, then the token is accepted.
+Once the grammar has ended, vLLM applies no mask, so neither does this.
 
 A call whose grammar cannot be rebuilt here gets a reason instead of masks, and the trainer keeps
-it as context only (counted): no grammar recorded (the engine could not be asked), a kind vLLM's
-``auto`` backend would not give to xgrammar (JSON schemas with features xgrammar lacks go to
-llguidance), a grammar that does not compile, or a sampled token the rebuilt grammar refuses (the
-engine applied something else: a reasoning model's thinking span, another backend).
+it as context only (counted): no grammar recorded (the engine could not be asked), a JSON schema
+vLLM's ``auto`` backend would not give to xgrammar (decided by vLLM's own
+``has_xgrammar_unsupported_json_features``, not a copy of it: xgrammar would compile such a schema
+by dropping the constraint, a looser mask than llguidance's), a grammar that does not compile, or a
+sampled token the rebuilt grammar refuses (the engine applied something else: a reasoning model's
+thinking span, another backend).
 
 Bitmask layout (xgrammar's): int32 words, token ``t`` allowed iff bit ``t % 32`` of word
 ``t // 32`` is set; ``unpack`` turns rows of it into booleans.
@@ -43,8 +47,6 @@ log = logging.getLogger("flywheel.trainer")
 Tensor = torch.Tensor
 SPEC_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 """The kinds vLLM compiles, in the order it checks them (``get_structured_output_key``)."""
-_NOT_XGRAMMAR = ("multipleOf", "uniqueItems", "contains", "minContains", "maxContains")
-"""JSON-schema keywords vLLM 0.32's ``auto`` backend routes away from xgrammar (to llguidance)."""
 
 
 def words(vocab_size: int) -> int:
@@ -59,19 +61,6 @@ def unpack(packed: Tensor, vocab_size: int) -> Tensor:
     return bits.reshape(packed.shape[0], -1)[:, :vocab_size].bool()
 
 
-def _leaves_xgrammar(schema: Any) -> bool:
-    """Whether vLLM's ``auto`` backend would give this JSON schema to another backend than xgrammar."""
-    if isinstance(schema, dict):
-        if any(k in schema for k in _NOT_XGRAMMAR):
-            return True
-        if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) >= 2:
-            return True
-        return any(_leaves_xgrammar(v) for v in schema.values())
-    if isinstance(schema, list):
-        return any(_leaves_xgrammar(v) for v in schema)
-    return False
-
-
 def _ebnf_literal(text: str) -> str:
     escapes = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
     return "".join(escapes.get(c, c if ord(c) >= 0x20 and ord(c) != 0x7F else f"\\u{ord(c):04x}") for c in text)
@@ -82,13 +71,26 @@ class GrammarMasks:
 
     ``tokenizer``: the model's Hugging Face tokenizer; ``vocab_size``: rows of the output embedding
     (vLLM pads the tokenizer's vocabulary to it); ``eos_token_ids``: the model's end-of-sequence ids
-    (its ``generation_config.json`` and tokenizer), which vLLM adds to every request's stop ids.
+    (its ``generation_config.json`` and tokenizer), which vLLM adds to every request's stop ids;
+    ``disable_any_whitespace``: the engine's ``--structured-outputs-config`` value. Needs xgrammar
+    and vLLM (for its backend rule), both imported here: ``ImportError`` without them.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], *, cache: int = 64) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        *,
+        disable_any_whitespace: bool = False,
+        cache: int = 64,
+    ) -> None:
         import xgrammar as xgr
+        from vllm.v1.structured_output.backend_xgrammar import has_xgrammar_unsupported_json_features
 
         self._xgr = xgr
+        self._leaves_xgrammar: Callable[[dict[str, Any]], bool] = has_xgrammar_unsupported_json_features
+        self.disable_any_whitespace = disable_any_whitespace
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(set(eos_token_ids))
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
@@ -131,14 +133,15 @@ class GrammarMasks:
         return compiled
 
     def _build(self, grammar: dict[str, Any]) -> Any:
-        """Compile the first grammar kind set, with the options vLLM's xgrammar backend passes."""
+        """Compile the first grammar kind set, with the options vLLM's xgrammar backend passes (the
+        server's, never the request's option fields: vLLM 0.32 reads those nowhere)."""
         kind = next((k for k in SPEC_KINDS if grammar.get(k) not in (None, False)), None)
         compiler = self._compiler
-        exact = bool(grammar.get("disable_any_whitespace"))
+        exact = self.disable_any_whitespace
         separators = (",", ":") if exact else None
         if kind == "json":
             schema = grammar["json"] if isinstance(grammar["json"], str) else json.dumps(grammar["json"])
-            if _leaves_xgrammar(json.loads(schema)):
+            if self._leaves_xgrammar(json.loads(schema)):
                 return "vLLM's auto backend samples this JSON schema with llguidance, which is not rebuilt here"
             return compiler.compile_json_schema(schema, any_whitespace=not exact, separators=separators)
         if kind == "json_object":
@@ -174,13 +177,17 @@ def eos_token_ids(model_dir: Path, tokenizer: Any) -> list[int]:
     return sorted(ids)
 
 
-def masks_for(model_dir: Path, tokenizer: Any, vocab_size: int) -> GrammarMasks | None:
-    """The trainer's mask rebuilder, or None (logged) where xgrammar is not installed: constrained
-    calls are then kept as context only, counted in ``data/calls_constrained_unmasked``."""
+def masks_for(
+    model_dir: Path, tokenizer: Any, vocab_size: int, *, disable_any_whitespace: bool = False
+) -> GrammarMasks | None:
+    """The trainer's mask rebuilder, or None (logged) where xgrammar or vLLM is not installed (the
+    trainer image): constrained calls are then kept as context only, counted in
+    ``data/calls_constrained_unmasked``."""
     try:
-        return GrammarMasks(tokenizer, vocab_size, eos_token_ids(model_dir, tokenizer))
-    except ImportError:
-        log.warning("xgrammar is not installed: grammar-constrained calls will be context only")
+        eos = eos_token_ids(model_dir, tokenizer)
+        return GrammarMasks(tokenizer, vocab_size, eos, disable_any_whitespace=disable_any_whitespace)
+    except ImportError as exc:
+        log.warning("grammar masks need xgrammar and vLLM (%s): grammar-constrained calls will be context only", exc)
         return None
 
 

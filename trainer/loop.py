@@ -79,7 +79,13 @@ class Trainer:
         self.restore = Restore(self.checkpoints, policy, self.learner, self.world)
         self.retokenize = ChatRetokenizer(policy.tokenizer, _template(config)) if config.retokenize_inexact else None
         vocab = int(policy.output_weight.shape[0])
-        self.masker = masks_for(config.model_dir, policy.tokenizer, vocab) if config.grammar_mask else unmasked(vocab)
+        self.masker = (
+            masks_for(
+                config.model_dir, policy.tokenizer, vocab, disable_any_whitespace=config.grammar_disable_any_whitespace
+            )
+            if config.grammar_mask
+            else unmasked(vocab)
+        )
         self.step = 0
         self.version_base = 0
         self.counters = dict.fromkeys(COUNTERS, 0)

@@ -128,7 +128,7 @@ def _masks(call: Call, turn: Turn, masker: Masker | None, stats: DataStats) -> N
     found = (
         masker(turn.sampling.get("grammar"), turn.completion, call.request.get("stop_token_ids") or [])
         if masker is not None
-        else "the trainer has no grammar masker (xgrammar is not installed)"
+        else "the trainer has no grammar masker (xgrammar or vLLM is not installed)"
     )
     if isinstance(found, str):
         stats.calls_constrained -= 1

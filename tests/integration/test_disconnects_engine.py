@@ -22,9 +22,9 @@ from trainer.data import episode_samples
 pytestmark = pytest.mark.vllm
 
 QUESTION = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
-LONG = {"model": "policy", "messages": QUESTION, "max_tokens": 2048, "ignore_eos": True, "temperature": 0.8}
-"""2,048 tokens take seconds even on the plumbing model (over 1 s where SmolLM2's 256 took as long):
-long enough that the client's retry commits while vLLM still generates the answer it left."""
+LONG = {"model": "policy", "messages": QUESTION, "max_tokens": 1024, "ignore_eos": True, "temperature": 0.8}
+"""1,024 tokens take seconds on the plumbing model as SmolLM2's 256 did: long enough that the
+client's retry commits while vLLM still generates the answer it left."""
 
 
 @pytest.fixture

@@ -182,8 +182,8 @@ def test_a_reward_committed_by_one_replica_refuses_a_call_still_streaming_on_ano
 
     auth = {"authorization": f"Bearer {racing['api_key']}"}
     on_b = f"{b.url}/episodes/{racing['id']}/v1/chat/completions"
-    # 2,048 tokens: still streaming while a rewards the episode, even on the fast plumbing model
-    body = {**question, "max_tokens": 2048, "ignore_eos": True, "stream": True}
+    # 1,024 tokens: still streaming while a rewards the episode, even on the fast plumbing model
+    body = {**question, "max_tokens": 1024, "ignore_eos": True, "stream": True}
     events: list[bytes] = []
     with httpx.stream("POST", on_b, json=body, headers=auth, timeout=300) as stream:
         assert stream.status_code == 200

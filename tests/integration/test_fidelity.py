@@ -362,15 +362,15 @@ TOOL = {
     ("tool_choice", "constraint"),
     [
         ({"type": "function", "function": {"name": "add"}}, "tool_choice=function:add"),
-        ("auto", "engine:structural_tag"),
+        ("auto", "tools=strict"),
     ],
 )
 async def test_grammar_constrained_calls_are_scored_under_the_engines_mask(
     vllm_url: str, policy: LoraPolicy, tmp_path: Path, tool_choice: Any, constraint: str
 ) -> None:
     """A named tool call, and ``tool_choice: auto`` with a strict tool (vLLM 0.32 constrains it too,
-    with a structural tag the request alone does not reveal): the proxy records the grammar the
-    engine reports, the trainer rebuilds its mask and its log-probs equal vLLM's to float precision.
+    with a structural tag built by its tool parser): the proxy records the grammar the engine
+    reports, the trainer rebuilds its mask and its log-probs equal vLLM's to float precision.
     Scored without the mask (the rule before issue 28), the named call's tokens are far off (measured
     here: 1.5e-6 nats mean with the mask, 0.27 mean and 2.2 max without)."""
     bodies = [

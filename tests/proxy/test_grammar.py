@@ -87,6 +87,10 @@ async def test_a_replica_without_the_render_route_keeps_the_request_rule(sqlite_
         assert named["mode"] == "constrained" and named["grammar"] is None  # constrained, mask unknown
         auto = await record(client, {"tools": TOOLS, "tool_choice": "auto"})
         assert auto["mode"] == "sampled" and "grammar" not in auto
+        # auto with a strict tool: vLLM 0.32 applies its structural tag, so constrained, mask unknown
+        strict = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]
+        tagged = await record(client, {"tools": strict, "tool_choice": "auto"})
+        assert (tagged["mode"], tagged["constraint"], tagged["grammar"]) == ("constrained", "tools=strict", None)
     assert sum(path.endswith("/render") for path, _ in seen) == 1  # asked once, then known to be absent
 
 

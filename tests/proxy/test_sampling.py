@@ -131,7 +131,67 @@ def test_grammar_constraints_are_recorded_with_the_deployment_policy(body: dict[
 def test_auto_tool_choice_and_text_format_are_unconstrained() -> None:
     assert resolved({"tools": TOOLS, "tool_choice": "auto"})[1]["mode"] == "sampled"
     assert resolved({"tools": TOOLS})[1]["mode"] == "sampled"
+    assert resolved({"tools": TOOLS, "parallel_tool_calls": True})[1]["mode"] == "sampled"
     assert resolved({"response_format": {"type": "text"}})[1]["mode"] == "sampled"
+
+
+STRICT = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]
+PLAIN = {"type": "function", "function": {"name": "sub", "parameters": {"type": "object"}, "strict": False}}
+
+
+@pytest.mark.parametrize(
+    ("body", "constraint"),
+    [
+        ({"tools": STRICT, "tool_choice": "auto"}, "tools=strict"),
+        ({"tools": [PLAIN, *STRICT]}, "tools=strict"),  # tool_choice omitted with tools: vLLM's auto
+        ({"tools": TOOLS, "tool_choice": "auto", "parallel_tool_calls": False}, "parallel_tool_calls=false"),
+        ({"tools": [{"function": {"name": "add", "strict": "true"}}]}, "tools=strict"),  # as pydantic reads it
+        ({"tools": TOOLS, "parallel_tool_calls": "false"}, "parallel_tool_calls=false"),
+    ],
+)
+def test_auto_tool_choice_with_a_strict_tool_or_one_call_is_constrained(body: dict[str, Any], constraint: str) -> None:
+    """vLLM 0.32 applies its structural tag to ``tool_choice: auto`` once a tool is strict or
+    ``parallel_tool_calls`` is false: without the render route to ask, the request must say so, or
+    the call is trained over the full vocabulary."""
+    record = resolved(body)[1]
+    assert (record["mode"], record["constraint"], record["constrained"]) == ("constrained", constraint, "train")
+    with pytest.raises(InvalidRequest) as refused:
+        resolved(body, constrained="reject")
+    assert refused.value.param == constraint.split("=")[0]
+
+
+TOOL_BODIES: list[dict[str, Any]] = [
+    {"tools": TOOLS},
+    {"tools": TOOLS, "tool_choice": "auto"},
+    {"tools": TOOLS, "tool_choice": "auto", "parallel_tool_calls": True},
+    {"tools": [PLAIN], "tool_choice": "auto"},
+    {"tools": STRICT},
+    {"tools": STRICT, "tool_choice": "auto"},
+    {"tools": [PLAIN, *STRICT], "tool_choice": "auto"},
+    {"tools": TOOLS, "tool_choice": "auto", "parallel_tool_calls": False},
+    {"tools": TOOLS, "parallel_tool_calls": "false"},
+    {"tools": [{"function": {"name": "add", "strict": "true"}}]},
+    {"tools": [{"function": {"name": "add", "strict": 0}}], "parallel_tool_calls": 1},
+    {"tools": STRICT, "tool_choice": "none"},
+    {"tools": STRICT, "tool_choice": "none", "parallel_tool_calls": False},
+    {"tools": TOOLS, "tool_choice": "required"},
+    {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "add"}}},
+]
+
+
+def test_which_tool_requests_are_constrained_is_vllms_rule(vllm_model_dir: str) -> None:
+    """The proxy repeats vLLM's rule (importing vLLM would bring torch into the proxy); here it is
+    held to the engine's own parser, built as Flywheel starts vLLM (``--enable-auto-tool-choice
+    --tool-call-parser hermes``, the default ``--tool-strict-level auto``): a request is constrained
+    exactly when the parser gives it a grammar."""
+    manager = pytest.importorskip("vllm.parser.parser_manager").ParserManager
+    protocol = pytest.importorskip("vllm.entrypoints.openai.chat_completion.protocol")
+    tokenizer = pytest.importorskip("transformers").AutoTokenizer.from_pretrained(vllm_model_dir)
+    parser = manager.get_parser(tool_parser_name="hermes", enable_auto_tools=True)
+    for body in TOOL_BODIES:
+        request = protocol.ChatCompletionRequest(model="policy", messages=[{"role": "user", "content": "x"}], **body)
+        theirs = parser(tokenizer, request.tools).adjust_request(request).structured_outputs is not None
+        assert (resolved(body)[1]["mode"] == "constrained") is theirs, body
 
 
 def test_a_non_numeric_temperature_is_a_clear_400() -> None:

@@ -12,6 +12,7 @@ import torch
 import xgrammar as xgr
 from transformers import AutoTokenizer
 
+from trainer.config import TrainerConfig
 from trainer.grammar import GrammarMasks, eos_token_ids, unpack
 
 VOCAB = 49152  # SmolLM2's output rows (its tokenizer's vocabulary, as vLLM pads it)
@@ -102,3 +103,55 @@ def test_choices_and_request_stop_ids(tokenizer: Any, masks: GrammarMasks) -> No
     stop = encode(tokenizer, "\n")[0]
     assert isinstance(masks({"choice": ["yes", "no"]}, [*yes, stop], [stop]), torch.Tensor)
     assert isinstance(masks({"choice": ["yes", "no"]}, [*yes, stop]), str)
+
+
+def test_json_whitespace_is_the_servers_setting_not_the_requests(tokenizer: Any, vllm_model_dir: str) -> None:
+    """vLLM 0.32's xgrammar backend reads ``disable_any_whitespace`` from ``--structured-outputs-config``
+    only; a request's own value is read nowhere, so honouring it would mask what the engine allowed."""
+    engine_default = pytest.importorskip("vllm.config.structured_outputs").StructuredOutputsConfig()
+    assert TrainerConfig().grammar_disable_any_whitespace is engine_default.disable_any_whitespace is False
+    spaced = [*encode(tokenizer, '{"a": 12, "op": "add"}'), 2]
+    compact = [*encode(tokenizer, '{"a":12,"op":"add"}'), 2]
+    eos = eos_token_ids(Path(vllm_model_dir), tokenizer)
+    free = GrammarMasks(tokenizer, VOCAB, eos, disable_any_whitespace=TrainerConfig().grammar_disable_any_whitespace)
+    asked = {"json": json.dumps(SCHEMA), "disable_any_whitespace": True}  # the request's value, as recorded
+    assert isinstance(free(asked, spaced), torch.Tensor)
+    assert isinstance(free({"json_object": True, "disable_any_whitespace": True}, spaced), torch.Tensor)
+    strict = GrammarMasks(tokenizer, VOCAB, eos, disable_any_whitespace=True)  # a server started with it
+    assert isinstance(strict({"json": json.dumps(SCHEMA)}, compact), torch.Tensor)
+    refused = strict({"json": json.dumps(SCHEMA)}, spaced)
+    assert isinstance(refused, str) and refused.startswith("sampled token ")
+
+
+OBJECT_A = {"type": "object", "properties": {"a": {"type": "string"}}}
+ROUTES: list[tuple[dict[str, Any], bool]] = [  # (schema, sent away from xgrammar by vLLM 0.32's auto backend)
+    (SCHEMA, False),
+    ({"type": "integer", "multipleOf": 5}, True),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, True),
+    ({"allOf": [{"type": "string"}, {"enum": ["yes", "no"]}]}, True),
+    ({"type": "string", "pattern": "^[a-z]+$", "minLength": 2}, True),
+    ({"type": "string", "format": "email", "maxLength": 40}, True),
+    ({"type": "string", "format": "phone"}, True),  # a format xgrammar lacks
+    ({**OBJECT_A, "propertyNames": {"pattern": "^[a-z]$"}}, True),
+    ({**OBJECT_A, "patternProperties": {"^x_": {"type": "integer"}}}, True),
+    ({"type": "string", "format": "email"}, False),
+    ({"type": "string", "pattern": "^[a-z]+$"}, False),
+    ({"type": "string", "minLength": 2, "maxLength": 8}, False),
+    ({"type": "object", "propertyNames": {"pattern": "^[a-z]$"}}, False),
+    # keywords as property names are not keywords: vLLM keeps these on xgrammar
+    ({"type": "object", "properties": {"multipleOf": {"type": "integer"}, "contains": {"type": "string"}}}, False),
+]
+
+
+def test_json_schemas_go_where_vllms_auto_backend_sends_them(masks: GrammarMasks) -> None:
+    """The trainer asks vLLM's own rule (``has_xgrammar_unsupported_json_features``): a schema sent to
+    llguidance has no rebuilt mask (context only, counted) instead of xgrammar's looser one. The table
+    pins vLLM 0.32's rule, so an upgrade that moves a schema fails here and is looked at."""
+    rule = pytest.importorskip("vllm.v1.structured_output.backend_xgrammar").has_xgrammar_unsupported_json_features
+    for schema, away in ROUTES:
+        assert rule(schema) is away, schema
+        found = masks({"json": json.dumps(schema)}, [])
+        if away:
+            assert isinstance(found, str) and "llguidance" in found, schema
+        else:
+            assert isinstance(found, torch.Tensor), (schema, found)
