@@ -8,8 +8,12 @@ repository root, which is the image's /app.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -74,18 +78,47 @@ def test_worker_command_answers_help_in_the_agents_venv(services: dict[str, Any]
     assert "Usage: python -m workflows run [OPTIONS] {name}" in done.stdout
 
 
+class _Refusing(BaseHTTPRequestHandler):
+    """A proxy stand-in that refuses every request with the proxy's 401: a 4xx is never retried, so
+    the worker stops at its first call (with nothing listening it would retry for 23.5 s)."""
+
+    def _refuse(self) -> None:
+        body = json.dumps({"error": {"message": "invalid admin key", "type": "authentication_error"}}).encode()
+        self.send_response(401)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _refuse
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def refusing_proxy() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Refusing)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+
+
 @pytest.mark.parametrize("gpu_config", GPU_CONFIGS, ids=lambda p: p.stem)
-def test_worker_options_of_each_gpu_config_are_accepted(gpu_config: Path) -> None:
-    """The workflow and its -o options are built for real; only reaching the proxy fails (nothing listens)."""
+def test_worker_options_of_each_gpu_config_are_accepted(gpu_config: Path, refusing_proxy: str) -> None:
+    """The workflow and its -o options are built for real; only the proxy's first answer stops it (a
+    stand-in refusing every call: the worker got as far as asking for a group)."""
     python = agents_python()
     if not Path(python).exists():
         pytest.skip(f"no agents venv at {python} (make agents builds it)")
     worker = render(env_file=ENV_EXAMPLE, env={**SECRETS, **engine_env(gpu_config)})["services"]["worker"]
-    argv = [w.replace("http://proxy:8100", "http://127.0.0.1:9") for w in localized(worker["command"], python)]
+    argv = [w.replace("http://proxy:8100", refusing_proxy) for w in localized(worker["command"], python)]
     done = run(argv, worker["environment"])
     assert done.returncode == 2, done.stderr
-    assert "workflows: proxy answered 0: cannot reach the proxy" in done.stderr
-    assert "/groups: ConnectError" in done.stderr
+    assert "workflows: proxy answered 401: invalid admin key" in done.stderr
     assert "Invalid value" not in done.stderr
 
 
