@@ -107,7 +107,9 @@ def test_openai_client_streamed_records_the_assembled_stream(proxy: ProxyProcess
     [call] = recorded(proxy, episode["id"])
     choice = call["choices"][0]
     assert call["stream"] is True and call["exact_ids"] is True
-    assert choice["text"] == text == detokenize(vllm_url, choice["token_ids"])
+    # vLLM's incremental detokenizer withholds a last character still incomplete at the length cut,
+    # which detokenizing the ids whole shows as U+FFFD (seen on the plumbing model's random tokens)
+    assert choice["text"] == text == detokenize(vllm_url, choice["token_ids"]).removesuffix("\ufffd")
     assert len(choice["logprobs"]) == len(choice["token_ids"])
     assert call["ttft_ms"] is not None and 0 < call["ttft_ms"] <= call["latency_ms"]
     assert call["response"]["choices"][0]["message"]["content"] == text
