@@ -25,13 +25,15 @@ import httpx
 
 SKIP_REASONS = {
     "equal": re.compile(r"^all \d+ rewards equal\b"),
+    "shaping_only": re.compile(r"^all \d+ outcomes equal\b.*\bshaping alone\b"),
     # stores written before the trainer's threshold became MIN_MEMBERS say "< min_rewarded N"
     "few": re.compile(r"\brewarded episodes\b.*(< min_rewarded \d+|GRPO compares at least \d+)$"),
     "empty": re.compile(r"^no trainable calls\b"),
     "nonfinite": re.compile(r"^non-finite gradient\b"),
 }
 """The trainer's skip notes (``trainer/data.py`` ``build_batch``, ``trainer/loop.py``), by reason:
-rewards all equal, too few members, no trainable tokens, a non-finite gradient."""
+rewards all equal, outcomes all equal with returns that differ by shaping alone (``shaping: gated``),
+too few members, no trainable tokens, a non-finite gradient."""
 PAGE = 1000
 """Groups per ``GET /groups`` page (the route's maximum)."""
 
@@ -123,6 +125,7 @@ def group_counts(admission: dict[str, Any], notes: list[str] | None, workflow: d
         "skipped": count("skipped"),
         "skipped_stale": stale,
         "skipped_equal": skipped("equal"),
+        "skipped_shaping_only": skipped("shaping_only"),
         "skipped_few": skipped("few"),
         "skipped_empty": skipped("empty"),
         "skipped_nonfinite": skipped("nonfinite"),
@@ -145,7 +148,8 @@ def summary(groups: dict[str, Any], calls_per_episode: float | None) -> str:
         f"groups: {groups['generated']} generated, {groups['trained']} trained "
         f"({calls_per_episode} calls per trained episode), {groups['skipped_stale']} skipped stale "
         f"(fraction {groups['stale_fraction']}), {groups['skipped']} skipped by the trainer: "
-        f"{groups['skipped_equal']} equal rewards, {groups['skipped_few']} too few members, "
+        f"{groups['skipped_equal']} equal rewards, {groups['skipped_shaping_only']} equal outcomes (shaping "
+        f"alone), {groups['skipped_few']} too few members, "
         f"{groups['skipped_empty']} no trainable tokens, {groups['skipped_nonfinite']} non-finite gradient, "
         f"{groups['skipped_other']} other; {groups['failed']} failed, {groups['left_pending']} left pending, "
         f"{groups['left_open']} left open\n"

@@ -29,6 +29,7 @@ CorrectionMode = Literal["token_truncate", "token_mask", "sequence_truncate", "s
 
 DType = Literal["auto", "bfloat16", "float32"]
 TurnCredit = Literal["episode", "discounted"]
+Shaping = Literal["gated", "always"]
 LongSamples = Literal["split", "truncate"]
 AbandonedRule = Literal["workflow", Abandoned]
 Parallelism = Literal["data", "fsdp"]
@@ -72,7 +73,9 @@ class TrainerConfig:
     weight_decay: float = 0.0
     """AdamW weight decay."""
     adam_beta1: float = 0.9
+    """AdamW beta1: decay rate of the running mean of the gradient."""
     adam_beta2: float = 0.999
+    """AdamW beta2: decay rate of the running mean of the squared gradient."""
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm (0 disables)."""
     num_iterations: int = 1
@@ -100,6 +103,17 @@ class TrainerConfig:
     turn_discount: float = 1.0
     """gamma of ``turn_credit: discounted``: 1 gives every turn the sum of what follows it; AReaL's
     agent examples use values around 0.9 to credit turns near the outcome more."""
+    shaping: Shaping = "gated"
+    """How shaping (per-call rewards, and the discount's spread of one reward over turns) combines with
+    the outcome (the episode reward) under ``turn_credit: discounted``. ``gated``: a group whose
+    members' episode rewards are all equal is skipped (``data/groups_skipped_shaping_only``) even if
+    their per-turn returns differ, so shaping only refines credit among the turns and members of a
+    group whose outcomes differ and is never the only signal. ``always``: per-turn returns are compared
+    whatever the outcomes (before issue 44), so a group that failed alike still trains on its call
+    rewards: the calc agent collapsed that way (success 0 on every episode from step 30 while every
+    group trained on shaping alone). Shaping that provably leaves the optimal policy unchanged is
+    potential-based (Ng, Harada & Russell 1999); ``call_rewards`` are not, and ungated they are a
+    target of their own. No effect under ``turn_credit: episode``."""
     normalize_per_episode: bool = True
     """Every episode (group member) weighs the same in the loss, however many samples its calls
     break into (a chat template that re-renders earlier turns splits an episode into k samples;

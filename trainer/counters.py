@@ -15,6 +15,7 @@ class DataStats:
     """Counters of every rule that changes or drops data (summed over a step's groups)."""
 
     calls: int = 0
+    """Calls read from the episodes, before any rule."""
     calls_failed: int = 0
     """Errored calls or calls without a choice: nothing to train on."""
     calls_foreign: int = 0
@@ -22,6 +23,7 @@ class DataStats:
     calls_deduped: int = 0
     """Earlier copies of retried calls (same prompt ids)."""
     calls_retokenized: int = 0
+    """Calls without exact token ids rebuilt with the chat template (``retokenize_inexact``): no engine log-probs."""
     calls_dropped_inexact: int = 0
     """Calls without exact token ids, dropped because retokenize_inexact is off (or it failed)."""
     calls_greedy: int = 0
@@ -60,6 +62,7 @@ class DataStats:
     breaks: int = 0
     """Calls whose prompt did not extend the episode so far: a new sample started."""
     samples: int = 0
+    """Samples built from the members' turns, continuation samples included (skipped groups' too)."""
     samples_split: int = 0
     """Continuation samples made by splitting samples longer than ``max_seq_len`` at turn boundaries
     (``long_samples: split``): a sample split into k parts counts k - 1."""
@@ -76,10 +79,14 @@ class DataStats:
     """Members whose calls broke (or were split) into more than one sample (each weighs one episode
     if normalised)."""
     episodes_abandoned_penalized: int = 0
+    """Abandoned episodes made group members with ``abandoned_reward`` (``abandoned: penalize``)."""
     episodes_abandoned_skipped: int = 0
+    """Abandoned episodes left out of their group (``abandoned: skip``, or a cause not the agent's, such as
+    the proxy's deadline)."""
     choice_members: int = 0
     """Group members that are single choices of an n > 1 call with per-choice rewards."""
     call_rewards_used: int = 0
+    """Per-call rewards that credited a turn (``turn_credit: discounted``) or made a choice a member."""
     call_rewards_ignored: int = 0
     """Per-call rewards present but unused (``turn_credit: episode``, or naming an unmerged choice)."""
     turn_returns_untrained: int = 0

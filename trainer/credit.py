@@ -4,12 +4,22 @@
 GRPO); ``discounted`` gives each turn t the return G_t = c_t + gamma * G_{t+1} (G of the last turn =
 its call reward + the episode reward), normalised over all trained turns of the group's members
 (AReaL's ``turn_discount``). The normalisation itself is ``loss.group_advantages``.
+
+Per-call rewards are shaping: they are not the outcome, and they are not potential-based (Ng, Harada
+& Russell 1999: only shaping of the form gamma * Phi(s') - Phi(s) provably leaves the optimal policy
+unchanged), so a policy can learn to earn them instead of the outcome. Under ``shaping: gated``
+(the default) they therefore refine credit only in groups whose outcomes differ (``shaping_only``):
+a group that failed (or succeeded) alike is skipped, so shaping is never the only signal (issue 44:
+the calc agent trained on call rewards alone, every group kept, success 0 from step 30).
 """
 
 from __future__ import annotations
 
 from trainer.counters import DataStats
 from trainer.members import Member, Rules
+
+EQUAL = 1e-12
+"""Values closer than this are equal: no signal between them."""
 
 
 def member_values(members: list[Member], rules: Rules, stats: DataStats) -> list[list[float]]:
@@ -28,6 +38,16 @@ def member_values(members: list[Member], rules: Rules, stats: DataStats) -> list
         stats.turn_returns_untrained += len(returns) - len(trained)
         values.append([returns[t] for t in trained])
     return values
+
+
+def shaping_only(members: list[Member], rules: Rules) -> bool:
+    """Whether the group's compared values can differ by shaping alone: per-turn credit, gated
+    shaping and every member's outcome (episode, choice or penalized-abandon reward) equal. Such a
+    group has no outcome signal; its returns differ only by call rewards or by the discount."""
+    if rules.turn_credit == "episode" or rules.shaping != "gated":
+        return False
+    outcomes = [m.reward for m in members]
+    return max(outcomes) - min(outcomes) <= EQUAL
 
 
 def assign(member: Member, advantages: list[float], rules: Rules) -> float:

@@ -8,7 +8,9 @@
    splits, truncation and empty samples counted.
 4. ``credit.py``: the values compared within a group (rewards, or per-turn returns) and the
    advantage each trained token gets back; here, groups without a learning signal are skipped with
-   a reason and the rest normalised together (``loss.group_advantages``).
+   a reason and the rest normalised together (``loss.group_advantages``). Under per-turn credit a
+   group whose outcomes are all equal is skipped too when ``shaping`` is ``gated`` (the default):
+   its returns differ by shaping alone (``credit.shaping_only``), which is never the only signal.
 
 ``normalize_per_episode`` makes every member weigh the same in the loss however many samples its
 prefix breaks, or its length splits, into (rLLM PR #512 found split episodes getting N times the
@@ -29,7 +31,7 @@ import torch
 from contract.client import Group
 from trainer.config import ScaleRewards
 from trainer.counters import DataStats
-from trainer.credit import assign, member_values
+from trainer.credit import EQUAL, assign, member_values, shaping_only
 from trainer.loss import group_advantages
 from trainer.members import Member, Rules, group_members
 from trainer.merge import episode_samples
@@ -54,8 +56,9 @@ __all__ = [
     "staleness",
 ]
 
-SkipKind = Literal["few", "equal", "empty"]
-"""Why a group is skipped: too few members, equal values (no signal), nothing trainable."""
+SkipKind = Literal["few", "equal", "shaping_only", "empty"]
+"""Why a group is skipped: too few members, equal values (no signal), equal outcomes whose per-turn
+returns differ by shaping alone (``shaping: gated``), nothing trainable."""
 NOTHING_TRAINABLE = "no trainable calls (see the data counters)"
 MIN_MEMBERS = 2
 """GRPO compares the members of a group with each other: a group with fewer has no comparison and is
@@ -81,6 +84,8 @@ class Batch:
     members: int = 0
     """Members (episodes or choices) behind ``samples``: the per-episode loss normaliser."""
     skipped_equal: int = 0
+    skipped_shaping_only: int = 0
+    """Groups with equal outcomes whose per-turn returns differ by shaping alone (``shaping: gated``)."""
     skipped_few: int = 0
     skipped_empty: int = 0
     stats: DataStats = field(default_factory=DataStats)
@@ -105,7 +110,8 @@ def build_batch(
     """Samples with advantages for the groups that carry a learning signal; the rest are skipped.
 
     ``scale_rewards: batch`` follows TRL: the std is that of every compared value of the step,
-    equal-reward groups included (they then get zero advantages and are skipped for compute).
+    equal-reward groups included (they then get zero advantages and are skipped for compute), and so
+    are the returns of groups skipped as shaping-only: they are values of the step like any other.
     """
     rules = rules or Rules()
     if max_seq_len is not None:
@@ -128,7 +134,7 @@ def build_batch(
         values = member_values(members, rules, batch.stats)
         flat = [v for vs in values for v in vs]
         compared += flat
-        if (why := _no_signal(members, flat)) is not None:
+        if (why := _no_signal(members, flat, rules)) is not None:
             batch.skip(group.id, *why)
             continue
         kept.append((group, members, values))
@@ -138,12 +144,19 @@ def build_batch(
     return batch
 
 
-def _no_signal(members: list[Member], flat: list[float]) -> tuple[SkipKind, str] | None:
-    """Why a group with enough members cannot be learnt from, or None when it can."""
+def _no_signal(members: list[Member], flat: list[float], rules: Rules) -> tuple[SkipKind, str] | None:
+    """Why a group with enough members cannot be learnt from, or None when it can. Equal outcomes
+    are no signal under gated shaping even where per-turn returns differ: shaping (per-call rewards,
+    not potential-based) would be all the group teaches (``credit.shaping_only``)."""
     if not flat:
         return "empty", NOTHING_TRAINABLE
-    if max(flat) - min(flat) <= 1e-12:
+    if max(flat) - min(flat) <= EQUAL:
         return "equal", f"all {len(flat)} rewards equal ({flat[0]:g}): no signal"
+    if shaping_only(members, rules):
+        return "shaping_only", (
+            f"all {len(members)} outcomes equal ({members[0].reward:g}): per-turn returns differ by shaping "
+            "alone (call rewards, turn_discount), no outcome signal (shaping=always trains on them)"
+        )
     if not any(m.samples for m in members):
         return "empty", NOTHING_TRAINABLE
     return None

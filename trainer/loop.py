@@ -279,6 +279,7 @@ def data_rules(config: TrainerConfig) -> Rules:
         scale_rewards=config.scale_rewards,
         turn_credit=config.turn_credit,
         turn_discount=config.turn_discount,
+        shaping=config.shaping,
         abandoned=None if config.abandoned == "workflow" else config.abandoned,
         abandoned_reward=config.abandoned_reward,
         normalize_per_episode=config.normalize_per_episode,

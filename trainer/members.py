@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from contract.client import Episode, Group
 from contract.vocabulary import BLAMELESS, Abandoned
-from trainer.config import LongSamples, ScaleRewards, TurnCredit
+from trainer.config import LongSamples, ScaleRewards, Shaping, TurnCredit
 from trainer.counters import DataStats
 from trainer.merge import episode_samples
 from trainer.retokenize import Retokenizer
@@ -32,6 +32,8 @@ class Rules:
     scale_rewards: ScaleRewards = "group"
     turn_credit: TurnCredit = "episode"
     turn_discount: float = 1.0
+    shaping: Shaping = "gated"
+    """``gated``: per-turn credit trains only groups whose outcomes differ (``credit.shaping_only``)."""
     abandoned: Abandoned | None = None
     """None: each group's workflow decides (group metadata ``abandoned``), else ``skip``."""
     abandoned_reward: float = 0.0

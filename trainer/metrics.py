@@ -14,6 +14,58 @@ from contract.client import Group
 from trainer.data import Batch, staleness
 from trainer.learner import StepStats
 
+STEP_METRICS: dict[str, str] = {
+    "reward/mean": "Mean reward of the rewarded episodes of the step's groups.",
+    "reward/std": "Population standard deviation of those rewards.",
+    "reward/episodes": "Rewarded episodes in the step's groups.",
+    "reward/pass_rate": "Share of those episodes rewarded at least ``pass_threshold``.",
+    "advantage/mean": "Mean advantage of the trained groups' members.",
+    "advantage/std": "Population standard deviation of those advantages.",
+    "advantage/abs_mean": "Mean absolute advantage: how much signal the step carries.",
+    "loss/total": "The step's loss, KL term included (its last optimizer iteration).",
+    "loss/policy": "The clipped-surrogate (policy) term of the loss.",
+    "loss/kl": "Mean per-token KL to the reference (the base model); 0 when ``beta`` is 0.",
+    "policy/entropy": "Mean entropy (nats) of the policy's sampling distribution (truncated as sampled) at the "
+    "trained tokens.",
+    "policy/clip_fraction": "``policy/clip_low`` plus ``policy/clip_high``.",
+    "policy/clip_low": "Share of trained tokens with negative advantage whose ratio fell below 1 - ``epsilon``.",
+    "policy/clip_high": "Share of trained tokens with positive advantage whose ratio rose above 1 + ``epsilon_high``.",
+    "policy/ratio_mean": "Mean ratio of the current to the old policy's probability over trained tokens.",
+    "policy/is_weight_mean": "Mean importance weight (trainer / engine probability, truncated) over trained tokens.",
+    "policy/is_capped_fraction": "Share of trained tokens whose importance weight reached the cap "
+    "(``vllm_importance_sampling_cap``).",
+    "policy/grad_norm": "Global gradient norm before clipping; not finite: the optimizer step was skipped.",
+    "data/tokens_outside_truncation": "Sampled tokens outside the trainer's top-k/top-p/min-p set (boundary "
+    "rounding), kept in it.",
+    "data/tokens": "Tokens of the step's packed micro-batches (context and completions).",
+    "data/loss_tokens": "Tokens that carry loss (trained completion tokens).",
+    "data/samples": "Samples (packed sequences) trained.",
+    "data/members": "Group members (episodes or rewarded choices) behind the trained samples.",
+    "data/episodes_trained": "Episodes with at least one trained sample.",
+    "data/calls_trained": "Calls of those episodes.",
+    "data/micro_batches": "Packed micro-batches: forward and backward passes per optimizer iteration.",
+    "data/groups_trained": "Groups that produced samples.",
+    "data/groups_skipped_equal": "Groups skipped because every compared reward (or return) was equal: no signal.",
+    "data/groups_skipped_shaping_only": "Groups skipped with equal outcomes whose per-turn returns differ by "
+    "shaping alone (``shaping: gated``).",
+    "data/groups_skipped_few": "Groups skipped with fewer members than GRPO compares.",
+    "data/groups_skipped_empty": "Groups skipped with nothing trainable.",
+    "staleness/mean": "Mean policy versions a trained sample's oldest call lags the current version.",
+    "staleness/max": "The largest such lag.",
+    "proxy/policy_version": "The proxy's current policy version when the step's groups were claimed.",
+    "proxy/stale_groups": "Groups the proxy dropped as stale while this step's groups were claimed.",
+    "perf/step_s": "Seconds of the learner's step (forward, backward and optimizer passes).",
+    "perf/tokens_per_s": "``data/tokens`` per second of ``perf/step_s``.",
+    "perf/wait_s": "Seconds spent waiting for and claiming the step's groups.",
+    "signals/cut_fraction": "Answered choices that ended at the token limit (``finish_reason: length``); "
+    "None: no choice.",
+    "signals/tool_call_missing": "Choices of calls that required a tool call (``tool_choice`` required or "
+    "named) but carry none; None: no such call.",
+}
+"""What each key that ``step_metrics`` sets by name means (``data/*`` counters and the ``perf/`` memory and
+``policy/engine_logp_*`` figures are documented where they are made). ``python -m deploy.docs`` renders it
+and fails when a key set here is missing or one listed here is set nowhere."""
+
 
 def _stats(values: list[float]) -> tuple[float, float]:
     if not values:
@@ -59,6 +111,7 @@ def step_metrics(
         "data/micro_batches": stats.micro_batches,
         "data/groups_trained": len(batch.trained),
         "data/groups_skipped_equal": batch.skipped_equal,
+        "data/groups_skipped_shaping_only": batch.skipped_shaping_only,
         "data/groups_skipped_few": batch.skipped_few,
         "data/groups_skipped_empty": batch.skipped_empty,
         "staleness/mean": statistics.fmean(lags) if lags else 0.0,

@@ -23,10 +23,11 @@ from deploy import groups as report
 from proxy.store.repository import Repository
 from tests.proxy.test_store import call as stored_call
 from tests.support.services import ADMIN_KEY, ProxyProcess, serving_proxy
-from tests.trainer.test_data import SYSTEM, call, group, untrainable_group
+from tests.trainer.test_data import FAILED_ALIKE, SYSTEM, call, group, shaped, untrainable_group
 from trainer.data import build_batch
 from trainer.learner import StepStats
 from trainer.loop import step_metrics
+from trainer.members import Rules
 
 ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
 NO_ENGINE = "http://127.0.0.1:9"
@@ -37,8 +38,10 @@ def _notes() -> dict[str, str]:
     """The skip notes the trainer writes, from its own ``build_batch`` (and its non-finite step)."""
     groups = [group("g-equal", [1.0, 1.0, 1.0]), group("g-few", [1.0], abandoned=1), untrainable_group("g-empty")]
     batch = build_batch(groups, max_seq_len=64)
+    shaping = build_batch([shaped("g-shaping", FAILED_ALIKE)], rules=Rules(turn_credit="discounted"))
     return {
         "equal": batch.skipped["g-equal"],
+        "shaping_only": shaping.skipped["g-shaping"],
         "few": batch.skipped["g-few"],
         "empty": batch.skipped["g-empty"],
         "nonfinite": "non-finite gradient (grad_norm=nan)",  # trainer/loop.py, Trainer._drop_nonfinite
@@ -122,11 +125,12 @@ async def test_the_report_counts_every_group_by_what_became_of_it_as_the_store_h
     log.write_text("[12:00:00] abandoned e1 (t): timeout\n" + json.dumps(summary) + "\n  stopping\n")
     counts = report.group_counts(report.admission_state(proxy.url, ADMIN_KEY), read, report.workflow_summary(log))
     assert counts == {
-        "generated": 19,
+        "generated": 20,
         "trained": 1,
-        "skipped": 6,
+        "skipped": 7,
         "skipped_stale": 1,
         "skipped_equal": 2,
+        "skipped_shaping_only": 1,
         "skipped_few": 1,
         "skipped_empty": 1,
         "skipped_nonfinite": 1,
@@ -135,7 +139,7 @@ async def test_the_report_counts_every_group_by_what_became_of_it_as_the_store_h
         "failed": 1,
         "left_pending": 1,
         "left_open": 9,
-        "stale_fraction": round(1 / 19, 4),
+        "stale_fraction": round(1 / 20, 4),
         "admission_limit": 10,
         "admission_refusals": 1,
         "admission_waits": 4,
@@ -146,12 +150,15 @@ async def test_the_report_counts_every_group_by_what_became_of_it_as_the_store_h
         outcomes = dict(db.execute("select train_status, count(*) from groups where status = 'complete' group by 1"))
         stored = [n for (n,) in db.execute("select train_note from groups where train_status = 'skipped'")]
         by_status = dict(db.execute("select status, count(*) from groups group by 1"))
-    assert outcomes == {"trained": 1, "skipped": 6, "stale": 1, "pending": 1}
-    assert by_status == {"complete": 9, "failed": 1, "open": 9}
+    assert outcomes == {"trained": 1, "skipped": 7, "stale": 1, "pending": 1}
+    assert by_status == {"complete": 10, "failed": 1, "open": 9}
     assert sum(counts[f"skipped_{r}"] for r in (*report.SKIP_REASONS, "other")) == len(stored) == counts["skipped"]
     printed = report.summary(counts, 1.0)
-    assert "19 generated, 1 trained (1.0 calls per trained episode), 1 skipped stale" in printed
-    assert "6 skipped by the trainer: 2 equal rewards, 1 too few members, 1 no trainable tokens" in printed
+    assert "20 generated, 1 trained (1.0 calls per trained episode), 1 skipped stale" in printed
+    assert (
+        "7 skipped by the trainer: 2 equal rewards, 1 equal outcomes (shaping alone), 1 too few members, "
+        "1 no trainable tokens" in printed
+    )
     assert "1 non-finite gradient, 1 other; 1 failed, 1 left pending, 9 left open" in printed
 
 
@@ -159,6 +166,7 @@ def test_each_skip_note_the_trainer_writes_has_its_reason() -> None:
     notes = _notes()
     assert {kind: report.skip_reason(note) for kind, note in notes.items()} == {
         "equal": "equal",
+        "shaping_only": "shaping_only",
         "few": "few",
         "empty": "empty",
         "nonfinite": "nonfinite",

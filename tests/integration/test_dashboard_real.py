@@ -6,7 +6,7 @@ The browser test logs in through the form, waits for the overview's uPlot charts
 the trainer is still training (live polling), checks how they are laid out at 1024 to 2560 pixels
 wide (no two chart canvases intersect, each lies inside its grid cell, one column on a narrow
 screen), opens an episode with tool calls and checks its conversation and token view in the DOM,
-and saves screenshots (``data/screenshots/``, not committed; README's come from there). The
+and saves screenshots (``data/screenshots/``, not committed; docs/images/ come from there). The
 export test writes both formats with ``python -m proxy export`` from the same store, loads them
 with Hugging Face ``datasets`` and compares them with the control API's records and with the
 trainer's own merge of the same episodes.
@@ -115,6 +115,9 @@ def recorded(smol_vllm_url: str, smol_dir: str, tmp_path_factory: pytest.TempPat
             "groups_per_step": 1,
             "batch_wait_s": 1,
             "turn_credit": "discounted",  # per-call rewards: turns differ even where episode rewards tie
+            # ...and the trainer steps on such a group only when told to (its default gates shaping to
+            # groups whose outcomes differ): this test watches the dashboard through one step
+            "shaping": "always",
         }
         env = dict(os.environ, FLYWHEEL_ADMIN_KEY=ADMIN_KEY, PYTHONPATH=str(ROOT), FLYWHEEL_MODEL_DIR=vllm_model_dir)
         with log.open("wb") as out:

@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
 
 from contract.client import Call, Episode, Group
 from contract.vocabulary import Abandoned
+from trainer.config import ConfigError, TrainerConfig, load_config
 from trainer.data import ChatRetokenizer, DataStats, Rules, build_batch, episode_samples
+from trainer.learner import StepStats
+from trainer.loop import data_rules
 from trainer.loss import group_advantages
+from trainer.metrics import step_metrics
 from trainer.packing import collate, plan
+
+if TYPE_CHECKING:
+    from trainer.config import Shaping
 
 EOS = 2
 
@@ -479,6 +487,84 @@ def test_discounted_turn_credit_gives_each_turn_its_return() -> None:
     episode_credit = build_batch(groups, rules=Rules(scale_rewards="none"))
     assert episode_credit.stats.call_rewards_ignored == 1  # counted, not silently dropped
     assert {s.member: s.advantage for s in episode_credit.samples} == {"a": 0.5, "b": -0.5}
+
+
+def shaped(gid: str, episodes: list[tuple[str, float, dict[str, float] | None]]) -> Group:
+    """A group of two-turn episodes: (id, episode reward, call rewards) each."""
+    return Group(id=gid, task_id="t", status="complete", episodes=[two_turn(e, r, c) for e, r, c in episodes])
+
+
+def trained_turn_advantages(batch: Any, member: str) -> list[float]:
+    """The advantage of each trained token of the member's samples, in order."""
+    return [a for s in batch.samples if s.member == member for a, m in zip(s.advantages, s.loss_mask, strict=True) if m]
+
+
+FAILED_ALIKE = [("a", 0.0, {"0": 0.3, "1": 0.3}), ("b", 0.0, {"0": 0.3}), ("c", 0.0, None), ("d", 0.0, None)]
+"""Issue 44's calc groups: every episode failed (reward 0), some earned per-call rewards on the way."""
+
+
+@pytest.mark.parametrize(
+    ("episodes", "discount"),
+    [
+        (FAILED_ALIKE, 1.0),
+        ([("a", 1.0, None), ("b", 1.0, None)], 0.5),  # no call rewards: the discount alone spreads the returns
+    ],
+)
+def test_equal_outcomes_are_no_signal_under_gated_shaping(
+    episodes: list[tuple[str, float, dict[str, float] | None]], discount: float
+) -> None:
+    """Issue 44: per-call rewards kept the calc agent's groups unequal after every episode failed, so
+    it trained on shaping alone and collapsed. Under ``shaping: gated`` (default) a group whose
+    outcomes are all equal is skipped, counted and explained however its returns differ; ``always``
+    trains on it as before; under ``episode`` credit it is an equal-reward skip either way."""
+    group_ = shaped("g", episodes)
+    rules = Rules(scale_rewards="group", turn_credit="discounted", turn_discount=discount)
+    gated = build_batch([group_], rules=rules)
+    assert gated.trained == [] and gated.samples == [] and gated.advantages == []
+    assert (gated.skipped_shaping_only, gated.skipped_equal, gated.skipped_few, gated.skipped_empty) == (1, 0, 0, 0)
+    reason = gated.skipped["g"]
+    assert reason.startswith(f"all {len(episodes)} outcomes equal") and "shaping alone" in reason
+    assert "shaping=always" in reason  # the setting that would train it
+    always = build_batch([group_], rules=dataclasses.replace(rules, shaping="always"))
+    assert always.trained == ["g"] and always.skipped_shaping_only == 0 and not always.skipped
+    assert any(a != 0 for e, *_ in episodes for a in trained_turn_advantages(always, e))
+    for shaping in ("gated", "always"):
+        episode_credit = build_batch([group_], rules=Rules(scale_rewards="group", shaping=shaping))
+        assert (episode_credit.skipped_equal, episode_credit.skipped_shaping_only) == (1, 0)
+
+
+@pytest.mark.parametrize("shaping", ["gated", "always"])
+def test_call_rewards_still_shape_turn_credit_where_outcomes_differ(shaping: Shaping) -> None:
+    """Gating keeps shaping where there is an outcome signal: the group trains under either setting,
+    with the same per-turn advantages, and a call reward lifts its turn above the same turn of a
+    member with the same outcome and none."""
+    group_ = shaped("g", [("a", 1.0, {"0": 0.3}), ("b", 0.0, {"0": 0.3}), ("c", 0.0, None)])
+    batch = build_batch([group_], rules=Rules(scale_rewards="none", turn_credit="discounted", shaping=shaping))
+    assert batch.trained == ["g"] and batch.skipped_shaping_only == 0 and batch.stats.call_rewards_used == 2
+    # returns: a = [1.3, 1.0], b = [0.3, 0.0], c = [0.0, 0.0]; pooled mean 2.6 / 6
+    mean = 2.6 / 6
+    expected = {"a": [1.3, 1.0], "b": [0.3, 0.0], "c": [0.0, 0.0]}
+    for member, returns in expected.items():
+        assert trained_turn_advantages(batch, member) == pytest.approx([r - mean for r in returns for _ in range(2)])
+    b, c = trained_turn_advantages(batch, "b"), trained_turn_advantages(batch, "c")
+    assert b[0] > c[0] and b[2] == pytest.approx(c[2])  # the call reward shapes turn 0 only
+
+
+def test_shaping_only_skips_reach_the_step_metrics() -> None:
+    groups = [shaped("g-failed", FAILED_ALIKE), shaped("g-signal", [("a", 1.0, {"0": 0.3}), ("b", 0.0, None)])]
+    batch = build_batch(groups, rules=Rules(scale_rewards="group", turn_credit="discounted"))
+    assert batch.trained == ["g-signal"] and set(batch.skipped) == {"g-failed"}
+    metrics = step_metrics(batch, groups, StepStats(), current=0, stale=0, wait_s=0.0, pass_threshold=1.0)
+    assert metrics["data/groups_skipped_shaping_only"] == 1
+    assert (metrics["data/groups_trained"], metrics["data/groups_skipped_equal"]) == (1, 0)
+
+
+def test_shaping_is_a_checked_config_field_that_reaches_the_data_rules() -> None:
+    assert TrainerConfig().shaping == "gated" and Rules().shaping == "gated"
+    assert load_config(None, ["shaping=always"]).shaping == "always"
+    assert data_rules(TrainerConfig(shaping="always")).shaping == "always"
+    with pytest.raises(ConfigError, match="unknown shaping 'never'; choose one of gated, always"):
+        TrainerConfig(shaping="never")  # type: ignore[arg-type]
 
 
 def test_split_episode_is_normalised_as_one_member() -> None:
