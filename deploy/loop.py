@@ -7,8 +7,11 @@
 4. stop the workflow (its open episodes are abandoned, never scored) and the trainer (it
    checkpoints); evaluate the last published policy on the same held-out split;
 5. write ``report.json`` and ``learning_curve.png`` into the run directory, stop everything. The
-   report counts the groups generated, trained, skipped stale and skipped by the trainer under the
-   reason its note gives, and the admission refusals and waits (``deploy/groups.py``).
+   plot shows the train reward, the held-out probes, the evaluations before and after (and the
+   policy version the final one scored), and where the guard warned early and declared a collapse
+   (``deploy/guard.py``); the report says the same in its ``guard`` section, and counts the
+   groups generated, trained, skipped stale and skipped by the trainer under the reason its note
+   gives, and the admission refusals and waits (``deploy/groups.py``).
 
 Everything the loop runs is a separate process that talks HTTP to the proxy, exactly as on a GPU
 deployment; this file only starts, watches and stops them.
@@ -252,6 +255,7 @@ def _train(stack: Stack, config: RunConfig, run_dir: Path, deadline: float, stop
     for done in sorted(run_dir.glob("eval_probe-*.json"), key=lambda p: int(p.stem.split("-")[-1])):
         _probe(stack, config, run_dir, int(done.stem.split("-")[-1]), guard)  # a resumed run's probes
     announced = False
+    warned = 0
     try:
         while time.time() < deadline and not stop[0]:
             time.sleep(5)
@@ -264,7 +268,11 @@ def _train(stack: Stack, config: RunConfig, run_dir: Path, deadline: float, stop
                     f"pass {m.get('reward/pass_rate', float('nan')):.2f}  loss {m.get('loss/total', float('nan')):+.4f}"
                     f"  policy v{m.get('proxy/published_version', '?')}  {m.get('perf/tokens_per_s', 0):.0f} tok/s"
                 )
-            if guard.probe_due(last):
+            for early in guard.verdict.early_warnings[warned:]:
+                then = "probing now" if guard.probe_due(last) else "no probe to confirm it"
+                log(f"[guard] early warning ({early.rule}) at step {early.step}: {early.message}; {then}")
+            warned = len(guard.verdict.early_warnings)
+            if guard.probe_due(last):  # every probe_every steps, and at once after an early warning
                 _probe(stack, config, run_dir, last, guard)
             if guard.verdict.collapsed and not announced:
                 announced = True
@@ -326,32 +334,90 @@ def _multi_turn(
     }
 
 
-def _plot(run_dir: Path, steps: list[dict[str, Any]], before: dict[str, Any], after: dict[str, Any]) -> Path:
+def _plot(
+    run_dir: Path,
+    steps: list[dict[str, Any]],
+    before: dict[str, Any],
+    after: dict[str, Any],
+    guard: dict[str, Any] | None = None,
+) -> Path:
+    """``learning_curve.png``: the train reward, the held-out probes, the evaluations before and after
+    (the version the final one scored), and where the guard warned and declared a collapse."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    xs = [s["step"] for s in steps]
-    rewards = [float(s["metrics"].get("reward/mean", float("nan"))) for s in steps]
-    acc_before, acc_after = float(before.get("accuracy", 0.0)), float(after.get("accuracy", 0.0))
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
-    ax.plot(xs, rewards, label="train reward (mean per step)", lw=1.5)
-    last = xs[-1] if xs else 1
-    ax.scatter([0, last], [acc_before, acc_after], color="crimson", zorder=3, label="held-out accuracy (greedy)")
-    ax.annotate(f"{acc_before:.2f}", (0, acc_before), textcoords="offset points", xytext=(6, -12))
-    ax.annotate(f"{acc_after:.2f}", (last, acc_after), textcoords="offset points", xytext=(-30, 8))
-    ax.set_xlabel("trainer step")
-    ax.set_ylabel("reward / accuracy")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    ax.set_title("Flywheel: GRPO on SmolLM2-135M-Instruct (2 CPU cores)")
+    _draw_curve(ax, steps, before, after, guard or {})
     path = run_dir / "learning_curve.png"
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def _evaluated_version(after: dict[str, Any], guard: dict[str, Any]) -> str:
+    """The policy version the final evaluation scored, and whose adapter it was after a rollback."""
+    versions = sorted({str(v) for v in after.get("policy_versions") or []}, key=lambda v: (len(v), v))
+    name = "/".join(f"v{v}" for v in versions) or "version unknown"
+    rolled, best = guard.get("rolled_back_to"), guard.get("best_probe") or {}
+    if rolled is not None and best.get("version") is not None:
+        name += f" = v{best['version']}'s adapter, rolled back"
+    return name
+
+
+def _draw_curve(
+    ax: Any, steps: list[dict[str, Any]], before: dict[str, Any], after: dict[str, Any], guard: dict[str, Any]
+) -> Any:
+    """Draw the learning curve on ``ax`` (every artist labelled, for the legend) and return it."""
+    xs = [s["step"] for s in steps]
+    rewards = [float(s["metrics"].get("reward/mean", float("nan"))) for s in steps]
+    acc_before, acc_after = float(before.get("accuracy") or 0.0), float(after.get("accuracy") or 0.0)
+    version = _evaluated_version(after, guard)
+    ax.plot(xs, rewards, label="train reward (mean per step)", lw=1.5)
+    probes = [p for p in guard.get("probes") or [] if p]
+    if probes:
+        ax.plot(
+            [p["step"] for p in probes],
+            [p["score"] for p in probes],
+            "o:",
+            color="seagreen",
+            ms=5,
+            label="held-out probes (val split, greedy)",
+        )
+    best = guard.get("best_probe")
+    if best:
+        ax.annotate(
+            f"best v{best['version']}", (best["step"], best["score"]), textcoords="offset points", xytext=(4, 6)
+        )
+    last = xs[-1] if xs else 1
+    ax.scatter([0], [acc_before], color="crimson", marker="s", zorder=3, label=f"eval before: {acc_before:.2f} (base)")
+    ax.scatter(
+        [last], [acc_after], color="crimson", marker="D", zorder=3, label=f"eval after: {acc_after:.2f} ({version})"
+    )
+    ax.annotate(f"before {acc_before:.2f}", (0, acc_before), textcoords="offset points", xytext=(6, -12))
+    ax.annotate(f"after {acc_after:.2f}", (last, acc_after), textcoords="offset points", xytext=(-44, 8))
+    for early in guard.get("early_warnings") or []:
+        ax.axvline(
+            early["step"],
+            color="darkorange",
+            ls="--",
+            lw=1.2,
+            zorder=4,  # over the collapse line when both fall on one step
+            label=f"early warning ({early['rule']}) at step {early['step']}",
+        )
+    if guard.get("collapsed") and guard.get("at_step") is not None:
+        ax.axvline(guard["at_step"], color="crimson", lw=1.2, label=f"collapse declared at step {guard['at_step']}")
+    ax.set_xlabel("trainer step")
+    ax.set_ylabel("reward / accuracy")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper right", fontsize="small")
+    ax.set_title(
+        f"Flywheel: GRPO on SmolLM2-135M-Instruct (2 CPU cores)\nfinal evaluation: {version}", fontsize="medium"
+    )
+    return ax
 
 
 def run(config: RunConfig) -> None:
@@ -423,7 +489,7 @@ def run(config: RunConfig) -> None:
                 workflow_summary(stack.logs / "workflow.log"),
             ),
         }
-        plot = _plot(run_dir, steps, before, after)
+        plot = _plot(run_dir, steps, before, after, report["guard"])
         (run_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         log(
             f"held-out accuracy {report['eval_before']:.3f} -> {report['eval_after']:.3f} after {report['steps']} "

@@ -139,6 +139,35 @@ class GuardSection:
     """Steps averaged per signal."""
     patience: int = 2
     """Consecutive falling probes (or collapsing signal windows) that make a collapse."""
+    early_window: int = 5
+    """Steps per window of the early-warning rules below (0: both off). An early warning probes the
+    adapter at once instead of at the next multiple of ``probe_every``; a probe more than
+    ``max_drop`` below the best confirms it and is a collapse (no ``patience``: the warning is the
+    other piece of evidence). Without probes (``probe_every: 0``, or probing stopped after failures)
+    the warning itself is the collapse. Issue 44 (calc, 54 steps): train success 0 from step 30 and
+    entropy down to a quarter, but probes every 10 steps with ``patience: 2`` declared it at step 40;
+    on its figures these defaults fire at step 31 (the trend rule; the outcome rule at 32), and the
+    probe there confirms it."""
+    early_success_fall: float = 0.5
+    """Trend rule: fires when the last ``early_window`` steps' mean train success (``reward/pass_rate``,
+    else ``reward/mean``) is this fraction or more below the best earlier window's mean AND the
+    sampling entropy (``policy/entropy``) has fallen by ``early_entropy_fall`` from that window's
+    (0: this rule off). The healthy issue-28 calc run dipped 43% below its best window at most."""
+    early_entropy_fall: float = 0.5
+    """Trend rule: the fraction by which the last window's mean sampling entropy must be below the
+    best success window's (0: the success fall alone fires). Entropy falls in healthy runs too (the
+    healthy issue-28 run: 0.19 -> 0.01), so it never fires alone."""
+    early_zero_steps: int = 3
+    """Outcome rule: fires after this many trained steps in a row without an outcome signal, i.e. with
+    train success 0 (every outcome 0: the groups trained on per-call shaping rewards alone), or with
+    at least ``early_shaping_only_share`` of their groups in ``data/groups_skipped_shaping_only``
+    (an absent metric counts 0) (0: this rule off)."""
+    early_shaping_only_share: float = 0.75
+    """Outcome rule: the share of a step's groups (trained plus ``data/groups_skipped_shaping_only``)
+    whose outcomes were all equal that makes the step one without an outcome signal."""
+    early_min_success: float = 0.2
+    """Both early-warning rules watch a run only once some window of ``early_window`` steps averaged
+    this train success: a run that has not learned yet has nothing to collapse from."""
 
     def __post_init__(self) -> None:
         _require(
@@ -147,6 +176,14 @@ class GuardSection:
                 (self.window >= 1 and self.patience >= 1, "guard.window and guard.patience must be >= 1"),
                 (0 < self.max_drop <= 1, "guard.max_drop must be in (0, 1]"),
                 (0 < self.max_cut_fraction <= 1, "guard.max_cut_fraction must be in (0, 1]"),
+                (
+                    self.early_window >= 0 and self.early_zero_steps >= 0,
+                    "guard.early_window and guard.early_zero_steps must be >= 0 (0: off)",
+                ),
+                (0 <= self.early_success_fall <= 1, "guard.early_success_fall must be in [0, 1] (0: off)"),
+                (0 <= self.early_entropy_fall < 1, "guard.early_entropy_fall must be in [0, 1)"),
+                (0 < self.early_shaping_only_share <= 1, "guard.early_shaping_only_share must be in (0, 1]"),
+                (0 <= self.early_min_success <= 1, "guard.early_min_success must be in [0, 1]"),
             ]
         )
 

@@ -56,6 +56,13 @@ LAUNCHER_DEFAULTS = {
         "max_cut_fraction": 0.5,
         "window": 5,
         "patience": 2,
+        # the early-warning rules (issue 44), added since: on by default
+        "early_window": 5,
+        "early_success_fall": 0.5,
+        "early_entropy_fall": 0.5,
+        "early_zero_steps": 3,
+        "early_shaping_only_share": 0.75,
+        "early_min_success": 0.2,
     },
 }
 
