@@ -1,6 +1,6 @@
 """The capacity model: what a workload of agent episodes costs the proxies, the store and the trainer.
 
-Pure arithmetic on per-call costs measured by the other benchmarks, so that ``deploy/README.md``'s
+Pure arithmetic on per-call costs measured by the other benchmarks, so that ``docs/design/capacity-model.md``'s
 table and ``bench/fleet.py``'s prediction come from the same formulas. An episode is T calls; call i
 (0-based) sends a prompt of ``P0 + i * (A + E)`` tokens (the first prompt, then each turn the
 model's A completion tokens and E tokens the environment adds) and samples A tokens. With the
@@ -20,7 +20,7 @@ trainer before) ships every call's whole prompt: its bytes grow with the square 
                        (whole calls: G x sum over calls of (F_whole + w_prompt x prompt_i + w_completion x A))
     trainer tokens/s = episodes/s x C, C = P0 + (T - 1)(A + E) + A (one merged sequence per episode)
 
-Run ``python -m bench.capacity`` for the worked table of ``deploy/README.md``.
+Run ``python -m bench.capacity`` for the worked table of ``docs/design/capacity-model.md``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Costs:
     """Measured per-call costs. Defaults: this repository's benchmarks on a shared 2-core x86 VM
-    (2026-11-23); see deploy/README.md, "Capacity model", for each source."""
+    (2026-11-23); see docs/design/capacity-model.md for each source."""
 
     proxy_cpu_ms_per_call: float = 5.92
     """c0: proxy CPU per recorded call whatever its size (ms): least squares over three bench.fleet
@@ -196,7 +196,7 @@ def plan(ep: Episode, rate: float, costs: Costs = Costs()) -> Plan:
 
 
 def table(ep: Episode, rate: float, costs: Costs = Costs()) -> str:
-    """The plan as Markdown rows (the table in deploy/README.md)."""
+    """The plan as Markdown rows (the table in docs/design/capacity-model.md)."""
     p = plan(ep, rate, costs)
     rows = [
         ("calls/s", f"{p.calls_per_s:,.1f}"),

@@ -161,7 +161,7 @@ def export(
     page: Annotated[int, typer.Option(min=1, max=10_000, help="episodes per read (and Parquet row group)")] = 100,
     config: ConfigOpt = None,
 ) -> None:
-    """Write the store's episodes as a dataset (schema: README, "Export"), streamed page by page."""
+    """Write the store's episodes as a dataset (schema: docs/guide/export.md), streamed page by page."""
     import asyncio
 
     from proxy import export as ex

@@ -20,7 +20,7 @@ that reads as sampling or rendering (``_SAMPLING_WORDS``: temperature, top_*, pe
 stop, max_*, tokens, logprobs, grammar, schema, format, reasoning, thinking, effort, tool, system,
 prompt, message, input, context, ...), or an object holding such a key, is refused; anything else
 is metadata-like and ignored. A harness release that adds a harmless field keeps working, and
-nothing that could change sampling is ever ignored silently. README's compatibility table ("Point
+nothing that could change sampling is ever ignored silently. docs/guide/agents.md's compatibility table ("Point
 a coding agent at it") mirrors this one:
 
     both APIs   sampling, max tokens, stop, stream, function tools, tool_choice     used

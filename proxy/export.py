@@ -3,7 +3,7 @@
 Who reads it: SFT (the ``messages`` column, a chat-template-ready conversation) and offline RL
 (per call the exact prompt ids the engine saw, per choice the sampled ids, their log-probs, the loss
 mask the trainer would use, the serving policy version, and the rewards and group advantage).
-The schema is ``SCHEMA`` (README "Export" documents every column); a JSON Lines row has the same
+The schema is ``SCHEMA`` (docs/guide/export.md documents every column); a JSON Lines row has the same
 fields. Both formats load with Hugging Face ``datasets`` (``load_dataset("json" | "parquet")``).
 
 Per call, not merged: the trainer's merge of calls into samples (``trainer/merge.py``) needs torch,

@@ -6,7 +6,7 @@ never an OFFSET, so page 1,000 costs what page 1 costs. ``(created_at, id)`` is 
 and miss nothing that existed when the first was read; ``ix_*_created_id`` (migration 0003) serves
 them, and ``ix_episodes_status_created_id`` (migration 0005) the episodes filtered by status (with the
 status index alone SQLite sorted all of that status's rows: 167 ms a page at 100,000 episodes).
-Measured with ``bench/ui_pages.py``: README, Benchmarks. Nothing here writes.
+Measured with ``bench/ui_pages.py``: docs/results.md. Nothing here writes.
 """
 
 from __future__ import annotations

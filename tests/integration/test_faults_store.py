@@ -8,7 +8,7 @@ a stream that ended with ``data: [DONE]``.
 
 Bounded in time: every client call has a 60 s timeout (a proxy that hung on a dead store would
 fail it), every wait for load has its own bound, and the three tests take about 2 minutes together
-on a warm engine (README, Tests).
+on a warm engine (docs/guide/testing.md).
 """
 
 from __future__ import annotations
