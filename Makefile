@@ -19,7 +19,7 @@ AGENTS_PY := $(CURDIR)/.venv-agents/bin/python
 RUN_CONFIG ?= configs/run-local.yaml
 PYTEST_ARGS ?=
 
-.PHONY: help setup engine agents model harnesses lock test check test-engine test-agents coverage lint run serve bench clean
+.PHONY: help setup engine agents model harnesses lock test check docs test-engine test-agents coverage lint run serve bench clean
 
 help:
 	@echo "make run    set up, then run the local loop (vLLM + proxy + trainer + math workflow)"
@@ -27,6 +27,7 @@ help:
 	@echo "make check  the inner loop: lint, types and the tests that need no engine (a few minutes)"
 	@echo "make serve  set up, then run vLLM and the proxy only (point your agent at it)"
 	@echo "make bench  run the benchmarks in bench/"
+	@echo "make docs   generate the reference pages and build the docs site (strict)"
 	@echo "make coverage  the engine suite with a line-coverage table"
 
 engine:
@@ -50,6 +51,12 @@ setup: engine agents model harnesses
 lock:
 	$(BOOTSTRAP_PYTHON) -m deploy.lock $(if $(UPGRADE),--upgrade $(UPGRADE))
 
+# The docs site (mkdocs.yml): the reference pages generated from the code (deploy/docs.py), then a
+# strict build (a broken link, a missing or unlisted page fails); the site goes to a temporary folder.
+docs: engine
+	$(ENGINE_PY) -m deploy.docs
+	NO_MKDOCS_2_WARNING=1 $(ENGINE_PY) -m mkdocs build --strict --quiet --site-dir $$(mktemp -d)
+
 lint: engine
 	$(ENGINE_PY) -m ruff check .
 	$(ENGINE_PY) -m ruff format --check .
@@ -67,10 +74,14 @@ TEST_ENV = FLYWHEEL_ENGINE_PYTHON=$(ENGINE_PY) FLYWHEEL_AGENTS_PYTHON=$(AGENTS_P
 	FLYWHEEL_MODEL_DIR=$$($(ENGINE_PY) -m deploy.model path) \
 	FLYWHEEL_TINY_MODEL_DIR=$$($(ENGINE_PY) -m deploy.model path tiny)
 
-# Both suites on one vLLM (tests/run_suites.py); `make test-engine` / `make test-agents` start their own.
-test: setup lint
-	$(TEST_ENV) $(ENGINE_PY) -m tests.run_suites \
-	  $(ENGINE_PY) -m pytest -m "not agents" $(COV) $(PYTEST_ARGS) :: \
+# Both suites on one vLLM (tests/run_suites.py), lint and the docs build while the engines start; the
+# engine suite on TEST_WORKERS pytest-xdist workers, a file per worker at a time, longest files first
+# (tests/support/budget.py). `make test-engine` / `make test-agents` start their own engines.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
+test: setup
+	$(TEST_ENV) $(ENGINE_PY) -m tests.run_suites --beside "$(MAKE) --no-print-directory lint docs" \
+	  $(ENGINE_PY) -m pytest -m "not agents" $(XDIST) $(COV) $(PYTEST_ARGS) :: \
 	  $(AGENTS_PY) -m pytest -m agents tests/workflows $(PYTEST_ARGS)
 
 # The inner loop while developing: everything that runs without vLLM or the agents venv.

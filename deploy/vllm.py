@@ -67,6 +67,9 @@ class VLLMServer:
     token_api: bool = True
     """``--enable-scale-out``: vLLM's render, token generate and derender routes (vLLM >= 0.32), with which
     the proxy splices an episode's sampled ids into its follow-up prompts (``proxy/splice.py``)."""
+    cpu_cores: str | None = None
+    """``VLLM_CPU_OMP_THREADS_BIND`` on the CPU (e.g. ``"1"`` or ``"0-3"``); None keeps vLLM's ``auto``,
+    which reserves one core and binds to the rest: on a 2-core machine every engine lands on core 0."""
     extra_args: list[str] = field(default_factory=list)
     log_path: Path | None = None
     python: str = sys.executable
@@ -127,6 +130,8 @@ class VLLMServer:
         env.setdefault("DO_NOT_TRACK", "1")
         if self.device == "cpu":
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cpu_kv_cache_gib))
+            if self.cpu_cores is not None:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_cores
             # deploy.vllm_cpu_lora is this repository's; vLLM forks its engine from it (see there).
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
         return env

@@ -41,17 +41,22 @@ class _Section(BaseModel):
 
 
 class UpstreamSettings(_Section):
+    """One vLLM replica: an entry of ``upstreams``."""
+
     name: str
     """Replica name, recorded with every call it serves."""
     url: str
     """Base URL of a vLLM OpenAI server, without ``/v1``."""
     api_key: SecretStr | None = None
+    """Bearer key the proxy sends to this replica (vLLM's ``--api-key``); None: no authorization header."""
     seed_rule: SeedRule = "drop"
     """What to do with ``seed`` on a sampled request (``contract.vocabulary.SeedRule``). Safe by
     default; set ``pass`` for GPU builds that take it."""
 
 
 class PolicySettings(_Section):
+    """The policy's model names and how its published adapter versions are loaded (``proxy/adapters.py``)."""
+
     aliases: list[str] = ["policy"]
     """Model names that mean "the current policy"; they route to the latest published adapter."""
     base_model: str = "policy-base"
@@ -66,24 +71,36 @@ class PolicySettings(_Section):
 
 
 class StoreSettings(_Section):
+    """The store of episodes, calls, groups and policy versions (``proxy/store/``)."""
+
     url: str = "sqlite+aiosqlite:///data/flywheel.db"
+    """SQLAlchemy async URL: SQLite (``sqlite+aiosqlite:///path``, the directory is created) or PostgreSQL
+    (``postgresql+asyncpg://user:password@host/db``)."""
     batch_max: int = Field(default=512, ge=1)
     """Most call records written in one transaction (group commit)."""
     sqlite_synchronous: Literal["NORMAL", "FULL"] = "NORMAL"
     """NORMAL survives a process crash (kill -9); FULL also survives power loss, at an fsync per commit."""
     pool_size: int = Field(default=10, ge=1)
+    """Pooled database connections per proxy process: on PostgreSQL, as many again may open under load;
+    on SQLite, the fixed pool of read connections."""
 
 
 class EpisodeSettings(_Section):
+    """When idle episodes are abandoned, when a group completes, and how large a group may be."""
+
     deadline_s: float = Field(default=1800.0, gt=0)
     """An open episode with no call and no reward for this long is abandoned, so its group completes."""
     reaper_interval_s: float = Field(default=5.0, gt=0)
+    """How often (s) open episodes are checked against ``deadline_s``."""
     min_rewarded: int = Field(default=2, ge=1)
     """A group completes when every episode is rewarded or abandoned and at least this many are rewarded."""
     max_group_size: int = Field(default=1024, ge=1)
+    """The most episodes one group may have: a larger ``size`` (``POST /groups``, a fork) is answered 400."""
 
 
 class AuthSettings(_Section):
+    """Keys: the admin key (every route), agent keys (model routes only), and throttling of wrong keys."""
+
     admin_key: SecretStr | None = None
     """Full access: control API, trainer API, every episode. Required unless ``admin_key_file`` is set."""
     admin_key_file: str | None = None
@@ -102,6 +119,7 @@ class AuthSettings(_Section):
     """Wrong keys one client may present within ``failed_window_s`` before every keyed request of
     its is answered 429 (``proxy/throttle.py``); 0: no limit (e.g. behind a reverse proxy)."""
     failed_window_s: float = Field(60.0, gt=0)
+    """The window (s) over which a client's wrong keys are counted against ``failed_limit``."""
 
     @field_validator("admin_key")
     @classmethod
@@ -207,20 +225,31 @@ class AdmissionSettings(_Section):
 
 
 class UpstreamTimeouts(_Section):
+    """Timeouts (s) of the proxy's requests to vLLM."""
+
     connect_s: float = 5.0
+    """Longest wait to open a connection to a replica."""
     read_s: float = 600.0
     """Longest silence between two bytes from vLLM; long generations on CPU are slow."""
     write_s: float = 30.0
+    """Longest wait to send a request's bytes (``upstream_transport: httpx`` only; ``lean`` does not use it)."""
     pool_s: float = 30.0
+    """Longest wait for a pooled connection (``upstream_transport: httpx`` only; ``lean`` never waits for one)."""
 
 
 class Settings(_Section):
+    """The proxy's settings (``python -m proxy serve --config``): top-level keys, then one section each."""
+
     host: str = "127.0.0.1"
+    """Address ``python -m proxy serve`` listens on; ``0.0.0.0`` accepts other machines."""
     port: int = 8100
+    """Port ``python -m proxy serve`` listens on."""
     public_url: str | None = None
     """URL agents reach this proxy at, for the ``base_url`` of new episodes; default: the URL the
     creating request used (its Host header)."""
     upstreams: list[UpstreamSettings] = Field(min_length=1)
+    """The vLLM replicas (at least one, unique names). An episode's calls stay on one replica while it is
+    healthy (rendezvous hash of the episode id); other calls go to the least busy healthy one."""
     policy: PolicySettings = PolicySettings()
     store: StoreSettings = StoreSettings()
     episodes: EpisodeSettings = EpisodeSettings()
@@ -236,9 +265,14 @@ class Settings(_Section):
     kept as a fallback and as the baseline ``bench/proxy_overhead.py --transports lean,httpx``
     measures the lean one against."""
     max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    """Largest request body accepted (bytes); a larger one is answered 413 without being read whole."""
     health_interval_s: float = Field(default=2.0, gt=0)
+    """Seconds between health probes (``GET /health``) of every replica; a replica that comes back gets
+    the published adapters loaded before it takes traffic again."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Lowest level the proxy logs (to stderr)."""
     log_format: Literal["json", "text"] = "json"
+    """``json``: one JSON object per line; ``text``: time (UTC), level, logger and message."""
 
     @model_validator(mode="after")
     def _unique_replicas(self) -> Settings:

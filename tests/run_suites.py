@@ -4,8 +4,10 @@ Each suite would otherwise start its own engines (about a minute each on 2 cores
 The engines are the session fixtures' (``tests/conftest.py``: same models, flags and cache size):
 the plumbing model's and SmolLM2's, started side by side; each run reaches them through
 ``FLYWHEEL_TEST_VLLM_URL`` and ``FLYWHEEL_TEST_SMOL_VLLM_URL`` (their logs: ``..._LOG``). Tests that
-need an engine with other flags still start their own. Each phase's wall time is printed at the
-end; the exit status is the first failing suite's.
+need an engine with other flags still start their own. ``--beside CMD`` runs a command (``make
+lint``) while the engines start, which takes a minute of mostly waiting; its failure fails the run
+before any suite starts. Each phase's wall time is printed at the end; the exit status is the
+first failing phase's.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 from tests.support.services import shared_engine, smol_model_dir
 
 
-def main(suites: list[list[str]]) -> int:
+def main(suites: list[list[str]], beside: str | None = None) -> int:
     started = time.monotonic()
     logs = Path(tempfile.mkdtemp(prefix="flywheel-test-vllm-"))
     engines = {
@@ -31,6 +33,12 @@ def main(suites: list[list[str]]) -> int:
     try:
         for server in engines.values():
             server.start()
+        side = subprocess.Popen(beside, shell=True) if beside else None
+        if side is not None:
+            code = side.wait()
+            phases.append((f"{beside} (beside the engines' start)", time.monotonic() - started))
+            if code:
+                return code
         env = dict(os.environ)
         for prefix, server in engines.items():
             server.wait_healthy(timeout=600)
@@ -54,8 +62,11 @@ def main(suites: list[list[str]]) -> int:
 
 
 if __name__ == "__main__":
-    # argv: suites separated by "::" (each a full command line)
+    # argv: [--beside CMD] then suites separated by "::" (each a full command line)
     argv, suites, current = sys.argv[1:], [], []
+    beside = None
+    if argv[:1] == ["--beside"]:
+        beside, argv = argv[1], argv[2:]
     for arg in argv:
         if arg == "::":
             suites.append(current)
@@ -64,4 +75,4 @@ if __name__ == "__main__":
             current.append(arg)
     if current:
         suites.append(current)
-    sys.exit(main(suites))
+    sys.exit(main(suites, beside))

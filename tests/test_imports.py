@@ -41,6 +41,11 @@ ALLOWED: dict[tuple[str, str], str] = {
     "diffs today's models (target_metadata) against the database, so it must see the live ones",
     ("migrations/env.py", "proxy.store.rows"): "the engine it builds writes JSON columns with json_text, "
     "the text every live writer stores, so rows a migration writes read back as the proxy's own",
+    ("deploy/docs.py", "proxy.settings"): "the docs' reference pages are generated from the code: the "
+    "proxy's settings classes (and its env_overrides, to check each variable named), read, never served",
+    ("deploy/docs.py", "proxy.app"): "the HTTP API page is the app's OpenAPI schema: create_app builds "
+    "the app, its lifespan (store, upstreams) never runs",
+    ("deploy/docs.py", "proxy.metrics"): "the metrics page lists the Prometheus metrics the proxy declares",
 }
 
 

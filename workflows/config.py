@@ -15,8 +15,12 @@ from workflows.judge import RewardMode
 
 @dataclass(frozen=True)
 class RunConfig:
+    """One run of a workflow, as ``python -m workflows run`` builds it from its options and the environment."""
+
     proxy_url: str
+    """The proxy's base URL (``--proxy``)."""
     admin_key: str
+    """The admin key that creates groups and posts rewards (``FLYWHEEL_ADMIN_KEY``, else ``--admin-key-file``)."""
     groups: int = 1
     """Groups to run (ignored with ``loop``)."""
     group_size: int = 4
@@ -24,13 +28,17 @@ class RunConfig:
     concurrency: int = 4
     """Episodes running at once, over all groups."""
     split: Split = "train"
+    """The tasks drawn from: ``train``, ``val`` (held out of train) or ``test``."""
     loop: bool = False
+    """Keep producing groups until stopped (``groups`` is ignored)."""
     model: str = "policy"
+    """The model name the agents ask for; ``policy`` routes to the latest published adapter."""
     episode_timeout_s: float | None = None
     """Default: the workflow's own ``episode_timeout_s``."""
     seed: int = 0
     """Seeds the task order."""
     max_pending: int | None = None
+    """With ``loop``: no new group while the trainer has this many complete groups unclaimed; None: no pause."""
     passthrough_key: str | None = None
     """Key for ``/passthrough/v1`` (an agent key); default: the admin key."""
     reward: RewardMode = "verifier"

@@ -6,9 +6,12 @@ an engine start land on the first test that asks for them), and the terminal sum
 files over their budget, the files the budget does not know, and the whole run against its total.
 It never fails a run: timings differ between machines (the budget was measured on the slowest
 two-core machine the suite runs on, named in the file); a file over budget is for its author to
-look at. ``--budget-report DIR`` writes the run's figures to ``DIR/<pid>.json`` (``make test``
-runs two pytest processes), and ``python -m tests.support.budget MACHINE DIR/*.json`` rewrites the
-budget from them.
+look at. The budget also orders the run: files are collected longest first (tests within a file
+keep their order), so that ``pytest -n 2 --dist loadfile`` (``make test``) hands the long files
+out first and the short ones fill in around them (longest-processing-time-first scheduling), not
+a 4-minute file last while the other worker idles. ``--budget-report DIR`` writes the run's
+figures to ``DIR/<pid>.json`` (``make test`` runs two pytest processes), and ``python -m
+tests.support.budget MACHINE DIR/*.json`` rewrites the budget from them.
 """
 
 from __future__ import annotations
@@ -35,6 +38,11 @@ class Budget:
         self.seconds: dict[str, float] = defaultdict(float)
         self.started = time.monotonic()
         self.report = report
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        files: dict[str, float] = tomllib.loads(BUDGET.read_text()).get("files", {}) if BUDGET.exists() else {}
+        items.sort(key=lambda item: -files.get(item.nodeid.split("::", 1)[0], 0.0))  # stable: in-file order kept
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.seconds[report.nodeid.split("::", 1)[0]] += report.duration

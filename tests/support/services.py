@@ -70,8 +70,13 @@ def shared_engine(log: Path, model: str | None = None) -> Any:
     """A shared vLLM of the tests (``tests/conftest.py``, ``tests/run_suites.py``): ``model`` (default:
     the plumbing model), a small KV cache and float32 as the tests pin it, and request-level chat
     templates allowed (vLLM refuses a request's ``chat_template`` without
-    ``--trust-request-chat-template``), which the reasoning splice tests send."""
+    ``--trust-request-chat-template``), which the reasoning splice tests send.
+
+    On a 2-core machine vLLM's ``auto`` binding puts every engine on core 0; SmolLM2's engine (the
+    busier one) is bound to core 1 there, so the two engines do not take turns on one core."""
     from deploy.vllm import VLLMServer
+
+    cores = "1" if model is not None and model != model_dir() and os.cpu_count() == 2 else None
 
     return VLLMServer(
         model=model or model_dir(),
@@ -82,6 +87,7 @@ def shared_engine(log: Path, model: str | None = None) -> Any:
         max_model_len=8192,
         dtype=TEST_DTYPE,
         extra_args=["--trust-request-chat-template"],
+        cpu_cores=cores,
     )
 
 
