@@ -11,6 +11,9 @@ export LITELLM_LOCAL_MODEL_COST_MAP := True
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# mypy's incremental cache beside the venvs: a fresh clone's `make lint` checks only what changed
+# (mypy checks each cached module's source hash, so a cache shared between checkouts stays exact).
+export MYPY_CACHE_DIR ?= $(FLYWHEEL_CACHE)/mypy
 export OPENHANDS_SUPPRESS_BANNER := 1
 export PYTHONPATH := $(CURDIR)
 
@@ -78,7 +81,7 @@ TEST_ENV = FLYWHEEL_ENGINE_PYTHON=$(ENGINE_PY) FLYWHEEL_AGENTS_PYTHON=$(AGENTS_P
 # engine suite on TEST_WORKERS pytest-xdist workers, a file per worker at a time, longest files first
 # (tests/support/budget.py). `make test-engine` / `make test-agents` start their own engines.
 TEST_WORKERS ?= 2
-XDIST = $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
+XDIST = $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 test: setup
 	$(TEST_ENV) $(ENGINE_PY) -m tests.run_suites --beside "$(MAKE) --no-print-directory lint docs" \
 	  $(ENGINE_PY) -m pytest -m "not agents" $(XDIST) $(COV) $(PYTEST_ARGS) :: \

@@ -7,11 +7,12 @@ files over their budget, the files the budget does not know, and the whole run a
 It never fails a run: timings differ between machines (the budget was measured on the slowest
 two-core machine the suite runs on, named in the file); a file over budget is for its author to
 look at. The budget also orders the run: files are collected longest first (tests within a file
-keep their order), so that ``pytest -n 2 --dist loadfile`` (``make test``) hands the long files
-out first and the short ones fill in around them (longest-processing-time-first scheduling), not
-a 4-minute file last while the other worker idles. ``--budget-report DIR`` writes the run's
-figures to ``DIR/<pid>.json`` (``make test`` runs two pytest processes), and ``python -m
-tests.support.budget MACHINE DIR/*.json`` rewrites the budget from them.
+keep their order), so that ``pytest -n 2 --dist loadfile --no-loadscope-reorder`` (``make test``;
+xdist would otherwise reorder the files by their count of tests) hands the long files out first
+and the short ones fill in around them (longest-processing-time-first scheduling), not a 4-minute
+file last while the other worker idles. ``--budget-report DIR`` writes the run's figures to
+``DIR/<pid>.json`` (``make test`` runs two pytest processes), and ``python -m tests.support.budget
+MACHINE DIR/*.json`` rewrites the budget from them.
 """
 
 from __future__ import annotations
