@@ -88,6 +88,9 @@ class StepStats:
     ratio: float = 0.0
     grad_norm: float = 0.0
     tokens: int = 0
+    """Tokens of the step's samples, a prefix shared by several samples counted in each (what is trained on)."""
+    tokens_computed: int = 0
+    """Tokens of the packed rows: what the forward passes computed (a shared prefix once per micro-batch)."""
     loss_tokens: int = 0
     sequences: int = 0
     micro_batches: int = 0
@@ -105,6 +108,11 @@ class StepStats:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def shared_share(self) -> float:
+        """Share of the samples' tokens not computed because a micro-batch shared them (0: none)."""
+        return 1.0 - self.tokens_computed / self.tokens if self.tokens > 0 else 0.0
 
     @property
     def finite(self) -> bool:
@@ -172,7 +180,7 @@ class Learner:
             raise ValueError("no samples to train on")
         cfg = self.config
         started = time.perf_counter()
-        micro = pack(samples, cfg.micro_batch_tokens)
+        micro = pack(samples, cfg.micro_batch_tokens, shared=cfg.shared_prefix)
         if sequences is None:  # every rank derives it from the samples alone (followers get no Batch)
             sequences = (
                 len({s.member or str(i) for i, s in enumerate(samples)}) if cfg.normalize_per_episode else len(samples)
@@ -208,7 +216,8 @@ class Learner:
             first,
             maxes,
             totals,
-            tokens=sum(mb.num_tokens for mb in micro),
+            tokens=sum(mb.unshared_tokens for mb in micro),
+            computed=sum(mb.num_tokens for mb in micro),
             tolerance=cfg.engine_logp_tolerance,
         )
         stats.seconds = time.perf_counter() - started
@@ -337,7 +346,8 @@ class Learner:
             for version, indices in sorted(plan.samples.items()):
                 if version != 0:
                     self.policy.load_adapter_state(self.snapshots[version])
-                for mb in pack([samples[i] for i in indices], self.config.micro_batch_tokens):
+                batch = [samples[i] for i in indices]
+                for mb in pack(batch, self.config.micro_batch_tokens, shared=self.config.shared_prefix):
                     out = self.policy.logprobs(mb, reference=version == 0)
                     engine = mb.behaviour_logps[mb.rows, mb.cols]
                     served = mb.versions == version
@@ -368,6 +378,7 @@ def _summarise(
     totals: Totals,
     *,
     tokens: int,
+    computed: int,
     tolerance: float,
 ) -> StepStats:
     """Loss figures from the last iteration; engine figures from the first (the served weights)."""
@@ -384,6 +395,7 @@ def _summarise(
         ratio=sums["ratio"] / n,
         grad_norm=sums["grad_norm"],
         tokens=tokens,
+        tokens_computed=computed,
         loss_tokens=totals.tokens,
         sequences=totals.sequences,
         micro_batches=totals.micro_batches,

@@ -10,6 +10,15 @@ each other: a packed forward therefore counts the attention calls that saw them 
 Attention features this function does not implement (soft-capping, sinks, a sliding window shorter
 than a sample) fail the same way instead of being ignored.
 
+A micro-batch packed as a prefix tree (``trainer/packing.py``, ``shared_prefix``) has segments
+instead of samples: ``cu_seq_lens_q`` holds their bounds and, as a host attribute, their parents
+(``HOST_PARENTS``). A segment's queries attend to every key of its ancestors and causally to its
+own keys (an explicit boolean mask: the lower-right causal one; grouped key/value heads expanded
+first, since SDPA with a mask and ``enable_gqa`` takes the math kernel on CUDA), which is what the
+same tokens see in a sample packed whole; a root segment takes the causal path above, unchanged. The keys and
+values of a shared segment get the gradient of every branch below it through the same graph. A tree
+whose parents do not arrive fails loudly as well: its branches would not see their prefix.
+
 Log-probs come from the backbone's hidden states through ``selected_logprobs``: only rows that
 predict a loss token go through the vocabulary projection, a chunk at a time. The reference
 policy for the KL term is the same model with the adapter disabled (no second model in memory).
@@ -55,12 +64,16 @@ class _Packed(threading.local):
 
     samples = 0
     bounded_calls = 0
+    tree = False
 
 
 _packed = _Packed()
 HOST_BOUNDS = "flywheel_host_bounds"
 """The attribute of a device ``cu_seq_lens_q`` that holds its bounds as a host list (``LoraPolicy``
 sets it; gradient checkpointing's recompute passes the same tensor again, on autograd's thread)."""
+HOST_PARENTS = "flywheel_host_parents"
+"""The attribute of ``cu_seq_lens_q`` that holds, for a prefix tree, each segment's parent segment as
+a host list (-1: a root); absent when every segment is a whole sample. Set and carried as ``HOST_BOUNDS``."""
 
 
 def packed_sdpa(
@@ -74,7 +87,9 @@ def packed_sdpa(
     cu_seq_lens_q: Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
-    """Causal SDPA per packed sample. query (1, heads, L, D); key/value (1, kv_heads, L, D)."""
+    """Causal SDPA per packed sample (or per prefix-tree segment, over its ancestors' keys too).
+    query (1, heads, L, D); key/value (1, kv_heads, L, D)."""
+    parents: list[int] | None = None
     if cu_seq_lens_q is None:
         if _packed.samples > 1:
             raise PackingError(
@@ -86,26 +101,84 @@ def packed_sdpa(
     else:
         # read on the host: ``.tolist()`` of a GPU tensor would stall the device once per layer
         bounds = getattr(cu_seq_lens_q, HOST_BOUNDS, None) or cu_seq_lens_q.tolist()
+        parents = getattr(cu_seq_lens_q, HOST_PARENTS, None)
         _packed.bounded_calls += 1
-    _refuse_unsupported(kwargs, bounds)
-    gqa = key.shape[1] != query.shape[1]
-    outs = [
-        F.scaled_dot_product_attention(
-            query[:, :, s:e],
-            key[:, :, s:e],
-            value[:, :, s:e],
-            is_causal=True,
-            dropout_p=dropout,
-            scale=scaling,
-            enable_gqa=gqa,
+    if _packed.tree and parents is None:
+        raise PackingError(
+            "the micro-batch is packed as a prefix tree but the attention function got no segment parents "
+            f"({HOST_PARENTS!r} on cu_seq_lens_q): its branches would not see their shared prefix"
         )
-        for s, e in zip(bounds[:-1], bounds[1:], strict=True)
-    ]
+    spans = list(zip(bounds[:-1], bounds[1:], strict=True))
+    chains = _ancestors(parents) if parents is not None and any(p >= 0 for p in parents) else None
+    _refuse_unsupported(kwargs, _seen(spans, chains))
+    gqa = key.shape[1] != query.shape[1]
+    outs: list[Tensor] = []
+    for g, (s, e) in enumerate(spans):
+        if chains is None or not chains[g]:
+            outs.append(
+                F.scaled_dot_product_attention(
+                    query[:, :, s:e],
+                    key[:, :, s:e],
+                    value[:, :, s:e],
+                    is_causal=True,
+                    dropout_p=dropout,
+                    scale=scaling,
+                    enable_gqa=gqa,
+                )
+            )
+            continue
+        keys = _merged([spans[a] for a in chains[g]] + [(s, e)])  # the ancestors root first, then its own
+        seen = sum(b - a for a, b in keys) - (e - s)
+        mask = torch.ones(e - s, seen + e - s, dtype=torch.bool, device=query.device).tril(seen)
+        k, v = _gather(key, keys), _gather(value, keys)
+        if gqa:  # a mask with enable_gqa falls back to the math kernel on CUDA (O(q x k) scores): expand instead
+            groups = query.shape[1] // key.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        outs.append(
+            F.scaled_dot_product_attention(
+                query[:, :, s:e], k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=False
+            )
+        )
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # (1, heads, L, D)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _refuse_unsupported(kwargs: dict[str, Any], bounds: list[int]) -> None:
+def _ancestors(parents: list[int]) -> list[list[int]]:
+    """Each segment's ancestor segments, root first (a parent comes before its children)."""
+    chains: list[list[int]] = []
+    for g, p in enumerate(parents):
+        if not -1 <= p < g:
+            raise PackingError(f"segment {g} has parent {p}: a prefix tree's parent must come before it")
+        chains.append([] if p < 0 else [*chains[p], p])
+    return chains
+
+
+def _seen(spans: list[tuple[int, int]], chains: list[list[int]] | None) -> list[int]:
+    """The keys each segment's last query sees (its sample's length so far)."""
+    own = [e - s for s, e in spans]
+    if chains is None:
+        return own
+    return [n + sum(own[a] for a in chain) for n, chain in zip(own, chains, strict=True)]
+
+
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Adjacent spans joined (depth-first, a first child follows its parent in the row)."""
+    out = [spans[0]]
+    for s, e in spans[1:]:
+        if s == out[-1][1]:
+            out[-1] = (out[-1][0], e)
+        else:
+            out.append((s, e))
+    return out
+
+
+def _gather(x: Tensor, spans: list[tuple[int, int]]) -> Tensor:
+    """The spans of (1, heads, L, D) ``x`` along L, in order (a view where there is one)."""
+    parts = [x[:, :, s:e] for s, e in spans]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
+def _refuse_unsupported(kwargs: dict[str, Any], seen: list[int]) -> None:
     """What the model asks of its attention that plain causal SDPA would silently not do."""
     if kwargs.get("softcap") is not None:
         raise PackingError(
@@ -117,7 +190,7 @@ def _refuse_unsupported(kwargs: dict[str, Any], bounds: list[int]) -> None:
     if kwargs.get("is_causal") is False:
         raise PackingError("the model asked for non-causal attention; the packed attention is causal only")
     window = kwargs.get("sliding_window")
-    if window is not None and max(e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True)) > window:
+    if window is not None and max(seen, default=0) > window:
         raise PackingError(
             f"a sample is longer than the sliding window ({window} tokens), which the packed "
             "attention does not apply; lower max_seq_len to the window"
@@ -125,18 +198,20 @@ def _refuse_unsupported(kwargs: dict[str, Any], bounds: list[int]) -> None:
 
 
 class PackedForward:
-    """Count, for one packed forward of ``samples`` samples, the attention calls that saw the boundaries."""
+    """Count, for one packed forward of ``samples`` samples, the attention calls that saw the boundaries
+    (``tree``: the row is a prefix tree, whose attention calls must also see the segments' parents)."""
 
-    def __init__(self, samples: int) -> None:
+    def __init__(self, samples: int, tree: bool = False) -> None:
         self.samples = samples
+        self.tree = tree
 
     def __enter__(self) -> PackedForward:
-        _packed.samples, _packed.bounded_calls = self.samples, 0
+        _packed.samples, _packed.bounded_calls, _packed.tree = self.samples, 0, self.tree
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.bounded_calls = _packed.bounded_calls
-        _packed.samples, _packed.bounded_calls = 0, 0
+        _packed.samples, _packed.bounded_calls, _packed.tree = 0, 0, False
 
     def check(self) -> None:
         """After the forward: a multi-sample row must have gone through ``packed_sdpa`` with its boundaries."""
@@ -316,6 +391,8 @@ class LoraPolicy:
         device = self.device
         cu_seqlens = mb.cu_seqlens.to(device)
         setattr(cu_seqlens, HOST_BOUNDS, mb.cu_seqlens.tolist())  # packed_sdpa reads them without a sync
+        if mb.parents is not None:
+            setattr(cu_seqlens, HOST_PARENTS, list(mb.parents))
         out = self.module(  # plain tensors only: FSDP moves a root's tensor inputs to the device
             mb.input_ids.to(device),
             mb.position_ids.to(device),
@@ -326,6 +403,7 @@ class LoraPolicy:
             Truncation(top_k=mb.top_k, top_p=mb.top_p, min_p=mb.min_p) if mb.truncated else None,
             mb.allowed,
             samples=len(mb.samples),
+            tree=mb.parents is not None,
         )
         return LogProbs(out.logps.cpu(), out.entropy.cpu(), out.outside.cpu())
 
@@ -341,9 +419,14 @@ class LoraPolicy:
         allowed: Tensor | None,
         *,
         samples: int,
+        tree: bool = False,
     ) -> LogProbs:
-        """``WholeForward``'s forward: the backbone on one packed row, then the selected tokens' log-probs."""
-        with PackedForward(samples) as packed, torch.autocast(self.device, dtype=self.dtype, enabled=self.autocast):
+        """``WholeForward``'s forward: the backbone on one packed row (a prefix tree: ``tree``), then the
+        selected tokens' log-probs."""
+        with (
+            PackedForward(samples, tree) as packed,
+            torch.autocast(self.device, dtype=self.dtype, enabled=self.autocast),
+        ):
             hidden = self.backbone(
                 input_ids=input_ids, position_ids=position_ids, cu_seq_lens_q=cu_seq_lens_q, use_cache=False
             ).last_hidden_state

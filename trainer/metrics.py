@@ -37,7 +37,8 @@ STEP_METRICS: dict[str, str] = {
     "policy/grad_norm": "Global gradient norm before clipping; not finite: the optimizer step was skipped.",
     "data/tokens_outside_truncation": "Sampled tokens outside the trainer's top-k/top-p/min-p set (boundary "
     "rounding), kept in it.",
-    "data/tokens": "Tokens of the step's packed micro-batches (context and completions).",
+    "data/tokens": "Tokens of the step's samples (context and completions), a prefix several samples share counted "
+    "in each (``perf/tokens_computed``: what the passes computed).",
     "data/loss_tokens": "Tokens that carry loss (trained completion tokens).",
     "data/samples": "Samples (packed sequences) trained.",
     "data/members": "Group members (episodes or rewarded choices) behind the trained samples.",
@@ -55,7 +56,13 @@ STEP_METRICS: dict[str, str] = {
     "proxy/policy_version": "The proxy's current policy version when the step's groups were claimed.",
     "proxy/stale_groups": "Groups the proxy dropped as stale while this step's groups were claimed.",
     "perf/step_s": "Seconds of the learner's step (forward, backward and optimizer passes).",
-    "perf/tokens_per_s": "``data/tokens`` per second of ``perf/step_s``.",
+    "perf/tokens_per_s": "``data/tokens`` per second of ``perf/step_s``: trained tokens, shared ones counted per "
+    "sample.",
+    "perf/tokens_computed": "Tokens of the step's packed micro-batches: what the forward passes computed, a prefix "
+    "shared within a micro-batch once (``shared_prefix``).",
+    "perf/tokens_unshared": "Tokens of the step's samples, a shared prefix counted in each (``data/tokens``).",
+    "perf/shared_share": "1 - ``perf/tokens_computed`` / ``perf/tokens_unshared``: the share of the samples' "
+    "tokens not computed because they shared a prefix (0: none).",
     "perf/wait_s": "Seconds spent waiting for and claiming the step's groups.",
     "signals/cut_fraction": "Answered choices that ended at the token limit (``finish_reason: length``); "
     "None: no choice.",
@@ -120,6 +127,9 @@ def step_metrics(
         "proxy/stale_groups": stale,
         "perf/step_s": stats.seconds,
         "perf/tokens_per_s": stats.tokens_per_s,
+        "perf/tokens_computed": stats.tokens_computed,
+        "perf/tokens_unshared": stats.tokens,
+        "perf/shared_share": stats.shared_share,
         "perf/wait_s": wait_s,
     }
     metrics.update({f"data/{k}": v for k, v in batch.stats.as_dict().items()})

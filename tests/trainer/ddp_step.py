@@ -35,8 +35,8 @@ def main(model_dir: str, out: Path, loss_types: list[str]) -> None:
             dtype="float32",
             learning_rate=1e-3,
             loss_type=loss_type,
-            max_seq_len=128,
-            micro_batch_tokens=128,
+            max_seq_len=64,
+            micro_batch_tokens=64,  # two or more micro-batches to share out, prefix-shared (the system prompt) or not
             threads=1,
         )
         policy = LoraPolicy(config)  # seeds torch from config.seed: the same initial adapter every time
@@ -49,7 +49,7 @@ def main(model_dir: str, out: Path, loss_types: list[str]) -> None:
                 "loss": [s.loss for s in stats],
                 "grad_norm": [s.grad_norm for s in stats],
                 "entropy": [s.entropy for s in stats],
-                "share": len(world.share(pack(samples, config.micro_batch_tokens))),
+                "share": len(world.share(pack(samples, config.micro_batch_tokens, shared=config.shared_prefix))),
                 "micro_batches": stats[0].micro_batches,
             },
             out / f"{loss_type}-rank{world.rank}-of-{world.size}.pt",
