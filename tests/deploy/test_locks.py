@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import shutil
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -50,7 +51,12 @@ def test_the_engine_venv_under_test_holds_exactly_the_locked_versions() -> None:
         pytest.skip("not the CPU engine venv (Python 3.11)")
     pins = bootstrap.pins(bootstrap.LOCKS / "engine.txt")
     model = bootstrap.normalize(bootstrap.MODEL_PACKAGE.split("==")[0])
-    installed = {bootstrap.normalize(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
+    # The venv's own site-packages only: once any test in this process has imported setuptools (as
+    # some libraries do), its vendored distributions (setuptools/_vendor) are on sys.path too.
+    site = Path(sysconfig.get_paths()["purelib"])
+    installed = {
+        bootstrap.normalize(d.metadata["Name"]): d.version for d in importlib.metadata.distributions(path=[str(site)])
+    }
     assert installed.pop(model) == bootstrap.MODEL_PACKAGE.split("==")[1]
     assert {n: v for n, v in installed.items() if pins.get(n) != v} == {}
     assert set(pins) - set(installed) == set(bootstrap.ENGINE_REMOVE)  # installed, then removed by bootstrap
