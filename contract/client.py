@@ -120,6 +120,8 @@ class _Client(Generic[T, H]):
     group = _Method(endpoints.group)
     groups = _Method(endpoints.groups)
     pending_groups = _Method(endpoints.pending_groups)
+    skip_counts = _Method(endpoints.skip_counts)
+    episodes = _Method(endpoints.episodes)
     episode = _Method(endpoints.episode)
     reward = _Method(endpoints.reward)
     abandon = _Method(endpoints.abandon)
@@ -133,8 +135,16 @@ class _Client(Generic[T, H]):
     renew = _Method(endpoints.renew)
     release = _Method(endpoints.release)
     ack = _Method(endpoints.ack)
+    admission = _Method(endpoints.admission)
     report_step = _Method(endpoints.report_step)
     steps = _Method(endpoints.steps)
+
+    # -- retention (operators) -------------------------------------------------------------------
+
+    delete_episode = _Method(endpoints.delete_episode)
+    delete_user = _Method(endpoints.delete_user)
+    purge = _Method(endpoints.purge)
+    audit_log = _Method(endpoints.audit_log)
 
 
 class ProxyClient(_Client[httpx.BaseTransport, httpx.Client]):

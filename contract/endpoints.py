@@ -12,7 +12,7 @@ does I/O.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
@@ -24,18 +24,33 @@ from contract.retry import Refused, Repeat
 from contract.schemas import (
     AbandonIn,
     AckIn,
+    AdmissionOut,
+    AuditEntryOut,
     ClaimIn,
+    DeletedOut,
     EpisodeAudit,
     EpisodeCreate,
     ForkIn,
     GroupCreate,
     PublishIn,
+    PurgedOut,
+    PurgeIn,
     ReleaseIn,
     RenewIn,
     RewardIn,
     StepIn,
 )
-from contract.vocabulary import AbandonCause, AckStatus, ForkRule, GroupStatus, TrainMode
+from contract.vocabulary import (
+    AbandonCause,
+    AckStatus,
+    EpisodeStatus,
+    ForkRule,
+    GroupStatus,
+    SkipCount,
+    TrainerSkip,
+    TrainMode,
+    TrainStatus,
+)
 
 R = TypeVar("R")
 CallRewards = Mapping[int, float] | Mapping[str, float]
@@ -54,12 +69,12 @@ class Demand:
 class Request(Generic[R]):
     """One call: what to send, when it may be sent again, how to read the answer."""
 
-    method: Literal["GET", "POST"]
+    method: Literal["GET", "POST", "DELETE"]
     path: str
     repeat: Repeat
     read: Callable[[Any], R]
     body: BaseModel | None = None
-    params: dict[str, str | int] | None = None
+    params: Mapping[str, str | int | list[str]] | None = None
 
     def send_args(self) -> dict[str, Any]:
         # model_construct + model_dump: the proxy validates; a bad value gets its 400, as from any client.
@@ -131,15 +146,60 @@ def pending_groups() -> Request[int]:
 
 
 def groups(
-    *, status: GroupStatus | None = None, task_id: str | None = None, limit: int = 100, offset: int = 0
+    *,
+    status: GroupStatus | None = None,
+    task_id: str | None = None,
+    train_status: TrainStatus | None = None,
+    train_reason: SkipCount | None = None,
+    limit: int = 100,
+    offset: int = 0,
 ) -> Request[list[Group]]:
-    """Groups, newest first (without their episodes; ``group`` has them)."""
+    """Groups, newest first (without their episodes; ``group`` has them); ``train_reason`` those never
+    trained for that reason (``other``: skipped or stale without one)."""
     params: dict[str, str | int] = {"limit": limit, "offset": offset}
     if status is not None:
         params["status"] = status
     if task_id is not None:
         params["task_id"] = task_id
+    if train_status is not None:
+        params["train_status"] = train_status
+    if train_reason is not None:
+        params["train_reason"] = train_reason
     return Request("GET", "/groups", "safe", _data(Group.model_validate), params=params)
+
+
+def skip_counts() -> Request[dict[str, int]]:
+    """Groups never trained (``skipped`` or ``stale``), counted by ``train_reason`` in one query: a
+    ``SkipCount`` key each (``other``: none stored), reasons without groups left out."""
+    return Request("GET", "/groups/skips", "safe", lambda reply: {str(k): int(v) for k, v in reply.items()})
+
+
+def episodes(
+    *,
+    status: EpisodeStatus | None = None,
+    task_ids: Sequence[str] | None = None,
+    min_reward: float | None = None,
+    source: str | None = None,
+    group_id: str | None = None,
+    limit: int = 100,
+    offset: int = 0,
+) -> Request[list[Episode]]:
+    """Episodes, newest first, without their calls (``episode`` has them); every filter given must
+    hold: ``task_ids`` any of these exact task ids (at most 256), ``min_reward`` rewarded at least
+    this, ``source`` the episode's ``metadata["source"]`` exactly (e.g. ``teacher:<name>``). The
+    trainer's warm start selects its episodes with it (``trainer/warmstart.py``)."""
+    params: dict[str, str | int | list[str]] = {"limit": limit, "offset": offset}
+    if status is not None:
+        params["status"] = status
+    if task_ids:
+        params["task_id"] = list(task_ids)
+    if min_reward is not None:
+        params["min_reward"] = repr(float(min_reward))  # repr round-trips the float exactly
+    if source is not None:
+        params["source"] = source
+    if group_id is not None:
+        params["group_id"] = group_id
+    return Request("GET", "/episodes", "safe", _data(Episode.model_validate), params=params)
 
 
 def episode(episode_id: str, *, calls: bool = True) -> Request[Episode]:
@@ -231,12 +291,20 @@ def ack(
     status: AckStatus,
     note: str | None = None,
     audits: dict[str, EpisodeAudit] | None = None,
+    reason: TrainerSkip | None = None,
 ) -> Request[list[Group]]:
-    """Ack leased groups for ``step``; ``audits``: the fidelity audit of each of their episodes."""
+    """Ack leased groups for ``step``; ``audits``: the fidelity audit of each of their episodes;
+    ``reason``: why a ``skipped`` ack's groups are skipped (``note``: the same in words)."""
     body = AckIn.model_construct(
-        lease_id=lease_id, group_ids=group_ids, step=step, status=status, note=note, audits=audits
+        lease_id=lease_id, group_ids=group_ids, step=step, status=status, reason=reason, note=note, audits=audits
     )
     return Request("POST", "/trainer/ack", "safe", _data(Group.model_validate), body)
+
+
+def admission() -> Request[AdmissionOut]:
+    """The admission picture (``proxy/admission.py``): limit, backlog, refusals, the trainers' demand,
+    and every group in the store by outcome."""
+    return Request("GET", "/trainer/admission", "safe", AdmissionOut.model_validate)
 
 
 def report_step(step: int, metrics: dict[str, Any]) -> Request[None]:
@@ -247,3 +315,34 @@ def steps(since_step: int = -1) -> Request[list[dict[str, Any]]]:
     return Request(
         "GET", "/trainer/steps", "safe", lambda reply: list(reply["data"]), params={"since_step": since_step}
     )
+
+
+# -- retention (operators) ---------------------------------------------------------------------------
+
+
+def delete_episode(episode_id: str) -> Request[DeletedOut]:
+    """Delete an episode from every table, with its calls and the episodes forked from it; an audit
+    entry records it. 404 for an unknown id, 409 ``group_leased`` while its group is leased. Sent
+    again only if it cannot have left: a repeat of one that was done answers 404."""
+    return Request("DELETE", f"/episodes/{episode_id}", "unsent", DeletedOut.model_validate)
+
+
+def delete_user(user: str) -> Request[DeletedOut]:
+    """Delete every episode whose metadata names ``user`` (the proxy's ``retention.user_key``), and
+    their forks; an audit entry records it (a repeat deletes nothing more)."""
+    return Request("DELETE", "/episodes", "safe", DeletedOut.model_validate, params={"user": user})
+
+
+def purge(older_than_s: float | None = None) -> Request[PurgedOut]:
+    """Purge now the bodies and token ids of finished episodes whose groups are done with, finished
+    longer ago than ``older_than_s`` (default the proxy's ``retention.bodies_ttl_s``)."""
+    body = PurgeIn.model_construct(older_than_s=older_than_s)
+    return Request("POST", "/retention/purge", "safe", PurgedOut.model_validate, body)
+
+
+def audit_log(*, limit: int = 100, before_id: int | None = None) -> Request[list[AuditEntryOut]]:
+    """The audit log of purges and deletions, newest first (``before_id`` pages on)."""
+    params: dict[str, str | int] = {"limit": limit}
+    if before_id is not None:
+        params["before_id"] = before_id
+    return Request("GET", "/retention/audit", "safe", _data(AuditEntryOut.model_validate), params=params)

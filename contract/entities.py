@@ -17,7 +17,16 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from contract.tokens import client_list, rejoin_ids, rejoin_messages
-from contract.vocabulary import AbandonCause, CallApi, CallKind, EpisodeStatus, ForkRule, GroupStatus, TrainStatus
+from contract.vocabulary import (
+    AbandonCause,
+    CallApi,
+    CallKind,
+    EpisodeStatus,
+    ForkRule,
+    GroupStatus,
+    SkipReason,
+    TrainStatus,
+)
 
 
 class _Entity(BaseModel):
@@ -130,6 +139,9 @@ class Episode(_Entity):
     """The fork's call (0-based among its answered calls) whose request differed from the source's."""
     divergence: dict[str, Any] | None = None
     """Which request fields differed there, and the rule applied."""
+    purged_at: float | None = None
+    """When retention purged its calls' bodies and token ids (``retention.bodies_ttl_s``): its calls
+    keep their counts, status and versions, with ``notes.purged``, and are never trained. None: whole."""
 
     def rejoined(self) -> Episode:
         """This episode with every call of a delta claim made whole, as ``calls: "whole"`` sends it.
@@ -164,6 +176,8 @@ class Group(_Entity):
     completed_at: float | None = None
     train_status: TrainStatus = "pending"
     trained_step: int | None = None
+    train_reason: SkipReason | None = None
+    """Why it was never trained (``skipped`` or ``stale``); None: trained, pending, or skipped without one."""
     train_note: str | None = None
     counts: dict[str, int] = {}
     """Episodes by status, e.g. ``{"rewarded": 2}``."""

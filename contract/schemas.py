@@ -14,9 +14,17 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from contract.vocabulary import AbandonCause, AckStatus, ForkRule, TrainMode
+from contract.vocabulary import (
+    AbandonCause,
+    AckStatus,
+    AuditAction,
+    ForkRule,
+    TeacherRendering,
+    TrainerSkip,
+    TrainMode,
+)
 
 
 def _finite_json(value: Any, path: str = "") -> Any:
@@ -208,11 +216,84 @@ class AckIn(_In):
     group_ids: list[str] = Field(min_length=1)
     step: StoredInt = Field(ge=0)
     status: AckStatus = "trained"
+    reason: TrainerSkip | None = None
+    """Why the groups are skipped (a ``skipped`` ack only; stored as ``train_reason``): counted by it,
+    never by the note. None: a trainer that sends none (counted as ``other``)."""
     note: str | None = Field(None, max_length=4000)
+    """The reason in words, for people."""
     audits: dict[str, EpisodeAudit] | None = None
     """Episode id -> its audit, for episodes of these groups (a trained ack)."""
+
+    @field_validator("reason")
+    @classmethod
+    def _reason_of_a_skip(cls, reason: TrainerSkip | None, info: ValidationInfo) -> TrainerSkip | None:
+        status = info.data.get("status")
+        if reason is not None and status != "skipped":
+            raise ValueError(f"a reason is for a skipped ack; a {status} ack carries none")
+        return reason
 
 
 class StepIn(_In):
     step: StoredInt = Field(ge=0)
     metrics: Metadata
+
+
+# -- notes on recorded calls ------------------------------------------------------------------
+
+
+class TeacherNote(BaseModel):
+    """``notes.teacher`` of a call a teacher answered (``metadata.source: teacher:<name>``): the
+    proxy writes it, a trainer's warm start reads it off the claimed or listed call. The call's ids
+    are in the student's token space (``rendered``), with no sampling log-probs and no policy version."""
+
+    name: str
+    """The teacher (``teachers[].name`` in the proxy's settings)."""
+    model: str
+    """The model the teacher served the call with."""
+    rendered: TeacherRendering = "student_template"
+    usage: dict[str, Any] | None = None
+    """The teacher's own usage counts (its tokenizer), as it answered them."""
+
+
+# -- retention: purges, deletions on request, the audit log -------------------------------------
+
+
+class PurgeIn(_In):
+    """``POST /retention/purge``: purge now what the sweeper would (``proxy/retention.py``)."""
+
+    older_than_s: FiniteFloat | None = Field(
+        None,
+        gt=0,
+        description="purge episodes finished longer ago than this (s); default the proxy's retention.bodies_ttl_s",
+    )
+
+
+class PurgedOut(BaseModel):
+    episodes: int = Field(description="episodes whose calls' bodies and token ids were purged")
+    calls: int = Field(description="call rows purged (kept with their counts, status and versions)")
+    audit_ids: list[int] = Field(description="the audit log entries written, one per batch")
+
+
+class DeletedOut(BaseModel):
+    """``DELETE /episodes/{id}`` and ``DELETE /episodes?user=``: what left the store."""
+
+    episodes: list[str] = Field(description="ids of the deleted episodes: those asked for, then their forks")
+    forks: int = Field(description="of those, episodes deleted because they were forked from one asked for")
+    calls: int = Field(description="call rows deleted")
+    groups_deleted: list[str] = Field(description="groups left without members, deleted")
+    groups_changed: list[str] = Field(
+        description="groups that lost members and kept others: size, and an undecided group's status, follow"
+    )
+    audit_id: int = Field(description="the audit log entry of this deletion")
+
+
+class AuditEntryOut(BaseModel):
+    """One entry of ``GET /retention/audit``."""
+
+    id: int
+    at: float
+    actor: str = Field(description="admin:<key id> (the admin key's sha256, first 16 hex digits), or retention")
+    action: AuditAction
+    target: str = Field(description="an episode id, user:<id>, or a purge's cutoff")
+    rows: int = Field(description="rows removed or purged (calls, episodes, groups)")
+    detail: dict[str, Any]

@@ -6,7 +6,7 @@ delta on the earlier one (``proxy/store/delta.py``). Both ask these functions, s
 trainer merges is a call the store can keep as a delta. They take lists of ids or the same ids
 packed as bytes (both sides in one form). The ``rejoin_*`` functions undo such a delta: the store
 reads its rows with them and a client the calls of a delta claim (``contract/entities.py``);
-``client_list`` names the list of a client's own request (Messages, Responses) that such a delta continues.
+``client_list`` names the list of a client's own request (Messages, Responses, Gemini) that such a delta continues.
 """
 
 from __future__ import annotations
@@ -42,12 +42,12 @@ def rejoin_messages(
 
 def client_list(request: Any) -> str | None:
     """The key of a client's own conversation in its request, when the client spoke another API
-    than chat (``client_request``): Messages' ``messages``, Responses' ``input`` as a list. A
-    Messages or stateless Responses agent resends it whole each turn, as a chat agent does its
-    messages, so it is kept as a delta the same way (``client_from``)."""
+    than chat (``client_request``): Messages' ``messages``, Responses' ``input`` as a list, Gemini's
+    ``contents``. A Messages, Gemini or stateless Responses agent resends it whole each turn, as a
+    chat agent does its messages, so it is kept as a delta the same way (``client_from``)."""
     if type(request) is not dict:
         return None
-    for key in ("messages", "input"):
+    for key in ("messages", "input", "contents"):
         if type(request.get(key)) is list:
             return key
     return None

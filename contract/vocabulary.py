@@ -25,8 +25,8 @@ AckStatus = Literal["trained", "skipped"]
 """What a trainer acks a group as (``POST /trainer/ack``)."""
 CallKind = Literal["chat", "completion"]
 """The vLLM route a recorded call ran on: chat completions or completions."""
-CallApi = Literal["chat", "completions", "responses", "messages"]
-"""The API the client spoke; ``responses`` and ``messages`` run as chat calls (``proxy/dialects``)."""
+CallApi = Literal["chat", "completions", "responses", "messages", "gemini"]
+"""The API the client spoke; ``responses``, ``messages`` and ``gemini`` run as chat calls (``proxy/dialects``)."""
 Abandoned = Literal["skip", "penalize"]
 """What the trainer does with a group's abandoned episodes: leave them out, or count them as members
 at ``abandoned_reward``; a workflow says which in its groups' metadata (``abandoned``)."""
@@ -63,3 +63,28 @@ ForkRule = Literal["sample", "abandon"]
 """What a fork episode does when its agent's request differs from the replayed source call's
 (``proxy/replay.py``): sample from there on from the current policy, or end the episode (abandoned,
 cause ``diverged``) with a 409 to the agent."""
+TEACHER_PREFIX = "teacher:"
+"""A group's or episode's ``metadata.source`` that starts with this names a teacher the proxy serves
+(``teachers[].name`` in its settings): ``teacher:<name>``. Every chat call of such an episode is
+answered by that teacher instead of the policy, recorded in the student's token space with
+``notes.teacher`` (``TeacherNote``), never on-policy: GRPO's claim never hands its group out."""
+TeacherRendering = Literal["student_template"]
+"""How a teacher call's ids were made (``notes.teacher.rendered``): the student's chat template
+rendered the prompt, and the conversation with the teacher's answer appended; the completion ids are
+the difference. No sampling log-probs: the student never sampled them."""
+AuditAction = Literal["purge", "delete_episode", "delete_user"]
+"""What an ``audit_log`` entry records (``proxy/store/retention.py``): a batch of episodes whose bodies
+and token ids retention purged, one episode deleted on request (with its forks), or every episode of
+one user deleted on request."""
+TrainerSkip = Literal["equal", "shaping_only", "few", "empty", "nonfinite"]
+"""Why a trainer acks a group ``skipped`` (``POST /trainer/ack``'s ``reason``; ``trainer/data.py``,
+``trainer/loop.py``): ``equal``, every compared reward (or return) equal; ``shaping_only``, equal
+outcomes whose per-turn returns differ by shaping alone (``shaping: gated``); ``few``, fewer members
+than GRPO compares; ``empty``, nothing trainable; ``nonfinite``, a non-finite gradient in its step."""
+SkipReason = Literal[TrainerSkip, "stale", "teacher"]
+"""Why a group was never trained (``groups.train_reason``): a trainer's reason, or the claim's own:
+``stale`` (its oldest call more than ``max_staleness`` versions behind) or ``teacher`` (a teacher's
+demonstrations, never trained on-policy). The note beside it is free text for people."""
+SkipCount = Literal[SkipReason, "other"]
+"""A key of the skip count (``GET /groups/skips``): a reason, or ``other`` for groups skipped without
+one (acked by a trainer that sent none, or stored before migration 0011 with a note it could not read)."""

@@ -1,13 +1,14 @@
 """What became of a run's groups, for ``make run``'s report: generated, trained, dropped and why.
 
-Sources, each read over HTTP or from a child's output (never from the store directly):
-``GET /trainer/admission`` (every group in the store by outcome, and the proxy's admission refusals),
-``GET /groups?train_status=skipped`` (each skipped group's note: why the trainer skipped it), the
-trainer's step metrics (the calls of the episodes it trained) and the workflow's final summary line
-(its admission waits).
+Sources, each read through the contract's client (``contract/client.py``) or from a child's output
+(never from the store directly): ``GET /trainer/admission`` (every group in the store by outcome,
+and the proxy's admission refusals), ``GET /groups/skips`` (the groups never trained, counted by
+their typed ``train_reason`` in one query), ``GET /groups?train_reason=other`` (the notes of a few
+groups skipped without a reason), the trainer's step metrics (the calls of the episodes it trained)
+and the workflow's final summary line (its admission waits).
 
-Skips are counted from the store's notes, not from step metrics: a claim whose groups are all
-skipped (every reward equal, say) is acked without a step, so no step's metrics ever count it.
+Skips are counted from the store, not from step metrics: a claim whose groups are all skipped
+(every reward equal, say) is acked without a step, so no step's metrics ever count it.
 
 ``stale_fraction`` is stale groups over generated ones: the share of rollouts thrown away because
 the trainer reached them only after they fell more than ``max_staleness`` versions behind.
@@ -16,65 +17,62 @@ the trainer reached them only after they fell more than ``max_staleness`` versio
 from __future__ import annotations
 
 import json
-import re
-from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-import httpx
+from contract.client import ProxyClient, ProxyError, RetryRule
+from contract.schemas import AdmissionOut
+from contract.vocabulary import SkipCount
 
-SKIP_REASONS = {
-    "equal": re.compile(r"^all \d+ rewards equal\b"),
-    "shaping_only": re.compile(r"^all \d+ outcomes equal\b.*\bshaping alone\b"),
-    # stores written before the trainer's threshold became MIN_MEMBERS say "< min_rewarded N"
-    "few": re.compile(r"\brewarded episodes\b.*(< min_rewarded \d+|GRPO compares at least \d+)$"),
-    "empty": re.compile(r"^no trainable calls\b"),
-    "nonfinite": re.compile(r"^non-finite gradient\b"),
-}
-"""The trainer's skip notes (``trainer/data.py`` ``build_batch``, ``trainer/loop.py``), by reason:
-rewards all equal, outcomes all equal with returns that differ by shaping alone (``shaping: gated``),
-too few members, no trainable tokens, a non-finite gradient."""
-PAGE = 1000
-"""Groups per ``GET /groups`` page (the route's maximum)."""
+R = TypeVar("R")
+ONCE = RetryRule(attempts=1)
+"""The report asks once: a proxy that cannot answer leaves its figures unknown (None), never waits."""
+OTHER_NOTES = 5
+"""Distinct notes of groups skipped without a reason the report quotes, so ``other`` can be looked into."""
 
 
-def _get(proxy_url: str, admin_key: str, path: str, **params: Any) -> Any:
-    """One admin GET's JSON body, or None when the proxy cannot answer (the report then says so)."""
+@dataclass(frozen=True)
+class Skips:
+    """The groups never trained, by reason (``GET /groups/skips``), and a few notes of those under ``other``."""
+
+    counts: dict[str, int]
+    """A ``SkipCount`` key each; a reason without groups is absent."""
+    other_notes: list[str]
+
+    def count(self, reason: SkipCount) -> int:
+        return self.counts.get(reason, 0)
+
+
+def _ask(proxy_url: str, admin_key: str, call: Callable[[ProxyClient], R]) -> R | None:
+    """One call's answer, or None when the proxy cannot answer (the report then says so)."""
     try:
-        response = httpx.get(
-            f"{proxy_url}{path}", params=params, headers={"authorization": f"Bearer {admin_key}"}, timeout=60
-        )
-        return response.json() if response.status_code == 200 else None
-    except (httpx.HTTPError, ValueError):
+        with ProxyClient(proxy_url, admin_key, timeout_s=60, retry=ONCE) as client:
+            return call(client)
+    except (ProxyError, ValueError):  # no answer, an error answer, or one that does not read
         return None
 
 
-def admission_state(proxy_url: str, admin_key: str) -> dict[str, Any]:
-    """``GET /trainer/admission``, or {} when the proxy cannot answer."""
-    found = _get(proxy_url, admin_key, "/trainer/admission")
-    return dict(found) if isinstance(found, dict) else {}
+def admission_state(proxy_url: str, admin_key: str) -> AdmissionOut | None:
+    """``GET /trainer/admission``, or None when the proxy cannot answer."""
+    return _ask(proxy_url, admin_key, lambda client: client.admission())
 
 
-def skip_notes(proxy_url: str, admin_key: str) -> list[str] | None:
-    """The note of every group the trainer acked ``skipped`` ("" where none), or None when unreadable."""
-    notes: list[str] = []
-    while True:
-        page = _get(proxy_url, admin_key, "/groups", train_status="skipped", limit=PAGE, offset=len(notes))
-        if not isinstance(page, dict):
-            return None
-        notes += [str(g.get("train_note") or "") for g in page["data"]]
-        if len(page["data"]) < PAGE:
-            return notes
+def skips(proxy_url: str, admin_key: str) -> Skips | None:
+    """The groups never trained, counted by their typed reason, or None when unreadable."""
+
+    def read(client: ProxyClient) -> Skips:
+        counts = client.skip_counts()
+        other = client.groups(train_reason="other", limit=100) if counts.get("other") else []
+        notes = sorted({g.train_note or "" for g in other})[:OTHER_NOTES]
+        return Skips(counts, notes)
+
+    return _ask(proxy_url, admin_key, read)
 
 
-def skip_reason(note: str) -> str:
-    """A skip note's reason (a key of ``SKIP_REASONS``), else ``other``. A note that joins several
-    reasons (a trainer before one note per group wrote its lease's reasons into every group's note)
-    counts under their reason only if all of them agree."""
-    kinds = set()
-    for part in note.split("; "):
-        kinds.add(next((kind for kind, pattern in SKIP_REASONS.items() if pattern.search(part)), "other"))
-    return kinds.pop() if len(kinds) == 1 else "other"
+skip_notes = skips
+"""The name ``deploy/loop.py`` calls it by."""
 
 
 def workflow_summary(log_path: Path) -> dict[str, Any]:
@@ -102,23 +100,20 @@ def calls_per_trained_episode(steps: list[dict[str, Any]]) -> float | None:
     return round(calls / episodes, 3) if episodes else None
 
 
-def group_counts(admission: dict[str, Any], notes: list[str] | None, workflow: dict[str, Any]) -> dict[str, Any]:
+def group_counts(admission: AdmissionOut | None, skipped_by: Skips | None, workflow: dict[str, Any]) -> dict[str, Any]:
     """The report's ``groups`` section. None where a source was missing (never a made-up zero).
-    ``skipped_*``: groups acked skipped, by the reason in their note; ``skipped_other_notes``: the
-    notes no reason matched (a few, verbatim), so that a count under ``other`` can be looked into."""
-    by_outcome: dict[str, int] | None = admission.get("groups")
+    ``skipped_*``: groups never trained, by their stored reason (``other``: skipped without one);
+    ``skipped_other_notes``: a few of those groups' notes, verbatim, so that ``other`` can be looked into."""
+    by_outcome = admission.groups if admission is not None else None
     generated = sum(by_outcome.values()) if by_outcome is not None else None
 
     def count(key: str) -> int | None:
         return None if by_outcome is None else int(by_outcome.get(key, 0))
 
-    reasons = Counter(skip_reason(n) for n in notes) if notes is not None else None
-
-    def skipped(reason: str) -> int | None:
-        return None if reasons is None else reasons[reason]
+    def skipped(reason: SkipCount) -> int | None:
+        return None if skipped_by is None else skipped_by.count(reason)
 
     stale = count("stale")
-    unmatched = sorted({n for n in notes or [] if skip_reason(n) == "other"})
     return {
         "generated": generated,
         "trained": count("trained"),
@@ -129,14 +124,15 @@ def group_counts(admission: dict[str, Any], notes: list[str] | None, workflow: d
         "skipped_few": skipped("few"),
         "skipped_empty": skipped("empty"),
         "skipped_nonfinite": skipped("nonfinite"),
+        "skipped_teacher": skipped("teacher"),
         "skipped_other": skipped("other"),
-        "skipped_other_notes": unmatched[:5],
+        "skipped_other_notes": [] if skipped_by is None else skipped_by.other_notes,
         "failed": count("failed"),
         "left_pending": count("pending"),
         "left_open": count("open"),
         "stale_fraction": round(stale / generated, 4) if stale is not None and generated else None,
-        "admission_limit": admission.get("limit"),
-        "admission_refusals": admission.get("refused"),
+        "admission_limit": None if admission is None else admission.limit,
+        "admission_refusals": None if admission is None else admission.refused,
         "admission_waits": workflow.get("admission_waits"),
         "admission_wait_s": workflow.get("admission_wait_s"),
     }
@@ -151,7 +147,8 @@ def summary(groups: dict[str, Any], calls_per_episode: float | None) -> str:
         f"{groups['skipped_equal']} equal rewards, {groups['skipped_shaping_only']} equal outcomes (shaping "
         f"alone), {groups['skipped_few']} too few members, "
         f"{groups['skipped_empty']} no trainable tokens, {groups['skipped_nonfinite']} non-finite gradient, "
-        f"{groups['skipped_other']} other; {groups['failed']} failed, {groups['left_pending']} left pending, "
+        f"{groups['skipped_teacher']} teacher demonstrations, {groups['skipped_other']} other; "
+        f"{groups['failed']} failed, {groups['left_pending']} left pending, "
         f"{groups['left_open']} left open\n"
         f"admission: {groups['admission_refusals']} refusals (limit {groups['admission_limit']}), "
         f"{groups['admission_waits']} runner waits ({groups['admission_wait_s']} s)"

@@ -27,6 +27,8 @@ from proxy.adapters import AdapterTable
 from proxy.admission import Admission
 from proxy.auth import KeyRing
 from proxy.deps import Services
+from proxy.dialects.gemini import error_body as gemini_error_body
+from proxy.dialects.gemini import speaks_gemini
 from proxy.dialects.messages import error_body as messages_error_body
 from proxy.errors import FlywheelError, InvalidRequest, NotFound, PayloadTooLarge, RequestRejected
 from proxy.gate import EpisodeGate
@@ -36,12 +38,14 @@ from proxy.metrics import Metrics
 from proxy.recorder import Recorder
 from proxy.relay import Relay
 from proxy.replay import Replayer
-from proxy.routes import chat, episodes, messages, ops, policy, probe, responses, trainer
+from proxy.retention import Sweeper
+from proxy.routes import chat, episodes, gemini, messages, ops, policy, probe, responses, retention, trainer
 from proxy.routes.mounts import MOUNTS, model_router
 from proxy.sampling import SamplingDefaults
 from proxy.settings import Settings
 from proxy.splice import Splicer
 from proxy.store.repository import Repository
+from proxy.teachers import Teachers
 from proxy.throttle import FailedAuth
 from proxy.ui import routes as ui
 from proxy.upstream import Upstreams
@@ -137,7 +141,10 @@ def _speaks_messages(path: str) -> bool:
 
 
 def _error_response(error: FlywheelError, path: str) -> JSONResponse:
-    body = messages_error_body(error) if _speaks_messages(path) else error.body()
+    if speaks_gemini(path):  # Google's Gemini routes answer in Google's shape
+        body = gemini_error_body(error)
+    else:
+        body = messages_error_body(error) if _speaks_messages(path) else error.body()
     return JSONResponse(body, status_code=error.status_code, headers=error.headers() or None)
 
 
@@ -185,6 +192,9 @@ def _services(
         else None,
         grammars=Grammars(upstreams),
         replayer=Replayer(store, metrics),
+        teachers=Teachers(
+            settings.teachers, store, upstreams, metrics, settings.timeouts, render_model=settings.policy.base_model
+        ),
     )
     return Services(
         settings=settings,
@@ -202,7 +212,7 @@ def _services(
 
 def _loops(settings: Settings, svc: Services, key_file: KeyFile | None) -> list[asyncio.Task[None]]:
     """The background jobs of a running proxy: replica health, the current version, the idle-episode
-    reaper, and the admin key file's watcher."""
+    reaper, the retention sweeper (with ``retention.bodies_ttl_s`` set), and the admin key file's watcher."""
     upstreams, adapters, episodes = svc.upstreams, svc.adapters, svc.repo.episodes
     loops = [
         asyncio.create_task(upstreams.health_loop(settings.health_interval_s, adapters.sync_replica)),
@@ -215,6 +225,9 @@ def _loops(settings: Settings, svc: Services, key_file: KeyFile | None) -> list[
             )
         ),
     ]
+    if settings.retention.bodies_ttl_s is not None:  # purge bodies and token ids past their TTL
+        sweeper = Sweeper(settings.retention, svc.repo)
+        loops.append(asyncio.create_task(_every(settings.retention.interval_s, "retention", sweeper.sweep)))
     if key_file is not None and settings.auth.key_reload_s > 0:
         loops.append(asyncio.create_task(key_file.watch(settings.auth.key_reload_s)))
     return loops
@@ -305,10 +318,12 @@ def create_app(
         lifespan=lifespan,
         description="OpenAI-compatible proxy that records agent episodes for RL training.",
     )
-    model_routes = (*chat.ROUTES, *responses.ROUTES, *messages.ROUTES)
+    model_routes = (*chat.ROUTES, *responses.ROUTES, *messages.ROUTES, *gemini.ROUTES)
     for mount in MOUNTS:  # each model route once, served under every base URL
         app.include_router(model_router(mount, model_routes), prefix=mount.prefix)
-    for module in (episodes, policy, trainer, ops, probe):
+    for mount in gemini.GEMINI_MOUNTS:  # Google's clients add /v1beta to the base URL themselves
+        app.include_router(model_router(mount, gemini.ROUTES), prefix=mount.prefix)
+    for module in (episodes, policy, trainer, ops, probe, retention):
         app.include_router(module.router)
     ui.install(app, keys.admin_keys)
     _install_error_handlers(app)

@@ -39,6 +39,12 @@ a coding agent at it") mirrors this one:
                 tools[].type "namespace"                                            mapped: flattened
                 background, conversation, prompt, max_tool_calls, context_mgmt      refused
                 custom, local_shell, shell, apply_patch tools                       refused
+    Gemini      safetySettings, labels, thoughtSignature, a function's response schema  ignored
+                thinkingConfig (``compat.thinking_switch``; absent: the template's)  mapped: no thoughts / used
+                thinkingConfig.thinkingLevel (``compat.reasoning_effort``)          ignored / used
+                allowedFunctionNames (several, or with VALIDATED)                   mapped: only those shown
+                googleSearch, codeExecution, urlContext, ... tools                  dropped / refused
+                cachedContent, computerUse tools, non-text responseModalities       refused
 """
 
 from __future__ import annotations
@@ -138,6 +144,15 @@ _LABELS = frozenset(
         "text.verbosity",
         "stream_options.include_obfuscation",
         "tools.namespace",
+        "safetySettings",
+        "labels",
+        "thoughtSignature",
+        "tools.functionDeclarations.response",
+        "toolConfig.retrievalConfig",
+        "toolConfig.functionCallingConfig",
+        "generationConfig.thinkingConfig",
+        "generationConfig.thinkingConfig.thinkingBudget",
+        "generationConfig.thinkingConfig.thinkingLevel",
     }
 )
 """Field names counted under their own label; any other (a client's own new field) counts as ``other``."""
@@ -494,3 +509,74 @@ def namespace_members(tool: dict[str, Any], where: str, ledger: Ledger) -> tuple
 
 def flat_name(namespace: str, name: str) -> str:
     return f"{namespace}{SEPARATOR}{name}"
+
+
+# -- Google Gemini ----------------------------------------------------------------------------------
+
+GEMINI_TOP: dict[str, Any] = {
+    "safetySettings": _ignored("safety settings: this deployment runs no safety filter"),
+    "labels": _ignored("billing labels"),
+    "cachedContent": _refused("cached contents are not stored by this deployment; send the contents"),
+}
+GEMINI_TOP |= {
+    "safety_settings": GEMINI_TOP["safetySettings"],
+    "cached_content": GEMINI_TOP["cachedContent"],
+}
+"""Top-level fields of a ``generateContent`` request its translator does not use (either spelling)."""
+GEMINI_HOSTED = frozenset(
+    {
+        "googleSearch",
+        "googleSearchRetrieval",
+        "codeExecution",
+        "urlContext",
+        "fileSearch",
+        "googleMaps",
+        "enterpriseWebSearch",
+        "retrieval",
+        "mcpServers",
+    }
+)
+"""Gemini tools Google runs: dropped from what the model sees, or refused (``compat.hosted_tools``)."""
+GEMINI_CLIENT_TOOLS = frozenset({"computerUse"})
+"""Gemini tools the client runs with actions only Google's models know: refused."""
+
+
+def gemini_top(extras: dict[str, Any], ledger: Ledger) -> None:
+    """The top-level ``GEMINI_TOP`` fields of a Gemini request (``safetySettings``, ``cachedContent``, ...)."""
+    for name, value in extras.items():
+        if value is not None:
+            GEMINI_TOP[name](value, {}, ledger, name=camel(name))
+
+
+def gemini_thinking(config: Any, where: str, ledger: Ledger) -> bool:
+    """``generationConfig.thinkingConfig``: the thinking switch from ``thinkingBudget`` (0: off; absent:
+    the template's default, as Gemini's own default is its model's), ``thinkingLevel`` as an effort.
+    Returns whether the answer shows the model's thoughts (``includeThoughts``)."""
+    switch = ledger.settings.thinking_switch
+    budget, level, include = config.thinking_budget, config.thinking_level, bool(config.include_thoughts)
+    if switch is None:
+        if include or (budget is not None and budget != 0):
+            ledger.map(
+                "generationConfig.thinkingConfig",
+                "served without thoughts: the model has no reasoning",
+                where=f"{where}.{'includeThoughts' if include else 'thinkingBudget'}",
+            )
+    elif budget is not None:
+        ledger.chat.setdefault("chat_template_kwargs", {})[switch] = budget != 0
+        if budget > 0:
+            ledger.map(
+                "generationConfig.thinkingConfig.thinkingBudget",
+                "served without a thinking budget (vLLM has none)",
+                where=f"{where}.thinkingBudget",
+            )
+    if level is not None:
+        effort(level.lower(), f"{where}.thinkingLevel", ledger)
+    for key, item in (config.model_extra or {}).items():
+        ledger.unknown(key, item, where=f"{where}.{key}")
+    return include
+
+
+def camel(name: str) -> str:
+    """A proto field name (snake_case) as proto3 JSON's lowerCamelCase; lowerCamelCase stays as it is."""
+    head, *rest = name.split("_")
+    return head + "".join(word.title() for word in rest)

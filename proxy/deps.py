@@ -12,6 +12,7 @@ from proxy.adapters import AdapterTable
 from proxy.admission import Admission
 from proxy.auth import KeyRing, Principal, bearer
 from proxy.depth import MAX_DEPTH, too_deep
+from proxy.dialects.gemini.errors import speaks_gemini
 from proxy.errors import AuthenticationFailed, InvalidRequest, PayloadTooLarge, PermissionDenied
 from proxy.gate import EpisodeGate, canonical_id, identify_episode, side_episode
 from proxy.metrics import Metrics
@@ -72,10 +73,16 @@ def check_key(request: Request, key: str | None) -> Principal | None:
     return found
 
 
+def google_query_key(path: str, key: str | None) -> str | None:
+    """Google's API takes its key as the ``key`` query parameter too; only its routes read it."""
+    return key if key and speaks_gemini(path) else None
+
+
 def identify(request: Request) -> Principal:
     """Any valid key (model routes); 401 for a missing or wrong key, 429 after too many wrong ones."""
     headers = request.headers
     key = bearer(headers.get("authorization"), headers.get("api-key") or headers.get("x-api-key"))
+    key = key or headers.get("x-goog-api-key") or google_query_key(request.url.path, request.query_params.get("key"))
     found = check_key(request, key)
     if found is None:
         message = "missing API key (Authorization: Bearer <key>)" if not key else "invalid API key"

@@ -21,6 +21,10 @@ Streaming: pages of ``page`` episodes by keyset (``Browse.export_page``), each w
 before the next is read; Parquet writes one row group per page. A page's calls are read in one query
 and made whole by ``rows.call_records``, the reader the repository uses, so the export reads
 exactly what the trainer is served, whatever the store's layout.
+
+Retention: a deleted episode is gone from the store, so from every export after it; a purged one
+(``retention.bodies_ttl_s``) is exported with its outcome and counts, ``purged_at`` set, and calls
+without bodies or ids (``trained`` false, empty ``messages``: ``proxy/store/retention.py``).
 """
 
 from __future__ import annotations
@@ -114,6 +118,7 @@ SCHEMA = pa.schema(
         ("metadata", pa.string()),
         ("reward_metadata", pa.string()),
         ("fidelity", pa.string()),
+        ("purged_at", pa.float64()),
     ]
 )
 """One row per episode. JSON-valued fields of free shape (metadata, tools, notes) are JSON text, so
@@ -335,6 +340,7 @@ def episode_row(episode: EpisodeRecord, advantage: float | None) -> dict[str, An
         "metadata": _json(episode.metadata),
         "reward_metadata": _json(episode.reward_metadata),
         "fidelity": _json(fidelity(episode)),
+        "purged_at": episode.purged_at,
     }
 
 

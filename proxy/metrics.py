@@ -95,6 +95,15 @@ class Metrics:
             registry=r,
         )
 
+        self.teacher_calls = Counter(
+            "flywheel_teacher_calls",
+            "Calls a teacher answered (metadata.source teacher:<name>), by teacher and how their ids were recorded: "
+            "rendered (the student's template, exact), mismatch (the rendering with the answer does not extend the "
+            "prompt's: recorded inexact), unrendered (the student's engine has no render route: no ids)",
+            ["teacher", "ids"],
+            registry=r,
+        )
+
         self.refused = Counter(
             "flywheel_refused_calls",
             "Model calls refused with a 4xx (by the proxy, or by the engine: upstream_rejected), by route (the API) "

@@ -56,6 +56,8 @@ class Recording:
     """A passthrough call recorded beside its episode (``notes.side``; no policy version)."""
     replay: dict[str, Any] | None = None
     """The source call a fork's call was answered from (``notes.replay``, ``proxy/replay.py``)."""
+    teacher: dict[str, Any] | None = None
+    """The teacher that answered the call instead of the policy (``notes.teacher``, ``proxy/teachers.py``)."""
     started: float = field(default_factory=time.time)
     t0: float = field(default_factory=time.perf_counter)
     """The call's clock (latency and time to first token)."""
@@ -102,7 +104,8 @@ class Recording:
         )
 
     def notes(self) -> dict[str, Any] | None:
-        """What the proxy changed or decided on the way: a dropped seed, the effective sampling, the splice."""
+        """What the proxy changed or decided on the way: a dropped seed, the effective sampling, the
+        splice, the replay, the teacher that answered."""
         notes = dict(self.dropped or {})
         if self.sampling is not None:
             notes["sampling"] = self.sampling
@@ -110,6 +113,8 @@ class Recording:
             notes["splice"] = self.splice
         if self.replay is not None:
             notes["replay"] = self.replay
+        if self.teacher is not None:
+            notes["teacher"] = self.teacher
         if self.side:
             notes["side"] = True
         if self.translation is not None and self.translation.compat:

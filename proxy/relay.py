@@ -8,8 +8,9 @@ sampled ids of earlier turns into a follow-up prompt (``splice.py``), send to a 
 (``upstream.py``), capture the exact ids and log-probs (``capture.py``), record (``recording.py``,
 through ``recorder.py``) and only then answer: a plain call after its record committed, a stream
 with its final event held back until then (``streaming.py``). A fork episode's first calls are
-answered from its source's record instead of the engine (``replay.py``), recorded all the same. A call in another API
-(``dialects/``) runs as its chat request and is answered in its own API.
+answered from its source's record instead of the engine (``replay.py``), recorded all the same. A
+teacher episode's calls are answered by its teacher, their ids rendered by the student's engine
+(``teachers.py``). A call in another API (``dialects/``) runs as its chat request and is answered in its own API.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from contract.vocabulary import CallKind
 from proxy import replay
 from proxy.adapters import AdapterTable
 from proxy.answers import check_answer, json_object, reading
-from proxy.capture import Wants, capture_response, prepare, sampled, single_prompt, strip_for_client
+from proxy.capture import Captured, Wants, capture_response, prepare, sampled, single_prompt, strip_for_client
 from proxy.dialects.base import Translation
-from proxy.errors import FlywheelError, UnsafeRequest, UpstreamError, UpstreamUnavailable
+from proxy.errors import FlywheelError, InvalidRequest, UnsafeRequest, UpstreamError, UpstreamUnavailable
 from proxy.grammar import Grammars
 from proxy.metrics import Metrics
 from proxy.recorder import Recorder
@@ -39,9 +40,10 @@ from proxy.refusals import refused
 from proxy.replay import Replayed, Replayer
 from proxy.sampling import SamplingDefaults, settle_grammar
 from proxy.sampling import resolve as resolve_sampling
-from proxy.settings import SamplingSettings
+from proxy.settings import SamplingSettings, TeacherSettings
 from proxy.splice import Plan, Splicer, SpliceUnavailable
 from proxy.streaming import StreamRelay, sse_events
+from proxy.teachers import Teachers, sse
 from proxy.upstream import Replica, Upstreams, answer_error
 
 log = logging.getLogger("flywheel.relay")
@@ -71,6 +73,8 @@ class Relay:
     """The engine's grammar for constrained calls (``grammar.py``); None: the request-based rule alone."""
     replayer: Replayer | None = None
     """Fork episodes' replayed calls (``replay.py``); None: no replay (a proxy without a store)."""
+    teachers: Teachers | None = None
+    """Episodes a teacher answers (``teachers.py``); None: no teachers configured."""
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     """Tasks that outlive their request (recording a disconnected stream); drained on shutdown."""
 
@@ -88,7 +92,10 @@ class Relay:
         ``client_gone`` (the request's ``is_disconnected``) tells a non-streamed answer no one will read.
         ``side``: a passthrough call recorded beside ``episode_id`` (a user simulator's), never trained."""
         try:
-            call = ModelCall(self, kind, body, episode_id, translation, client_gone, side=side)
+            teacher = None
+            if self.teachers is not None and episode_id is not None and not side:
+                teacher = await self.teachers.of(episode_id)
+            call = ModelCall(self, kind, body, episode_id, translation, client_gone, side=side, teacher=teacher)
         except FlywheelError as exc:  # refused before anything was sent (a sampling rule): made visible
             route = translation.api if translation else ("chat" if kind == "chat" else "completions")
             own = translation.client_request if translation else body
@@ -124,7 +131,8 @@ class ModelCall:
     ``respond`` settles the grammar, then ``complete`` or ``open_stream`` protect the engine,
     splice, send, capture, record (``recording.py``) and answer, a stream through
     ``streaming.py``. ``translation``: a call in another API (``proxy/dialects``), run as its chat
-    request and answered in its own API.
+    request and answered in its own API. ``teacher``: the call is answered by that teacher
+    (``teachers.py``), nothing sampled from the policy: no sampling, grammar, splice or replay.
     """
 
     def __init__(
@@ -137,8 +145,10 @@ class ModelCall:
         client_gone: ClientGone | None = None,
         *,
         side: bool = False,
+        teacher: TeacherSettings | None = None,
     ) -> None:
         self.relay = relay
+        self.teacher = teacher
         self.side = side
         self.client_gone = client_gone
         self.kind = kind
@@ -147,7 +157,14 @@ class ModelCall:
         self.episode_id = episode_id
         self.recorded = episode_id is not None
         self.replayed: Replayed | None = None
-        model_served, version = relay.adapters.resolve(body["model"])  # the adapter serving the model
+        if teacher is not None and (kind != "chat" or translation is not None):
+            raise InvalidRequest(
+                f"episode {episode_id} is answered by teacher {teacher.name}, which serves chat completions "
+                f"only; this call is a {translation.api if translation else kind} call",
+                code="teacher_unsupported",
+            )
+        # the adapter serving the model; a teacher's call no policy version served: never on-policy
+        model_served, version = (teacher.model, None) if teacher is not None else relay.adapters.resolve(body["model"])
         self.record = Recording(
             recorder=relay.recorder,
             metrics=relay.metrics,
@@ -159,7 +176,9 @@ class ModelCall:
             version=None if side else version,  # no policy version: the trainer leaves it out
             side=side,
         )
-        if self.recorded:  # what vLLM samples with is sent explicitly, and recorded
+        if teacher is not None:  # the client's request goes to the teacher as it came
+            self.upstream_body, self.wants = dict(body), prepare(body, kind)[1]
+        elif self.recorded:  # what vLLM samples with is sent explicitly, and recorded
             if kind == "completion":
                 single_prompt(body)
             self.upstream_body, self.wants = prepare(body, kind)
@@ -172,7 +191,10 @@ class ModelCall:
         self.upstream_body["model"] = model_served
 
     async def respond(self) -> Response:
-        """The answer: a stream when the (chat) body asks for one, else one JSON body."""
+        """The answer: a stream when the (chat) body asks for one, else one JSON body. A teacher's
+        answer is fetched whole and recorded first, then sent (as a stream where one was asked for)."""
+        if self.teacher is not None:
+            return await self.complete()
         self.replayed = await self._replay()
         if self.replayed is None:
             await self._grammar()
@@ -307,12 +329,17 @@ class ModelCall:
     async def complete(self) -> Response:
         """Fetch, capture, record, then answer: the client gets its body only after the record committed."""
         record = self.record
+        raw: bytes | None
+        captured: Captured | None
         try:
-            data, raw = await self._fetch()
-            with reading(record.source):  # everything read from the answer is read before the record
-                captured = capture_response(data, self.kind) if self.recorded else None
-                if self.translation is not None:
-                    raw = orjson.dumps(self.translation.response(data))
+            if self.teacher is not None:
+                data, raw, captured = await self._teach(self.teacher)
+            else:
+                data, raw = await self._fetch()
+                with reading(record.source):  # everything read from the answer is read before the record
+                    captured = capture_response(data, self.kind) if self.recorded else None
+                    if self.translation is not None:
+                        raw = orjson.dumps(self.translation.response(data))
         except FlywheelError as exc:
             await record.failed(exc)
             raise
@@ -323,11 +350,30 @@ class ModelCall:
             return Response(status_code=499)  # written to nobody
         if self.recorded:
             await record.answered(captured, None)
-            if self.translation is None and (strip_for_client(data, self.wants, self.kind) or raw is None):
+            if (
+                self.translation is None
+                and self.teacher is None  # the teacher's answer reaches the agent unchanged
+                and (strip_for_client(data, self.wants, self.kind) or raw is None)
+            ):
                 raw = orjson.dumps(data)
         assert raw is not None
         record.observe(200, captured)
+        if self.teacher is not None and self.body.get("stream"):
+            return Response(sse(data, self.wants), media_type="text/event-stream", headers=self.headers())
         return Response(raw, media_type="application/json", headers=self.headers())
+
+    async def _teach(self, teacher: TeacherSettings) -> tuple[dict[str, Any], bytes, Captured]:
+        """The teacher's answer, its bytes, and what the record keeps of it: its ids rendered by
+        the student's engine (``teachers.py``), the note saying so."""
+        teachers = self.relay.teachers
+        assert teachers is not None
+        data, raw = await teachers.ask(teacher, self.body)
+        replica = self.relay.upstreams.pick(self.episode_id)
+        self.record.replica = replica
+        with reading(f"teacher {teacher.name}"):
+            captured = await teachers.capture(teacher, replica, self.body, data)
+            self.record.teacher = teachers.note(teacher, data)
+        return data, raw, captured
 
     async def _fetch(self) -> tuple[dict[str, Any], bytes | None]:
         """The upstream's answer, parsed, and its bytes (None when the proxy built the answer)."""

@@ -54,6 +54,22 @@ class UpstreamSettings(_Section):
     default; set ``pass`` for GPU builds that take it."""
 
 
+class TeacherSettings(_Section):
+    """A stronger model served behind the proxy as a teacher: an entry of ``teachers``
+    (``proxy/teachers.py``). An episode created with ``metadata.source: teacher:<name>`` has every
+    chat call answered by it, recorded in the student's token space, never trained on-policy."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    """What ``metadata.source`` names after ``teacher:``."""
+    url: str
+    """Base URL of an OpenAI-compatible server, without ``/v1`` (the scripted demonstrator,
+    ``python -m workflows.tac.demonstrator``, or a larger model's vLLM)."""
+    api_key: SecretStr | None = None
+    """Bearer key sent to the teacher; None: no authorization header. Never logged."""
+    model: str
+    """The model name the teacher is asked for (the agent's requested name is replaced by it)."""
+
+
 class PolicySettings(_Section):
     """The policy's model names and how its published adapter versions are loaded (``proxy/adapters.py``)."""
 
@@ -224,6 +240,25 @@ class AdmissionSettings(_Section):
     """The longest ``Retry-After`` given, however slow the trainer's steps."""
 
 
+class RetentionSettings(_Section):
+    """How long recorded bodies and token ids are kept, and who an episode belongs to for deletion on
+    request (``proxy/retention.py``). Store-wide: once runs exist, a run's own ``bodies_ttl_s``
+    overrides this one for its episodes."""
+
+    bodies_ttl_s: float | None = Field(default=None, gt=0)
+    """Seconds after an episode finished when its calls' bodies and token ids are purged (request,
+    answer, error, client request, prompt and sampled ids, log-probs), once its group is done with:
+    trained, skipped, stale or failed (a lone episode: finished). The rows stay, with their token
+    counts, status, versions, reward and timings; the episode gets ``purged_at``. None: kept forever."""
+    interval_s: float = Field(default=300.0, gt=0)
+    """How often (s) the retention sweeper looks for episodes past ``bodies_ttl_s``."""
+    batch: int = Field(default=200, ge=1, le=10_000)
+    """Episodes purged per transaction (each batch is one audit entry): short write locks on SQLite."""
+    user_key: str = Field(default="user", min_length=1, max_length=64)
+    """The episode metadata key naming the end user an episode was recorded for:
+    ``DELETE /episodes?user=<id>`` deletes every episode whose ``metadata[user_key]`` is that string."""
+
+
 class UpstreamTimeouts(_Section):
     """Timeouts (s) of the proxy's requests to vLLM."""
 
@@ -250,6 +285,9 @@ class Settings(_Section):
     upstreams: list[UpstreamSettings] = Field(min_length=1)
     """The vLLM replicas (at least one, unique names). An episode's calls stay on one replica while it is
     healthy (rendezvous hash of the episode id); other calls go to the least busy healthy one."""
+    teachers: list[TeacherSettings] = []
+    """Teachers behind the proxy (unique names): an episode whose ``metadata.source`` is
+    ``teacher:<name>`` is answered by that teacher instead of the policy (``proxy/teachers.py``)."""
     policy: PolicySettings = PolicySettings()
     store: StoreSettings = StoreSettings()
     episodes: EpisodeSettings = EpisodeSettings()
@@ -259,6 +297,7 @@ class Settings(_Section):
     splice: SpliceSettings = SpliceSettings()
     admission: AdmissionSettings = AdmissionSettings()
     compat: CompatSettings = CompatSettings()
+    retention: RetentionSettings = RetentionSettings()
     upstream_transport: Literal["lean", "httpx"] = "lean"
     """The HTTP transport under the one client to vLLM: ``lean`` (``proxy/transport.py``, the
     default: an O(1) keep-alive pool) or ``httpx`` (httpx's own, httpcore, with the same pool size),
@@ -279,6 +318,9 @@ class Settings(_Section):
         names = [u.name for u in self.upstreams]
         if len(set(names)) != len(names):
             raise ValueError(f"upstream names must be unique, got {names}")
+        teachers = [t.name for t in self.teachers]
+        if len(set(teachers)) != len(teachers):
+            raise ValueError(f"teacher names must be unique, got {teachers}")
         return self
 
 

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from contract.vocabulary import TrainerSkip
+
 ADAPTER = "adapter_model.safetensors"
 OPTIMIZER = "optimizer.pt"
 STATE = "state.json"
@@ -39,6 +41,9 @@ class LeaseRecord:
     expires_at: float = 0.0
     trained: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    """Skipped group id -> its note."""
+    skip_reasons: dict[str, TrainerSkip] = field(default_factory=dict)
+    """Skipped group id -> its typed reason (absent in a checkpoint written before it: acked without one)."""
     audits: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
     """Trained group id -> episode id -> fidelity audit (``trainer/audit.py``), sent with the ack."""
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 from dataclasses import dataclass
@@ -227,6 +228,29 @@ class TrainerConfig:
     pass_threshold: float = 0.5
     """An episode with reward at or above this counts as passed (the pass-rate metric only)."""
 
+    # -- warm start ----------------------------------------------------------------------------------
+    warm_start_steps: int = 0
+    """Supervised fine-tuning steps of the LoRA on recorded episodes before GRPO (``trainer/warmstart.py``):
+    ``python -m trainer warmstart`` runs only these, checkpoints and publishes the adapter, and ``trainer
+    run`` resumes GRPO from it; ``trainer run`` itself runs them first on a fresh ``output_dir`` (never
+    on a resumed one). They are steps 1..N of the run: ``max_steps`` counts them. 0: no warm start."""
+    warm_start_min_reward: float | None = None
+    """Select only episodes rewarded at least this (rejection sampling: the agent's own best episodes).
+    None: any rewarded episode. Only rewarded episodes are ever selected."""
+    warm_start_tasks: tuple[str, ...] = ()
+    """Select only episodes of these task ids (exact, any of them; at most 256). Empty: every task."""
+    warm_start_source: str | None = None
+    """Select only episodes whose metadata ``source`` is exactly this string (the source tag: e.g.
+    ``teacher:<name>`` for a teacher's episodes, or a scripted demonstrator's own tag). None: any."""
+    warm_start_learning_rate: float | None = None
+    """AdamW learning rate of the warm start; None uses ``learning_rate``. Supervised steps usually
+    take a larger one than GRPO (TRL's SFTConfig defaults to 2e-5 for full models; LoRA takes ~1e-4)."""
+    warm_start_episodes_per_step: int = 8
+    """Selected episodes per warm-start step; steps go through the selection in a shuffled order
+    (``seed``), epoch after epoch, so N steps see N x this many episodes (repeating them as needed)."""
+    warm_start_max_episodes: int = 1000
+    """The newest this many selected episodes are used (their calls are fetched once, at the start)."""
+
     # -- rollout coupling ------------------------------------------------------------------------------
     mode: TrainMode = "async"
     """``sync``: train only on groups whose every call came from the current policy version.
@@ -336,6 +360,19 @@ class TrainerConfig:
                 f"proxy_url must be an http(s) URL, got {self.proxy_url!r}",
             ),
             (self.threads is None or self.threads >= 1, "threads must be >= 1 (or null for torch's default)"),
+            (self.warm_start_steps >= 0, "warm_start_steps must be >= 0 (0: no warm start)"),
+            (
+                self.warm_start_min_reward is None or math.isfinite(self.warm_start_min_reward),
+                "warm_start_min_reward must be a finite number (or null for any reward)",
+            ),
+            (len(self.warm_start_tasks) <= 256, "warm_start_tasks names at most 256 task ids"),
+            (self.warm_start_source != "", "warm_start_source must be a non-empty tag (or null for any source)"),
+            (
+                self.warm_start_learning_rate is None or self.warm_start_learning_rate > 0,
+                "warm_start_learning_rate must be > 0 (or null for learning_rate)",
+            ),
+            (self.warm_start_episodes_per_step >= 1, "warm_start_episodes_per_step must be >= 1"),
+            (self.warm_start_max_episodes >= 1, "warm_start_max_episodes must be >= 1"),
         ]
         errors = [message for ok, message in checks if not ok]
         if errors:

@@ -19,7 +19,12 @@ class DataStats:
     calls_failed: int = 0
     """Errored calls or calls without a choice: nothing to train on."""
     calls_foreign: int = 0
-    """Calls to a model that is not the policy (no policy version): not the behaviour policy."""
+    """Calls to a model that is not the policy (no policy version): not the behaviour policy. In a warm
+    start, those of a model that is not a teacher (no ``notes.teacher``): their ids may be another
+    tokenizer's."""
+    calls_teacher: int = 0
+    """Warm start only: calls a teacher answered (``notes.teacher``), trained on the ids the proxy made by
+    re-rendering the teacher's text with the student's chat template (``Sample.rerendered``)."""
     calls_deduped: int = 0
     """Earlier copies of retried calls (same prompt ids)."""
     calls_retokenized: int = 0
@@ -32,6 +37,8 @@ class DataStats:
     """Calls with penalties or token biases the trainer cannot reproduce: context only."""
     calls_replayed: int = 0
     """Fork episodes' calls answered from their source's record (``notes.replay``): context only."""
+    calls_purged: int = 0
+    """Calls whose bodies and token ids retention purged (``notes.purged``): nothing left to train on, dropped."""
     calls_constrained: int = 0
     """Grammar-constrained calls trained, scored under the engine's rebuilt token mask."""
     calls_constrained_excluded: int = 0
@@ -61,8 +68,9 @@ class DataStats:
     """Calls appended to the previous call's sample."""
     breaks: int = 0
     """Calls whose prompt did not extend the episode so far: a new sample started."""
-    samples: int = 0
-    """Samples built from the members' turns, continuation samples included (skipped groups' too)."""
+    samples_built: int = 0
+    """Samples built from the members' turns, continuation samples included (skipped groups' too);
+    ``data/samples`` counts the trained ones."""
     samples_split: int = 0
     """Continuation samples made by splitting samples longer than ``max_seq_len`` at turn boundaries
     (``long_samples: split``): a sample split into k parts counts k - 1."""

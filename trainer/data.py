@@ -29,6 +29,7 @@ from typing import Literal
 import torch
 
 from contract.client import Group
+from contract.vocabulary import TrainerSkip
 from trainer.config import ScaleRewards
 from trainer.counters import DataStats
 from trainer.credit import EQUAL, assign, member_values, shaping_only
@@ -57,8 +58,9 @@ __all__ = [
 ]
 
 SkipKind = Literal["few", "equal", "shaping_only", "empty"]
-"""Why a group is skipped: too few members, equal values (no signal), equal outcomes whose per-turn
-returns differ by shaping alone (``shaping: gated``), nothing trainable."""
+"""Why a group is skipped here: too few members, equal values (no signal), equal outcomes whose
+per-turn returns differ by shaping alone (``shaping: gated``), nothing trainable; the ack's typed
+``reason`` (``contract.vocabulary.TrainerSkip``, which adds the loop's ``nonfinite``)."""
 NOTHING_TRAINABLE = "no trainable calls (see the data counters)"
 MIN_MEMBERS = 2
 """GRPO compares the members of a group with each other: a group with fewer has no comparison and is
@@ -76,7 +78,7 @@ class Batch:
     trained: list[str]
     """Groups that produced samples (acked ``trained`` after the step)."""
     skipped: dict[str, str]
-    """Group id to the reason it is acked ``skipped``."""
+    """Group id to the note it is acked ``skipped`` with (the reason in words)."""
     rewards: list[float]
     """Rewards of the members of the trained groups."""
     advantages: list[float]
@@ -91,10 +93,13 @@ class Batch:
     stats: DataStats = field(default_factory=DataStats)
     episodes: dict[str, DataStats] = field(default_factory=dict)
     """The counters of each episode of the trained groups: its fidelity audit (``audit``)."""
+    reasons: dict[str, TrainerSkip] = field(default_factory=dict)
+    """Group id to the typed reason it is acked ``skipped`` for (what the proxy counts skips by)."""
 
-    def skip(self, group_id: str, kind: SkipKind, reason: str) -> None:
-        """Ack the group ``skipped`` with ``reason``, counted in ``skipped_<kind>``."""
-        self.skipped[group_id] = reason
+    def skip(self, group_id: str, kind: SkipKind, note: str) -> None:
+        """Ack the group ``skipped`` for ``kind`` with ``note``, counted in ``skipped_<kind>``."""
+        self.skipped[group_id] = note
+        self.reasons[group_id] = kind
         setattr(self, f"skipped_{kind}", getattr(self, f"skipped_{kind}") + 1)
 
 

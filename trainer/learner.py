@@ -20,6 +20,12 @@ it, remembering the served adapter as the leader did. Under FSDP every forward i
 every rank runs the re-scoring passes too (the leader's figures are kept), runs as many training
 passes as the others (``World.passes``), and gathers the whole adapter and AdamW state after the
 update (``optimizer_state``), which the leader checkpoints.
+
+Objectives. ``step(objective="grpo")`` is the GRPO family (``loss.grpo_loss``); ``"sft"`` is the warm
+start's supervised step (``loss.sft_loss``, ``trainer/warmstart.py``): the same packing (prefix
+sharing included), forward (gradient checkpointing included), clipping and AdamW, one pass per step,
+no old or reference log-probs, no importance weights, no engine comparison (its samples are scored
+without the sampling they were drawn with, so a gap to the engine would mean nothing).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -37,7 +43,7 @@ from trainer import memory
 from trainer.config import TrainerConfig
 from trainer.distributed import Pass, World, gathered, sharded_optimizer_state
 from trainer.lora import LoraPolicy
-from trainer.loss import Totals, grpo_loss
+from trainer.loss import Totals, grpo_loss, sft_loss
 from trainer.mismatch import ENGINE_GROUPS, engine_figures, engine_gap, episode_gaps
 from trainer.mismatch import EpisodeGap as EpisodeGap  # re-exported: the audit and its tests import it from here
 from trainer.packing import MicroBatch, pack
@@ -62,6 +68,8 @@ SUMS = (
 """The statistics a step sums over micro-batches (and over ranks)."""
 MAXES = tuple(f"engine_{g}_max" for g in ENGINE_GROUPS)
 KEEP_SNAPSHOTS = 4
+Objective = Literal["grpo", "sft"]
+"""What a step minimises: the GRPO family's loss, or the warm start's negative log-likelihood."""
 """Adapter states kept in memory for re-scoring stale samples (versions further back are rare)."""
 
 
@@ -168,8 +176,11 @@ class Learner:
         with torch.no_grad():
             return [mb.table(self.policy.logprobs(mb).logps) for mb, _ in passes]
 
-    def step(self, samples: Sequence[Sample], *, sequences: int | None = None) -> StepStats:
-        """Train on ``samples`` (advantages set): ``num_iterations`` optimizer steps, one pass each.
+    def step(
+        self, samples: Sequence[Sample], *, sequences: int | None = None, objective: Objective = "grpo"
+    ) -> StepStats:
+        """Train on ``samples`` (advantages set): ``num_iterations`` optimizer steps, one pass each
+        (``objective="sft"``: one supervised step, ``loss.sft_loss``; advantages unused).
 
         ``sequences``: what per-sequence losses average over; by default the distinct group members
         of the samples under ``normalize_per_episode``, else the samples. Under data parallelism or
@@ -195,13 +206,18 @@ class Learner:
         sums: dict[str, float] = {}
         maxes: dict[str, float] = {}
         self._gaps = {}
-        self._check_stale(samples, self._follow(self.world.broadcast(self._plan(samples))), sums, maxes)
-        olds = self._old_logps(passes)
+        sft = objective == "sft"
+        plan = self._plan(samples) if not sft else StalePlan(self.weights_version, {})
+        self._check_stale(samples, self._follow(self.world.broadcast(plan)), sums, maxes)
+        olds = self._old_logps(passes) if not sft else [None] * len(passes)
         first: dict[str, float] = {}
         reduced: dict[str, float] = {}
-        for iteration in range(cfg.num_iterations):
+        for iteration in range(1 if sft else cfg.num_iterations):
             step_sums = dict(sums) if iteration == 0 else {}
             for (mb, counted), old in zip(passes, olds, strict=True):
+                if sft:
+                    self._supervised(mb, totals, step_sums, counted=counted)
+                    continue
                 self._accumulate(mb, old, totals, step_sums, maxes if iteration == 0 else {}, counted=counted)
             if not self.policy.sharded:  # FSDP has reduce-scattered (summed) them already
                 self.world.sum_gradients(self.policy.parameters())
@@ -300,6 +316,17 @@ class Learner:
             stale &= ~fresh
         sums["stale_diff"] = sums.get("stale_diff", 0.0) + float((trainer - engine).abs()[stale].sum())
         sums["stale_n"] = sums.get("stale_n", 0.0) + float(stale.sum())
+
+    def _supervised(self, mb: MicroBatch, totals: Totals, sums: dict[str, float], *, counted: bool = True) -> None:
+        """One forward/backward of the warm start's loss (``loss.sft_loss``), its statistics added to ``sums``."""
+        out = self.policy.logprobs(mb)
+        loss = sft_loss(mb.table(out.logps), mb.mask, totals=totals)
+        (loss if counted else loss * 0.0).backward()  # type: ignore[no-untyped-call]
+        if not counted:
+            return
+        entropy, outside = out.entropy.sum(), out.outside.sum()
+        for key, value in (("loss", loss), ("policy_loss", loss), ("entropy", entropy), ("outside", outside)):
+            sums[key] = sums.get(key, 0.0) + float(value.detach())
 
     def _plan(self, samples: Sequence[Sample]) -> StalePlan | None:
         """The leader's plan: up to ``engine_logp_check_samples`` samples per older version whose

@@ -11,13 +11,39 @@ before a restart.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Collection, Mapping
+from typing import Any, NamedTuple
 
 from contract.client import ProxyClient, ProxyError
 from contract.schemas import EpisodeAudit
-from contract.vocabulary import AckStatus
+from contract.vocabulary import AckStatus, TrainerSkip
 from trainer.checkpoint import LeaseRecord
+
+
+class Ack(NamedTuple):
+    """What one ack says of its groups: their status and, for a skip, the typed reason and its note."""
+
+    status: AckStatus
+    reason: TrainerSkip | None
+    """None for a trained ack, and for a skip from a checkpoint written before reasons were typed."""
+    note: str | None
+
+
+def take_step(
+    lease: LeaseRecord, trained: Collection[str], notes: Mapping[str, str], reasons: Mapping[str, TrainerSkip]
+) -> None:
+    """What a step made of a lease's groups, kept for its ack: trained, or skipped for a typed reason
+    with a note (``trainer/data.py``'s ``Batch``)."""
+    lease.trained = [g for g in lease.group_ids if g in trained]
+    lease.skipped = {g: notes[g] for g in lease.group_ids if g in notes}
+    lease.skip_reasons = {g: reasons[g] for g in lease.group_ids if g in reasons}
+
+
+def skip_trained(lease: LeaseRecord, reason: TrainerSkip, note: str) -> None:
+    """A dropped step's trained groups, acked skipped for ``reason`` instead (a non-finite gradient)."""
+    lease.skipped.update(dict.fromkeys(lease.trained, note))
+    lease.skip_reasons.update(dict.fromkeys(lease.trained, reason))
+    lease.trained = []
 
 
 class LeaseKeeper:
@@ -119,19 +145,19 @@ class Leases:
 
     def ack(self, lease: LeaseRecord, step: int) -> None:
         """Ack a lease's groups for ``step``: the trained ones, then the skipped ones in one ack per
-        reason, so each group's note is its own reason (not every reason of its lease). If the proxy
-        refuses (409: a group was lost, its update may be trained twice) each group is acked alone, so
-        the others still are, and the refusal is logged."""
-        reasons: dict[str, list[str]] = {}
-        for group_id, reason in lease.skipped.items():
-            reasons.setdefault(reason, []).append(group_id)
-        acks: list[tuple[AckStatus, list[str], str | None]] = [("trained", lease.trained, None)]
-        acks += [("skipped", ids, reason[:4000]) for reason, ids in sorted(reasons.items())]
-        for status, ids, note in acks:
+        reason and note, so each group carries its own typed reason and note (not every one of its
+        lease). If the proxy refuses (409: a group was lost, its update may be trained twice) each
+        group is acked alone, so the others still are, and the refusal is logged."""
+        skips: dict[Ack, list[str]] = {}
+        for group_id, note in lease.skipped.items():
+            skips.setdefault(Ack("skipped", lease.skip_reasons.get(group_id), note[:4000]), []).append(group_id)
+        acks = [(Ack("trained", None, None), lease.trained)]
+        acks += sorted(skips.items(), key=lambda item: (item[0].reason or "", item[0].note or ""))
+        for ack, ids in acks:
             if not ids:
                 continue
             try:
-                self._ack_groups(lease.lease_id, ids, step, status, note, lease.audits)
+                self._ack_groups(lease.lease_id, ids, step, ack, lease.audits)
             except ProxyError as exc:
                 if exc.status == 404:
                     raise ProxyError(
@@ -141,41 +167,46 @@ class Leases:
                     ) from exc
                 if exc.status != 409:
                     raise  # unacked groups would be offered again: stop, a restart re-acks from the checkpoint
-                self._ack_each(lease, ids, step, status, note, exc)
+                self._ack_each(lease, ids, step, ack, exc)
 
-    def _ack_each(
-        self, lease: LeaseRecord, ids: list[str], step: int, status: AckStatus, note: str | None, refused: ProxyError
-    ) -> None:
+    def _ack_each(self, lease: LeaseRecord, ids: list[str], step: int, ack: Ack, refused: ProxyError) -> None:
         """After a 409 on an ack of ``ids`` (acks are all or nothing): ack the groups still held one
         by one; the refused ones are logged."""
+        status = ack.status
         if len(ids) == 1:
             self.log(f"[warning] ack of group {ids[0]} ({status}) for step {step} refused: {refused.message}")
             return
         for group_id in ids:
             try:
-                self._ack_groups(lease.lease_id, [group_id], step, status, note, lease.audits)
+                self._ack_groups(lease.lease_id, [group_id], step, ack, lease.audits)
             except ProxyError as one:
                 if one.status != 409:
                     raise
                 self.log(f"[warning] ack of group {group_id} ({status}) for step {step} refused: {one.message}")
 
     def _ack_groups(
-        self,
-        lease_id: str,
-        ids: list[str],
-        step: int,
-        status: AckStatus,
-        note: str | None,
-        audits: dict[str, dict[str, dict[str, Any]]],
+        self, lease_id: str, ids: list[str], step: int, ack: Ack, audits: dict[str, dict[str, dict[str, Any]]]
     ) -> None:
         """One ack, with the fidelity audits of its groups' episodes. A lease that lapsed since the
         step was committed (a restart, a slow disk) is renewed and the ack retried: the renewal
         succeeds only if nobody claimed the groups meanwhile."""
         mine = {e: EpisodeAudit.model_validate(a) for g in ids for e, a in audits.get(g, {}).items()} or None
+
+        def send() -> None:
+            self.client.ack(
+                lease_id=lease_id,
+                group_ids=ids,
+                step=step,
+                status=ack.status,
+                reason=ack.reason,
+                note=ack.note,
+                audits=mine,
+            )
+
         try:
-            self.client.ack(lease_id=lease_id, group_ids=ids, step=step, status=status, note=note, audits=mine)
+            send()
         except ProxyError as exc:
             if exc.code != "lease_expired":
                 raise
             self.client.renew(lease_id=lease_id, group_ids=ids, lease_s=self.lease_s)
-            self.client.ack(lease_id=lease_id, group_ids=ids, step=step, status=status, note=note, audits=mine)
+            send()

@@ -42,7 +42,7 @@ from trainer.data import ChatRetokenizer, Rules, build_batch
 from trainer.distributed import World
 from trainer.grammar import masks_for, unmasked
 from trainer.learner import Learner
-from trainer.leases import LeaseKeeper, Leases
+from trainer.leases import LeaseKeeper, Leases, skip_trained, take_step
 from trainer.lora import LoraPolicy
 from trainer.metrics import step_metrics
 from trainer.publish import Publisher
@@ -110,7 +110,7 @@ class Trainer:
             self.step, self.version_base = state.step, state.version_base
             self.counters.update({k: int(state.metrics.get(k) or 0) for k in COUNTERS})
             self.reporter.log(f"resumed from {directory.name}: step {self.step}")
-            self._finish(state)
+            self._finish(state, publish=state.metrics.get("phase") == "warm_start")  # the warm policy is served
         self.restore.share()
         done = {lease.lease_id for lease in latest[1].leases} if latest else set()
         self.claims.resumable = [
@@ -150,8 +150,7 @@ class Trainer:
         batch = build_batch(groups, rules=data_rules(self.config), retokenize=self.retokenize, masker=self.masker)
         step = self.step + 1
         for lease in leases:
-            lease.trained = [g for g in lease.group_ids if g in batch.trained]
-            lease.skipped = {g: batch.skipped[g] for g in lease.group_ids if g in batch.skipped}
+            take_step(lease, batch.trained, batch.skipped, batch.reasons)
         if not batch.samples:  # nothing to learn from: ack the skips, no step is taken
             self._skip(step, leases, batch.skipped)
             return True
@@ -195,28 +194,56 @@ class Trainer:
         self.checkpoints.set_pending([])
         self._finish(state)
 
-    def _finish(self, state: CheckpointState) -> None:
-        """Ack, journal, publish (every ``publish_every`` steps) and report a checkpointed step; each
-        is a no-op when repeated, so a restart finishes its last checkpoint's step again."""
+    def _finish(self, state: CheckpointState, *, publish: bool = False) -> None:
+        """Ack, journal, publish (every ``publish_every`` steps, or when ``publish``) and report a
+        checkpointed step; each is a no-op when repeated, so a restart finishes its last checkpoint's
+        step again."""
         for lease in state.leases:
             self.leases.ack(lease, state.step)
         if state.step not in self.reporter.journal_steps():
+            phase = state.metrics.get("phase")
             self.reporter.journal(
                 {
                     "step": state.step,
+                    **({"phase": phase} if phase else {}),
                     "trained": [g for lease in state.leases for g in lease.trained],
                     "skipped": [g for lease in state.leases for g in lease.skipped],
                     "leases": [lease.lease_id for lease in state.leases],
                 }
             )
         metrics = dict(state.metrics)
-        if state.step % self.config.publish_every == 0:
+        if publish or state.step % self.config.publish_every == 0:
             metrics.update(self._publish(state.step))
         try:
             self.client.report_step(state.step, finite(metrics))
         except ProxyError as exc:  # metrics are not worth a crash; they stay in TensorBoard and the checkpoint
             self.reporter.log(f"[warning] reporting step {state.step} failed: {exc}")
         self.reporter.step(state.step, metrics)
+
+    # -- the warm start's steps (``warmstart.py``) -------------------------------------------------
+
+    def report(self, step: int, metrics: dict[str, Any], record: dict[str, Any]) -> None:
+        """Journal and report a step that leaves no checkpoint (a warm-start step before its last)."""
+        if step not in self.reporter.journal_steps():
+            self.reporter.journal(record)
+        try:
+            self.client.report_step(step, finite(metrics))
+        except ProxyError as exc:
+            self.reporter.log(f"[warning] reporting step {step} failed: {exc}")
+        self.reporter.step(step, metrics)
+
+    def commit_warm_start(self, step: int, metrics: dict[str, Any], record: dict[str, Any]) -> None:
+        """Checkpoint the warm start's last step with GRPO's own optimizer state, fresh (``warmstart.py``
+        says why), then journal, publish and report it: ``trainer run`` resumes GRPO from here."""
+        metrics = {**metrics, **self.counters}
+        state = CheckpointState(step=step, version_base=self.version_base, leases=[], metrics=finite(metrics))
+        self.checkpoints.save(
+            adapter=self.policy.adapter_state(), optimizer=self.learner.optimizer_state(), state=state
+        )
+        self.step = step
+        if step not in self.reporter.journal_steps():
+            self.reporter.journal(record)
+        self._finish(state, publish=True)
 
     def _publish(self, step: int) -> dict[str, Any]:
         version = self.version_base + step
@@ -242,8 +269,7 @@ class Trainer:
         )  # with num_iterations > 1 an earlier iteration may have updated
         reason = f"non-finite gradient (grad_norm={grad_norm})"
         for lease in leases:
-            lease.skipped.update(dict.fromkeys(lease.trained, reason))
-            lease.trained = []
+            skip_trained(lease, "nonfinite", reason)
         self.counters["trainer/nonfinite_steps"] += 1
         self.reporter.log(
             f"[warning] step {step} dropped: {reason}; no update, nothing checkpointed or published; "

@@ -11,6 +11,9 @@ loss of the full batch, whatever the packing.
     per_token_loss   -min(r * A, clipped_ratio * A) * w + beta * per_token_kl
     w                min(exp(old_logp - engine_logp), cap)        truncated importance sampling (or 0 above cap)
     per_token_kl     exp(ref - logp) - (ref - logp) - 1           k3 estimator, http://joschu.net/blog/kl-approx.html
+
+The warm start's supervised loss (``sft_loss``) lives here too: the mean negative log-likelihood of
+the trained tokens, over the same packed tables, normalised by the same ``Totals``.
 """
 
 from __future__ import annotations
@@ -107,6 +110,23 @@ def aggregate(
     if loss_type == "dapo":
         return masked.sum() / max(totals.tokens, 1)
     raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
+def sft_loss(logps: Tensor, mask: Tensor, *, totals: Totals) -> Tensor:
+    """Supervised fine-tuning (the warm start, ``trainer/warmstart.py``): this micro-batch's share of
+    the step's mean negative log-likelihood of its trained tokens, -sum(mask * logp) / totals.tokens.
+
+    logps (B, T) with grad, the policy's plain log-probs (temperature 1, no filter, no grammar mask:
+    the warm start's samples carry none); mask (B, T), 1 on the assistant tokens trained. The
+    normaliser is the trained tokens of the whole step, DAPO's token-level mean (``aggregate``'s
+    ``dapo``; Yu et al. 2025): every trained token weighs the same whatever the length of its
+    sequence, and the micro-batches' shares sum to the step's mean whatever the packing. It is the
+    cross-entropy TRL's SFTTrainer minimises with ``completion_only_loss`` (mean over the completion
+    tokens of the batch, Hugging Face's ``ForCausalLMLoss``), taken over the whole step. Its gradient is
+    GRPO's with every advantage 1, ratio 1 and no clipping or importance weight.
+    """
+    mask = mask.to(logps.dtype)
+    return -(logps * mask).sum() / max(totals.tokens, 1)
 
 
 @dataclass

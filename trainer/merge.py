@@ -102,7 +102,7 @@ def _trimmed(
                 stats.samples_empty += 1  # nothing sampled, or no context to predict the first token from
                 continue
             out.append(part)
-    stats.samples += len(out)
+    stats.samples_built += len(out)
     if len(out) > 1:
         stats.episodes_split += 1
     return out
@@ -201,6 +201,7 @@ def _append(sample: Sample, gap: list[int], turn: Turn, turn_index: int, stats: 
     sample.turns += [NOT_SAMPLED] * len(gap) + [turn_index if trained else NOT_SAMPLED] * n
     if trained:
         sample.min_version = _min(sample.min_version, turn.version)
+    sample.rerendered |= turn.rerendered
 
 
 def _truncate(sample: Sample, max_seq_len: int) -> None:

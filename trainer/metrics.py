@@ -1,5 +1,5 @@
 """A step's metrics, keyed like cleanrl's charts: ``reward/``, ``advantage/``, ``loss/``, ``policy/``,
-``data/``, ``staleness/``, ``proxy/``, ``perf/``, ``signals/``.
+``data/``, ``staleness/``, ``proxy/``, ``perf/``, ``signals/``; a warm-start step's are ``sft/`` and ``perf/``.
 
 The names are read by the tests, the dashboard and the launcher's collapse guard (``deploy/guard.py``):
 keep them. ``data/*`` adds every counter of ``DataStats`` under its own name.
@@ -8,11 +8,14 @@ keep them. ``data/*`` adds every counter of ``DataStats`` under its own name.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from typing import Any
 
 from contract.client import Group
+from trainer.counters import DataStats
 from trainer.data import Batch, staleness
 from trainer.learner import StepStats
+from trainer.sample import Sample
 
 STEP_METRICS: dict[str, str] = {
     "reward/mean": "Mean reward of the rewarded episodes of the step's groups.",
@@ -64,6 +67,17 @@ STEP_METRICS: dict[str, str] = {
     "perf/shared_share": "1 - ``perf/tokens_computed`` / ``perf/tokens_unshared``: the share of the samples' "
     "tokens not computed because they shared a prefix (0: none).",
     "perf/wait_s": "Seconds spent waiting for and claiming the step's groups.",
+    "sft/loss": "Warm start (``warmstart.py``): the step's mean negative log-likelihood (nats) of its trained tokens.",
+    "sft/tokens_trained": "Warm start: tokens trained (the assistant's completions), what ``sft/loss`` averages over.",
+    "sft/tokens": "Warm start: tokens of the step's samples (context included), a shared prefix counted in each.",
+    "sft/episodes": "Warm start: selected episodes the step trained on.",
+    "sft/samples_trained": "Warm start: samples (packed sequences) the step trained on.",
+    "sft/samples_rerendered": "Warm start: those holding another model's (a teacher's) calls re-rendered with the "
+    "student's chat template.",
+    "sft/micro_batches": "Warm start: packed micro-batches (forward and backward passes) of the step.",
+    "sft/grad_norm": "Warm start: global gradient norm before clipping; not finite: no update.",
+    "sft/entropy": "Warm start: mean entropy (nats) of the policy at the trained tokens.",
+    "sft/learning_rate": "Warm start: its AdamW learning rate (``warm_start_learning_rate``).",
     "signals/cut_fraction": "Answered choices that ended at the token limit (``finish_reason: length``); "
     "None: no choice.",
     "signals/tool_call_missing": "Choices of calls that required a tool call (``tool_choice`` required or "
@@ -136,6 +150,33 @@ def step_metrics(
     metrics.update(stats.engine)
     metrics.update(stats.memory)
     metrics.update(collapse_signals(groups))
+    return metrics
+
+
+def sft_metrics(
+    stats: StepStats, counters: DataStats, samples: Sequence[Sample], *, episodes: int, learning_rate: float
+) -> dict[str, Any]:
+    """A warm-start step's metrics (``warmstart.py``): ``sft/`` and ``perf/``, the data counters of its
+    episodes as ``sft/<counter>``, and ``phase: warm_start`` (GRPO steps carry no phase)."""
+    metrics: dict[str, Any] = {
+        "phase": "warm_start",
+        "sft/loss": stats.loss,
+        "sft/tokens_trained": stats.loss_tokens,
+        "sft/tokens": stats.tokens,
+        "sft/episodes": episodes,
+        "sft/samples_trained": len(samples),
+        "sft/samples_rerendered": sum(s.rerendered for s in samples),
+        "sft/micro_batches": stats.micro_batches,
+        "sft/grad_norm": stats.grad_norm,
+        "sft/entropy": stats.entropy,
+        "sft/learning_rate": learning_rate,
+        "perf/step_s": stats.seconds,
+        "perf/tokens_per_s": stats.tokens_per_s,
+        "perf/tokens_computed": stats.tokens_computed,
+        "perf/shared_share": stats.shared_share,
+    }
+    metrics.update({f"sft/{k}": v for k, v in counters.as_dict().items()})
+    metrics.update(stats.memory)
     return metrics
 
 

@@ -54,6 +54,9 @@ class Sample:
     advantages: list[float] | None = None
     member_loss_tokens: int = 0
     """Loss tokens of the whole member (all its samples): the per-episode normaliser; 0 = this sample's."""
+    rerendered: bool = False
+    """Some of its turns are a teacher's text (a warm start's) re-rendered with the student's chat
+    template (``notes.teacher``): their ids are the template's, not ones the student sampled."""
 
     @property
     def num_loss_tokens(self) -> int:

@@ -17,6 +17,16 @@ without their effective sampling, and a fork's replayed calls stay in the sequen
 
 A call with n > 1 choices: in a multi-turn episode the choice that the next call continues is the
 one taken (the others are counted as unused); a member that is one choice forces it (``choice``).
+
+Supervised turns (``supervised=True``: the warm start, ``trainer/warmstart.py``) imitate the text,
+they do not reproduce a distribution: every answered call's completion is trained, whatever it was
+sampled with (greedy, penalized, constrained, unrecorded), scored plainly (temperature 1, no filter,
+no grammar mask), and needs no engine log-probs. A teacher's call (no policy version, ``notes.teacher``:
+``proxy/teachers.py`` recorded the teacher's text re-rendered with the student's chat template, so its
+ids are the student's) is trained on those ids, counted (``calls_teacher``) and said so on its sample
+(``Sample.rerendered``); any other model's call stays foreign (its ids may be another tokenizer's). The
+other rules hold as in GRPO: failed calls out, calls without exact ids follow ``retokenize_inexact``,
+retries deduped, a fork's replayed calls context only, all counted.
 """
 
 from __future__ import annotations
@@ -52,6 +62,8 @@ class Turn:
     choice: int
     masks: torch.Tensor | None = None
     """(len(completion), words) grammar bitmask of a trained constrained turn."""
+    rerendered: bool = False
+    """A teacher's text re-rendered with the student's chat template (a supervised turn), not sampled ids."""
 
 
 def _sampling(call: Call, stats: DataStats) -> tuple[dict[str, Any], int]:
@@ -88,6 +100,19 @@ def _sampling(call: Call, stats: DataStats) -> tuple[dict[str, Any], int]:
         return recorded, MODES.index("sampled")
     stats.calls_sampling_unrecorded += 1
     return recorded, -1
+
+
+SUPERVISED = {"temperature": 1.0}
+"""A supervised turn's sampling: the plain distribution, whose log-likelihood the warm start raises."""
+
+
+def _supervised(call: Call, stats: DataStats) -> tuple[dict[str, Any], int]:
+    """A supervised turn's sampling and mode: trained as sampled, except a fork's replayed call
+    (context: trained in its source, as in GRPO)."""
+    if (call.notes or {}).get("replay") is not None:
+        stats.calls_replayed += 1
+        return SUPERVISED, -1
+    return SUPERVISED, MODES.index("sampled")
 
 
 def _shadow(call: Call, stats: DataStats) -> None:
@@ -144,17 +169,23 @@ def _turns(
     stats: DataStats,
     force_choice: int | None = None,
     masker: Masker | None = None,
+    supervised: bool = False,
 ) -> list[Turn]:
-    """Usable calls of one episode, in order, as token turns (failed, foreign and inexact ones out)."""
+    """Usable calls of one episode, in order, as token turns (failed, foreign and inexact ones out;
+    ``supervised``: the warm start's turns, the module docstring)."""
     ordered = sorted(calls, key=lambda c: c.ordinal)
     turns: list[Turn] = []
     for i, call in enumerate(ordered):
         stats.calls += 1
         _shadow(call, stats)
+        if (call.notes or {}).get("purged") is not None:  # retention emptied it: no ids, no text
+            stats.calls_purged += 1
+            continue
         if call.status_code != 200 or not call.choices:
             stats.calls_failed += 1
             continue
-        if call.policy_version is None:
+        teacher = supervised and call.policy_version is None and isinstance((call.notes or {}).get("teacher"), dict)
+        if call.policy_version is None and not teacher:
             stats.calls_foreign += 1
             continue
         index = _choice(call, ordered[i + 1 :], force_choice, stats)
@@ -162,13 +193,15 @@ def _turns(
         if ids is None:
             stats.calls_dropped_inexact += 1
             continue
+        stats.calls_teacher += teacher
         prompt, completion, logprobs = ids
-        sampling, mode = _sampling(call, stats)
-        if mode >= 0 and len(logprobs) != len(completion):
+        sampling, mode = _supervised(call, stats) if supervised else _sampling(call, stats)
+        if mode >= 0 and len(logprobs) != len(completion) and not supervised:
             stats.calls_logprobs_missing += 1
         if len(logprobs) != len(completion):
             logprobs = [NAN] * len(completion)
         turn = Turn(prompt, completion, logprobs, sampling, mode, call.policy_version, call.ordinal, index)
+        turn.rerendered = teacher
         _masks(call, turn, masker, stats)
         turns.append(turn)
     kept = _without_retries(turns)
@@ -232,6 +265,9 @@ def member_turns(
     stats: DataStats | None = None,
     choice: int | None = None,
     masker: Masker | None = None,
+    supervised: bool = False,
 ) -> list[Turn]:
-    """The usable turns of an episode (``choice`` forces the choice of n > 1 calls)."""
-    return _turns(episode.calls or [], retokenize, stats if stats is not None else DataStats(), choice, masker)
+    """The usable turns of an episode (``choice`` forces the choice of n > 1 calls; ``supervised``:
+    the warm start's turns, the module docstring)."""
+    stats = stats if stats is not None else DataStats()
+    return _turns(episode.calls or [], retokenize, stats, choice, masker, supervised)

@@ -5,6 +5,7 @@ Examples::
     python -m workflows run math --proxy http://127.0.0.1:8100 --groups 8 --group-size 8 --concurrency 16
     python -m workflows run tau2 --proxy URL -o domain=retail --groups 2 --group-size 2 --loop
     python -m workflows run math --proxy URL --reward mix --judge-weight 0.5 --judge-rubric @rubric.txt
+    python -m workflows run tac --proxy URL --source teacher:demo --groups 4 --group-size 1
     python -m workflows eval math --proxy URL --split test --limit 100
     python -m workflows list
 
@@ -129,6 +130,14 @@ def run(
     fork_on_divergence: Annotated[
         str, typer.Option(help="a fork whose agent's request differs from the replayed one: sample or abandon")
     ] = "sample",
+    source: Annotated[
+        str | None,
+        typer.Option(
+            help="who answers the agents: teacher:<name> (a teacher the proxy serves, e.g. teacher:demo, the "
+            "scripted demonstrator) records demonstrations for a warm start, never trained on-policy; "
+            "default: the policy"
+        ),
+    ] = None,
     option: OptionsOpt = None,
     admin_key_file: KeyFileOpt = Path("data/admin.key"),
 ) -> None:
@@ -156,6 +165,7 @@ def run(
             fork_rule=cast(ForkRuleName, fork_rule),
             fork_size=fork_size,
             fork_on_divergence=cast(ForkRule, fork_on_divergence),
+            source=source,
         )
         passthrough = Endpoint(
             f"{config.proxy_url.rstrip('/')}/passthrough/v1", config.passthrough_key or config.admin_key

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from contract.vocabulary import ForkRule
+from contract.vocabulary import TEACHER_PREFIX, ForkRule
 from workflows.base import Split
 from workflows.forking import FORK_RULES, ForkRuleName
 from workflows.judge import RewardMode
@@ -60,6 +60,11 @@ class RunConfig:
     """Episodes per fork group (default: ``group_size``)."""
     fork_on_divergence: ForkRule = "sample"
     """A fork whose agent sends a request the source never sent: sample from there, or abandon."""
+    source: str | None = None
+    """Who answers the agents' calls, written as ``metadata.source`` on each group and episode:
+    None, the policy; ``teacher:<name>``, a teacher the proxy serves (``proxy/teachers.py``; e.g.
+    ``teacher:demo`` for the scripted demonstrator, ``workflows/tac/demonstrator.py``): demonstrations
+    for a warm start, never trained on-policy, never on the test split."""
 
     def __post_init__(self) -> None:
         if self.groups < 1 and not self.loop:
@@ -82,5 +87,12 @@ class RunConfig:
             raise ValueError(f"fork_size must be >= 2: siblings are compared (got {self.fork_size})")
         if self.fork_on_divergence not in ("sample", "abandon"):
             raise ValueError(f"fork_on_divergence must be sample or abandon (got {self.fork_on_divergence!r})")
+        if self.source is not None and not self.source:
+            raise ValueError("source must be a non-empty string (e.g. teacher:demo), or None for the policy")
+        if self.source is not None and self.source.startswith(TEACHER_PREFIX):
+            if self.split == "test":
+                raise ValueError(f"source {self.source}: a teacher never demonstrates the test split")
+            if self.fork_share > 0:
+                raise ValueError(f"source {self.source}: fork mode compares the policy's samples; use fork_share 0")
         if not self.admission_max_wait_s > 0:
             raise ValueError(f"admission_max_wait_s must be > 0 (got {self.admission_max_wait_s})")

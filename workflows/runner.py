@@ -22,6 +22,10 @@ strata; with ``focus``, a share of draws goes to tasks whose groups are likely t
 ``picking.py``) until ``stop()``; ``max_pending`` pauses it while the trainer has that many complete
 groups left to claim, so the data it trains on stays close to the current policy.
 
+With ``source`` (``--source teacher:<name>``) every group and episode carries ``metadata.source``:
+the proxy then has that teacher answer the agents' calls (``proxy/teachers.py``), recorded as
+demonstrations for a warm start and never trained on-policy; a teacher never runs the test split.
+
 Admission control: the proxy refuses a group that could only be trained stale (429 ``backlog_full``,
 ``proxy/admission.py``). The runner then waits the answer's ``Retry-After`` (at most
 ``admission_max_wait_s`` per wait; a stop cuts the wait short) and asks again, for as long as it
@@ -228,6 +232,7 @@ class Runner:
     async def _create(self, task: Any, task_id: str) -> CreatedGroup | None:
         """The task's group, asked for again after each admission refusal; None if the run stopped first."""
         wf, cfg = self.workflow, self.config
+        source = {"source": cfg.source} if cfg.source is not None else {}  # who answers (a teacher)
         unanswered = 0
         while True:
             try:
@@ -239,8 +244,9 @@ class Runner:
                         "split": cfg.split,
                         "task": wf.task_metadata(task),
                         "abandoned": wf.abandoned,
+                        **source,
                     },
-                    episode_metadata=[{"index": i} for i in range(cfg.group_size)],
+                    episode_metadata=[{"index": i, **source} for i in range(cfg.group_size)],
                 )
             except ProxyUnreachable:
                 unanswered += 1

@@ -3,18 +3,31 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 
 from contract.entities import CreatedEpisode, CreatedGroup, Episode, EpisodeKey, Group
-from contract.schemas import MAX_STORED_INT, AbandonIn, EpisodeCreate, ForkIn, GroupCreate, Limit, ListOut, RewardIn
-from contract.vocabulary import EpisodeStatus, GroupStatus, TrainStatus
+from contract.schemas import (
+    MAX_STORED_INT,
+    AbandonIn,
+    EpisodeCreate,
+    FiniteFloat,
+    ForkIn,
+    GroupCreate,
+    Limit,
+    ListOut,
+    RewardIn,
+)
+from contract.vocabulary import EpisodeStatus, GroupStatus, SkipCount, TrainStatus
 from proxy.deps import AdminDep, ServicesDep
 from proxy.errors import BacklogFull, InvalidRequest
 from proxy.gate import canonical_id
 from proxy.store.records import GroupRecord
 
 router = APIRouter(tags=["episodes"])
+MAX_TASK_IDS = 256
+"""Task ids one ``GET /episodes`` filters by: a query string stays well inside a server's line limit."""
 
 
 def _public_url(svc: ServicesDep, request: Request) -> str:
@@ -36,6 +49,15 @@ def _key(svc: ServicesDep, request: Request, episode_id: str) -> EpisodeKey:
 def _check_size(svc: ServicesDep, size: int) -> None:
     if size > svc.settings.episodes.max_group_size:
         raise InvalidRequest(f"size {size} exceeds the limit {svc.settings.episodes.max_group_size}", param="size")
+
+
+def _check_teachers(
+    svc: ServicesDep, metadata: dict[str, Any], episode_metadata: list[dict[str, Any]] | None = None
+) -> None:
+    """A ``source: teacher:<name>`` must name a teacher this proxy serves (400 ``unknown_teacher``,
+    nothing written; ``proxy/teachers.py``)."""
+    if svc.relay.teachers is not None:
+        svc.relay.teachers.check(metadata, episode_metadata)
 
 
 async def _admitted(svc: ServicesDep, request: Request, create: Callable[[], Awaitable[GroupRecord]]) -> CreatedGroup:
@@ -67,6 +89,7 @@ async def create_group(body: GroupCreate, svc: ServicesDep, _: AdminDep, request
     Refused with 429 ``backlog_full`` and ``Retry-After`` while the groups ahead of the trainer
     already fill its staleness window (``proxy/admission.py``)."""
     _check_size(svc, body.size)
+    _check_teachers(svc, body.metadata, body.episode_metadata)
     if body.episode_metadata is not None and len(body.episode_metadata) != body.size:
         raise InvalidRequest(
             f"episode_metadata has {len(body.episode_metadata)} entries; size is {body.size}", param="episode_metadata"
@@ -93,6 +116,7 @@ async def fork_episode(episode_id: str, body: ForkIn, svc: ServicesDep, _: Admin
     """A fork group: ``size`` episodes of the source's task whose first ``at`` answered calls are
     answered from the source's record (``proxy/replay.py``); run the same agent on each, unchanged."""
     _check_size(svc, body.size)
+    _check_teachers(svc, body.metadata)
     source = canonical_id(episode_id)
     return await _admitted(
         svc,
@@ -110,14 +134,30 @@ async def list_groups(
     status: GroupStatus | None = None,
     task_id: str | None = None,
     train_status: TrainStatus | None = None,
+    train_reason: Annotated[
+        SkipCount | None, Query(description="never trained for this reason; other: skipped or stale without one")
+    ] = None,
     leased: bool | None = None,  # true: under a trainer's live lease; false: not (what the runner waits on)
     limit: Limit = 100,
     offset: int = Query(0, ge=0, le=MAX_STORED_INT),
 ) -> ListOut:
     groups = await svc.repo.episodes.list_groups(
-        status=status, task_id=task_id, train_status=train_status, leased=leased, limit=limit, offset=offset
+        status=status,
+        task_id=task_id,
+        train_status=train_status,
+        train_reason=train_reason,
+        leased=leased,
+        limit=limit,
+        offset=offset,
     )
     return ListOut(data=[Group.model_validate(g) for g in groups])
+
+
+@router.get("/groups/skips", response_model=dict[SkipCount, int])
+async def skip_counts(svc: ServicesDep, _: AdminDep) -> dict[SkipCount, int]:
+    """Groups never trained (``skipped`` or ``stale``) counted by ``train_reason`` (``other``: none
+    stored), in one query; the launcher's report reads its skips from it."""
+    return await svc.repo.episodes.skip_counts()
 
 
 @router.get("/groups/{group_id}", response_model=Group)
@@ -128,6 +168,7 @@ async def get_group(group_id: str, svc: ServicesDep, _: AdminDep) -> Group:
 @router.post("/episodes", status_code=201, response_model=CreatedEpisode)
 async def create_episode(body: EpisodeCreate, svc: ServicesDep, _: AdminDep, request: Request) -> CreatedEpisode:
     """Create a lone episode (no group): recorded like any other, never trained on by GRPO."""
+    _check_teachers(svc, body.metadata)
     episode = await svc.repo.episodes.create_episode(task_id=body.task_id, metadata=body.metadata)
     svc.metrics.episodes.labels("created").inc()
     key = _key(svc, request, episode.id)
@@ -142,14 +183,29 @@ async def list_episodes(
     _: AdminDep,
     status: EpisodeStatus | None = None,
     group_id: str | None = None,
-    task_id: str | None = None,
+    task_id: Annotated[
+        list[str] | None, Query(description=f"exact task ids, repeated for a set (any of them); at most {MAX_TASK_IDS}")
+    ] = None,
+    min_reward: Annotated[
+        FiniteFloat | None, Query(description="rewarded at least this (episodes without a reward: out)")
+    ] = None,
+    source: Annotated[
+        str | None,
+        Query(min_length=1, max_length=256, description='metadata["source"] equals this string (the source tag)'),
+    ] = None,
     limit: Limit = 100,
     offset: int = Query(0, ge=0, le=MAX_STORED_INT),
 ) -> ListOut:
+    """Episodes, newest first, without their calls (``GET /episodes/{id}`` has them). The filters
+    combine (all must hold); the trainer's warm start selects its episodes with them."""
+    if task_id is not None and len(task_id) > MAX_TASK_IDS:
+        raise InvalidRequest(f"{len(task_id)} task ids; at most {MAX_TASK_IDS} in one query", param="task_id")
     episodes = await svc.repo.episodes.list_episodes(
         status=status,
         group_id=canonical_id(group_id, param="group_id") if group_id else None,
-        task_id=task_id,
+        task_ids=task_id,
+        min_reward=min_reward,
+        source=source,
         limit=limit,
         offset=offset,
     )

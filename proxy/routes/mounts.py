@@ -53,7 +53,7 @@ class ModelRoute:
     method: Literal["GET", "POST"]
     path: str
     handler: Handler
-    tag: Literal["openai", "anthropic"]
+    tag: Literal["openai", "anthropic", "google"]
 
 
 def model_router(mount: Mount, routes: Iterable[ModelRoute]) -> APIRouter:

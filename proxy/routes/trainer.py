@@ -74,6 +74,7 @@ async def ack(body: AckIn, svc: ServicesDep, _: AdminDep) -> ListOut:
         group_ids=body.group_ids,
         step=body.step,
         status=body.status,
+        reason=body.reason,
         note=body.note,
         audits={e: a.model_dump() for e, a in body.audits.items()} if body.audits else None,
     )

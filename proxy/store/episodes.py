@@ -16,7 +16,7 @@ from typing import Any, Final
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from contract.vocabulary import AbandonCause, EpisodeStatus, GroupStatus, TrainStatus
+from contract.vocabulary import AbandonCause, EpisodeStatus, GroupStatus, SkipCount, TrainStatus
 from proxy.errors import Conflict, InvalidRequest, NotFound
 from proxy.store.delta import Tails
 from proxy.store.faults import translated
@@ -28,6 +28,8 @@ from proxy.store.sessions import Sessions, calls_of, lock_group
 OPEN: Final = "open"
 REWARDED: Final = "rewarded"
 ABANDONED: Final = "abandoned"
+NOT_TRAINED: Final[tuple[TrainStatus, ...]] = ("skipped", "stale")
+"""The train statuses a group ends in untrained, each with its ``train_reason``."""
 
 
 def new_group(
@@ -112,6 +114,19 @@ class Episodes:
             counts[key] = counts.get(key, 0) + int(n)
         return counts
 
+    async def skip_counts(self) -> dict[SkipCount, int]:
+        """Groups never trained (``skipped`` or ``stale``) by ``train_reason``, one query; ``other``:
+        those without one (a trainer that sent none, a note migration 0011 could not read)."""
+        async with self._sessions.read() as session:
+            rows = (
+                await session.execute(
+                    select(Group.train_reason, func.count())
+                    .where(Group.train_status.in_(NOT_TRAINED))
+                    .group_by(Group.train_reason)
+                )
+            ).all()
+        return {reason or "other": int(n) for reason, n in rows}
+
     async def create_episode(self, *, task_id: str | None, metadata: dict[str, Any]) -> EpisodeRecord:
         episode = Episode(
             id=str(uuid.uuid4()), group_id=None, task_id=task_id, meta=metadata, status=OPEN, created_at=time.time()
@@ -145,17 +160,27 @@ class Episodes:
         *,
         status: EpisodeStatus | None = None,
         group_id: str | None = None,
-        task_id: str | None = None,
+        task_ids: Sequence[str] | None = None,
+        min_reward: float | None = None,
+        source: str | None = None,
         limit: int = 100,
         offset: int = 0,
     ) -> list[EpisodeRecord]:
+        """Newest first, without their calls. ``task_ids``: any of these tasks (exact ids);
+        ``min_reward``: rewarded at least this; ``source``: ``metadata["source"]`` is exactly this
+        string (the source tag, e.g. ``teacher:<name>``; read with the JSON accessors both stores
+        have: ``json_extract`` on SQLite, ``->>`` on PostgreSQL)."""
         query = select(Episode).order_by(Episode.created_at.desc(), Episode.id).limit(limit).offset(offset)
         if status:
             query = query.where(Episode.status == status)
         if group_id:
             query = query.where(Episode.group_id == group_id)
-        if task_id:
-            query = query.where(Episode.task_id == task_id)
+        if task_ids:
+            query = query.where(Episode.task_id.in_(list(task_ids)))
+        if min_reward is not None:
+            query = query.where(Episode.reward >= min_reward)
+        if source is not None:
+            query = query.where(Episode.meta["source"].as_string() == source)
         async with self._sessions.read() as session:
             return [episode_record(row) for row in (await session.scalars(query)).all()]
 
@@ -177,11 +202,13 @@ class Episodes:
         status: GroupStatus | None = None,
         task_id: str | None = None,
         train_status: TrainStatus | None = None,
+        train_reason: SkipCount | None = None,
         leased: bool | None = None,
         limit: int = 100,
         offset: int = 0,
     ) -> list[GroupRecord]:
-        """Newest first; ``leased`` keeps the groups under a live trainer lease (True) or the others (False)."""
+        """Newest first; ``leased`` keeps the groups under a live trainer lease (True) or the others (False);
+        ``train_reason`` those never trained for it (``other``: skipped or stale without a reason)."""
         query = select(Group).order_by(Group.created_at.desc(), Group.id).limit(limit).offset(offset)
         if status:
             query = query.where(Group.status == status)
@@ -189,6 +216,10 @@ class Episodes:
             query = query.where(Group.task_id == task_id)
         if train_status:
             query = query.where(Group.train_status == train_status)
+        if train_reason == "other":
+            query = query.where(Group.train_status.in_(NOT_TRAINED), Group.train_reason.is_(None))
+        elif train_reason:
+            query = query.where(Group.train_reason == train_reason)
         if leased is not None:
             live = Group.lease_id.is_not(None) & (Group.lease_expires_at >= time.time())
             query = query.where(live if leased else ~live)

@@ -38,9 +38,15 @@ class Forks:
     ) -> GroupRecord:
         """A group of ``size`` fork episodes of ``source_id`` at its answered call ``at``."""
         async with self._sessions.write() as session:
-            source = await session.get(Episode, source_id)
+            # Locked: retention neither purges nor deletes a source while a fork of it is being made.
+            source = await session.get(Episode, source_id, with_for_update=True)
             if source is None:
                 raise NotFound(f"episode {source_id} not found", param="episode_id")
+            if source.purged_at is not None:
+                raise Conflict(
+                    f"episode {source_id} was purged by retention: its calls have no bodies to replay",
+                    code="episode_purged",
+                )
             if source.status != REWARDED:
                 raise Conflict(
                     f"episode {source_id} is {source.status}: only a rewarded episode can be forked "

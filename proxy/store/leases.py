@@ -5,7 +5,8 @@ Each public method is one transaction (``sessions.py``). These lock group rows o
 the group rows another claim has locked (``SKIP LOCKED`` on PostgreSQL); a claim retried with its
 ``lease_id`` returns what that lease holds.
 An ack needs a live lease (``ack``): a lapsed one is renewed first, which only works if nobody
-claimed the group since.
+claimed the group since. A teacher's group (``metadata.source: teacher:<name>``, ``proxy/teachers.py``)
+is never handed out: its calls are demonstrations, not samples of the policy.
 """
 
 from __future__ import annotations
@@ -18,12 +19,18 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from contract.vocabulary import AckStatus
+from contract.vocabulary import TEACHER_PREFIX, AckStatus, TrainerSkip
 from proxy.errors import Conflict, InvalidRequest, NotFound
 from proxy.store.models import Call, Episode, Group
 from proxy.store.records import Claim, EpisodeRecord, GroupRecord
 from proxy.store.rows import episode_record, group_record
 from proxy.store.sessions import Sessions, calls_of, locked_groups
+
+
+def _teacher_source(group: Group) -> str | None:
+    """The group's ``metadata.source`` when it names a teacher (every episode of it is one's: ``Teachers.check``)."""
+    source = (group.meta or {}).get("source")
+    return source if isinstance(source, str) and source.startswith(TEACHER_PREFIX) else None
 
 
 def _lease_lost(group: Group, lease_id: str) -> Conflict:
@@ -93,7 +100,9 @@ class Leases:
         """Lease up to ``max_groups`` completed, untrained groups (oldest first).
 
         Groups whose oldest call is more than ``max_staleness`` versions behind ``current_version``
-        are marked ``stale`` and never offered again. A lease that expires offers the group again.
+        are marked ``stale`` and never offered again; a teacher's group is marked ``skipped`` (its
+        calls are no samples of the policy: GRPO never trains them) and never offered either, so it
+        leaves the backlog that admission counts. A lease that expires offers the group again.
         A claim retried with the same client-chosen ``lease_id`` (its answer was lost) returns the
         groups that lease already holds, with the lease renewed, instead of leasing more. With
         ``delta`` the calls come as stored (``call_records``): linear in an episode's tokens.
@@ -119,7 +128,7 @@ class Leases:
         stale = 0
         async with self._sessions.write() as session:
             while len(chosen) < max_groups:
-                # Every row looked at is leased or marked stale below, and autoflush makes the next
+                # Every row looked at is leased or marked stale (or skipped) below, and autoflush makes the next
                 # query skip it: no offset needed (an offset would skip rows never looked at).
                 batch = (await session.scalars(available.limit(max_groups * 2))).all()
                 if not batch:
@@ -127,8 +136,12 @@ class Leases:
                 versions = await _min_versions(session, [g.id for g in batch])
                 for group in batch:
                     oldest = versions.get(group.id)
-                    if max_staleness is not None and oldest is not None and current_version - oldest > max_staleness:
-                        group.train_status = "stale"
+                    teacher = _teacher_source(group)
+                    if teacher is not None:
+                        group.train_status, group.train_reason = "skipped", "teacher"
+                        group.train_note = f"{teacher}: demonstrations, never trained on-policy (GRPO)"
+                    elif max_staleness is not None and oldest is not None and current_version - oldest > max_staleness:
+                        group.train_status, group.train_reason = "stale", "stale"
                         group.train_note = f"oldest call at policy v{oldest}, current v{current_version}"
                         stale += 1
                     elif len(chosen) < max_groups:
@@ -212,9 +225,10 @@ class Leases:
         status: AckStatus,
         note: str | None = None,
         audits: Mapping[str, dict[str, Any]] | None = None,
+        reason: TrainerSkip | None = None,
     ) -> list[GroupRecord]:
-        """Mark leased groups ``trained`` (or ``skipped``) by ``step``; all or nothing. ``audits``:
-        episode id -> the trainer's fidelity audit, kept on episodes of these groups only.
+        """Mark leased groups ``trained`` (or ``skipped``, for ``reason``) by ``step``; all or nothing.
+        ``audits``: episode id -> the trainer's fidelity audit, kept on episodes of these groups only.
 
         The rule: an ack needs a live lease. Acking the same groups again with the same lease and
         step is a no-op (a retry, or a restarted trainer finishing its checkpoint). Otherwise a
@@ -257,5 +271,6 @@ class Leases:
                 await _keep_audits(session, [g.id for g in todo], audits)
             for group in todo:
                 group.train_status, group.trained_step, group.train_note = status, step, note
+                group.train_reason = reason if status == "skipped" else None
                 group.lease_expires_at = None
         return [group_record(g) for g in rows.values()]

@@ -27,7 +27,17 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from contract.vocabulary import AbandonCause, CallApi, CallKind, EpisodeStatus, ForkRule, GroupStatus, TrainStatus
+from contract.vocabulary import (
+    AbandonCause,
+    AuditAction,
+    CallApi,
+    CallKind,
+    EpisodeStatus,
+    ForkRule,
+    GroupStatus,
+    SkipReason,
+    TrainStatus,
+)
 
 
 class Base(DeclarativeBase):
@@ -55,6 +65,8 @@ class Group(Base):
     lease_expires_at: Mapped[float | None]
     trained_step: Mapped[int | None]
     train_note: Mapped[str | None] = mapped_column(Text)
+    train_reason: Mapped[SkipReason | None] = mapped_column(String(16))
+    """Why it was never trained (``skipped``/``stale``; migration 0011): what skips are counted by, never the note."""
 
 
 class Episode(Base):
@@ -93,6 +105,9 @@ class Episode(Base):
     diverged_at: Mapped[int | None]
     divergence: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     """Why the replay ended early: which request fields differed, and the rule applied."""
+    purged_at: Mapped[float | None]
+    """When retention purged its calls' bodies and token ids (``proxy/store/retention.py``, migration
+    0010); the rows, counts and outcome stay. None: whole."""
 
 
 class Call(Base):
@@ -148,6 +163,23 @@ class Call(Base):
     """The same for ``client_request``'s list (``contract.tokens.client_list``); NULL: stored whole (migration 0006)."""
     choice_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
     choice_logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)
+
+
+class AuditEntry(Base):
+    """One retention action: a purge batch, or a deletion on request (migration 0010). ``actor`` is
+    who asked (``admin:<key id>``, the key's sha256 prefix, never the key; ``retention``: the sweeper)."""
+
+    __tablename__ = "audit_log"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[float]
+    actor: Mapped[str] = mapped_column(String(64))
+    action: Mapped[AuditAction] = mapped_column(String(32))
+    target: Mapped[str] = mapped_column(Text)
+    """What it was done to: an episode id, ``user:<id>``, or a purge's cutoff."""
+    rows: Mapped[int]
+    """Rows it removed or purged (calls, episodes, groups)."""
+    detail: Mapped[dict[str, Any]] = mapped_column(JSON)
 
 
 class PolicyVersion(Base):

@@ -5,7 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from contract.vocabulary import AbandonCause, CallApi, CallKind, EpisodeStatus, ForkRule, GroupStatus, TrainStatus
+from contract.vocabulary import (
+    AbandonCause,
+    CallApi,
+    CallKind,
+    EpisodeStatus,
+    ForkRule,
+    GroupStatus,
+    SkipReason,
+    TrainStatus,
+)
 
 
 @dataclass(slots=True)
@@ -89,6 +98,7 @@ class EpisodeRecord:
     fork_rule: ForkRule | None = None
     diverged_at: int | None = None
     divergence: dict[str, Any] | None = None
+    purged_at: float | None = None
 
 
 @dataclass(slots=True)
@@ -103,6 +113,7 @@ class GroupRecord:
     train_status: TrainStatus
     trained_step: int | None
     train_note: str | None
+    train_reason: SkipReason | None
     episodes: list[EpisodeRecord] | None = None
     counts: dict[str, int] = field(default_factory=dict)
 

@@ -19,17 +19,19 @@ Which module holds which aggregate:
 - ``repo.leases`` (``leases.py``): the trainer's claims, renewals, acks and releases;
 - ``repo.steps`` (``steps.py``): the trainer's step metrics;
 - ``repo.browse`` (``browse.py``): the dashboard's read-only pages and counts.
+- ``repo.retention`` (``retention.py``): purges of bodies and token ids, deletions on request, the audit log.
 """
 
 from __future__ import annotations
 
 from proxy.store.browse import Browse
 from proxy.store.calls import Calls
-from proxy.store.db import CONNECT_TIMEOUT_S
+from proxy.store.db import CONNECT_TIMEOUT_S, sqlite_file
 from proxy.store.delta import Tails
 from proxy.store.episodes import Episodes
 from proxy.store.forks import Forks
 from proxy.store.leases import Leases
+from proxy.store.retention import Retention
 from proxy.store.rows import Layout
 from proxy.store.sessions import Sessions
 from proxy.store.steps import Steps
@@ -65,6 +67,7 @@ class Repository:
         self.versions = Versions(self._sessions)
         self.leases = Leases(self._sessions)
         self.steps = Steps(self._sessions)
+        self.retention = Retention(self._sessions, tails, min_rewarded=min_rewarded, sqlite_file=sqlite_file(url))
         self.browse = Browse(self._sessions.read)
         """The dashboard's read-only pages and counts (``browse.py``)."""
 

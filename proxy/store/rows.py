@@ -194,6 +194,7 @@ def episode_record(row: Episode, calls: list[CallRecord] | None = None) -> Episo
         fork_rule=row.fork_rule,
         diverged_at=row.diverged_at,
         divergence=row.divergence,
+        purged_at=row.purged_at,
     )
 
 
@@ -212,6 +213,7 @@ def group_record(row: Group, episodes: list[EpisodeRecord] | None = None) -> Gro
         train_status=row.train_status,
         trained_step=row.trained_step,
         train_note=row.train_note,
+        train_reason=row.train_reason,
         episodes=episodes,
         counts=counts,
     )

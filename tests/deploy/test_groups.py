@@ -1,10 +1,12 @@
 """``make run``'s group counts (``deploy/groups.py``) from a store of known outcomes, read through a
-real proxy process exactly as the launcher reads it, and checked against the store itself.
+real proxy process exactly as the launcher reads it (the contract's client), and checked against
+the store itself.
 
-The store is brought to a known mix (trained, stale, skipped for each of the trainer's reasons,
-failed, still pending, still open) by the proxy's own routes and the repository; the skip notes are
-the ones the trainer's own ``build_batch`` writes. No model call is made: the calls are written into
-the store directly, so the proxy routes to no engine at all.
+The store is brought to a known mix (trained, stale, skipped for each of the trainer's reasons and
+for one it did not give, a teacher's group, failed, still pending, still open) by the proxy's own
+routes and the repository; each skip is acked with the typed reason and note the trainer's own
+``build_batch`` gives it. No model call is made: the calls are written into the store directly, so
+the proxy routes to no engine at all.
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ import json
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import httpx
 import pytest
 
 from contract.client import Episode, Group
+from contract.vocabulary import SkipCount
 from deploy import groups as report
 from proxy.store.repository import Repository
 from tests.proxy.test_store import call as stored_call
@@ -32,28 +35,32 @@ from trainer.members import Rules
 ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
 NO_ENGINE = "http://127.0.0.1:9"
 """Nothing listens there: this test makes no model call."""
+TEACHERS = json.dumps([{"name": "demo", "url": NO_ENGINE, "model": "demonstrator"}])
+"""A teacher the proxy serves; its group is skipped by the claim, never called."""
 
 
-def _notes() -> dict[str, str]:
-    """The skip notes the trainer writes, from its own ``build_batch`` (and its non-finite step)."""
+def _skips() -> list[tuple[str | None, str]]:
+    """(typed reason, note) of each skip the trainer acks, from its own ``build_batch`` (and its
+    non-finite step), and one acked without a reason (a trainer before reasons were typed)."""
     groups = [group("g-equal", [1.0, 1.0, 1.0]), group("g-few", [1.0], abandoned=1), untrainable_group("g-empty")]
     batch = build_batch(groups, max_seq_len=64)
     shaping = build_batch([shaped("g-shaping", FAILED_ALIKE)], rules=Rules(turn_credit="discounted"))
-    return {
-        "equal": batch.skipped["g-equal"],
-        "shaping_only": shaping.skipped["g-shaping"],
-        "few": batch.skipped["g-few"],
-        "empty": batch.skipped["g-empty"],
-        "nonfinite": "non-finite gradient (grad_norm=nan)",  # trainer/loop.py, Trainer._drop_nonfinite
-        "other": "a reason no report knows yet",
-        # What a trainer before one note per group wrote: its lease's reasons, in every group's note.
-        "joined": "all 8 rewards equal (0): no signal; all 8 rewards equal (1): no signal",
-    }
+    zeros = build_batch([group("g-zeros", [0.0, 0.0])], max_seq_len=64)
+    made = [(batch, "g-equal"), (zeros, "g-zeros"), (shaping, "g-shaping"), (batch, "g-few"), (batch, "g-empty")]
+    return [
+        *((b.reasons[g], b.skipped[g]) for b, g in made),
+        ("nonfinite", "non-finite gradient (grad_norm=nan)"),  # trainer/loop.py, Trainer._drop_nonfinite
+        (None, "a reason no report knows yet"),
+    ]
 
 
 @pytest.fixture
 def proxy(tmp_path: Path) -> Iterator[ProxyProcess]:
-    env = {"FLYWHEEL_ADMISSION__MAX_BACKLOG_GROUPS": "10", "FLYWHEEL_ADMISSION__RETRY_AFTER_S": "2"}
+    env = {
+        "FLYWHEEL_ADMISSION__MAX_BACKLOG_GROUPS": "10",
+        "FLYWHEEL_ADMISSION__RETRY_AFTER_S": "2",
+        "FLYWHEEL_TEACHERS": TEACHERS,
+    }
     with serving_proxy(NO_ENGINE, tmp_path, **env) as process:
         yield process
 
@@ -62,9 +69,11 @@ def _post(proxy: ProxyProcess, path: str, body: dict[str, Any]) -> httpx.Respons
     return httpx.post(f"{proxy.url}{path}", json=body, headers=ADMIN, timeout=30)
 
 
-async def _group(proxy: ProxyProcess, repo: Repository, rewards: tuple[float | None, ...], calls: int = 1) -> str:
+async def _group(
+    proxy: ProxyProcess, repo: Repository, rewards: tuple[float | None, ...], calls: int = 1, **metadata: Any
+) -> str:
     """A group whose episodes each made ``calls`` calls at policy v0, then got ``rewards`` (None: abandoned)."""
-    created = _post(proxy, "/groups", {"task_id": "t", "size": len(rewards)})
+    created = _post(proxy, "/groups", {"task_id": "t", "size": len(rewards), "metadata": metadata})
     assert created.status_code == 201, created.text
     for key, reward in zip(created.json()["episode_keys"], rewards, strict=True):
         for _ in range(calls):
@@ -83,63 +92,63 @@ def _claim(proxy: ProxyProcess, n: int, max_staleness: int) -> dict[str, Any]:
     return dict(response.json())
 
 
-def _ack(proxy: ProxyProcess, lease_id: str, ids: list[str], status: str, note: str | None) -> None:
-    body = {"lease_id": lease_id, "group_ids": ids, "step": 1, "status": status, "note": note}
+def _ack(proxy: ProxyProcess, lease_id: str, ids: list[str], status: str, reason: str | None, note: str | None) -> None:
+    body = {"lease_id": lease_id, "group_ids": ids, "step": 1, "status": status, "reason": reason, "note": note}
     assert _post(proxy, "/trainer/ack", body).status_code == 200
 
 
-async def _known_store(proxy: ProxyProcess, notes: dict[str, str]) -> dict[str, str]:
-    """1 stale, 1 trained, one skipped per note, 1 failed, 1 pending, 9 open (the 10th refused)."""
+async def _known_store(proxy: ProxyProcess, skips: list[tuple[str | None, str]]) -> None:
+    """1 stale, 1 trained, one skipped per skip, 1 teacher's, 1 failed, 1 pending, 9 open (the 10th refused)."""
     repo = Repository(proxy.store_url)
     try:
         await _group(proxy, repo, (1.0, 0.0))
         await repo.versions.add(version=2, name="policy-v2", adapter_path="/a", metadata={})
         assert _claim(proxy, 2, max_staleness=1)["stale"] == 1  # two versions behind, one allowed
         trained = await _group(proxy, repo, (1.0, 0.0), calls=2)
-        skipped = {await _group(proxy, repo, (1.0, 1.0)): note for note in notes.values()}
+        skipped = {await _group(proxy, repo, (1.0, 1.0)): skip for skip in skips}
+        await _group(proxy, repo, (1.0, 0.0), source="teacher:demo")  # skipped by the claim: never trained
         await _group(proxy, repo, (1.0, None))  # one rewarded of two: failed (min_rewarded 2)
         claim = _claim(proxy, 10, max_staleness=5)
         assert sorted(g["id"] for g in claim["groups"]) == sorted([trained, *skipped])
-        _ack(proxy, claim["lease_id"], [trained], "trained", None)
-        for group_id, note in skipped.items():  # as the trainer acks: one note, one reason per group
-            _ack(proxy, claim["lease_id"], [group_id], "skipped", note)
+        _ack(proxy, claim["lease_id"], [trained], "trained", None, None)
+        for group_id, (reason, note) in skipped.items():  # as the trainer acks: one reason and note per group
+            _ack(proxy, claim["lease_id"], [group_id], "skipped", reason, note)
         _claim(proxy, 2, max_staleness=5)  # the next step's claim: nothing complete yet
         await _group(proxy, repo, (0.0, 1.0))  # complete, not yet claimed
     finally:
         await repo.close()
     statuses = [_post(proxy, "/groups", {"task_id": "t", "size": 2}).status_code for _ in range(10)]
     assert statuses == [201] * 9 + [429]  # still running; with the one pending, the 10th would be the 11th ahead
-    return {gid: note for gid, note in skipped.items()}
 
 
 async def test_the_report_counts_every_group_by_what_became_of_it_as_the_store_holds_it(
-    proxy: ProxyProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    proxy: ProxyProcess, tmp_path: Path
 ) -> None:
-    notes = _notes()
-    await _known_store(proxy, notes)
-    monkeypatch.setattr(report, "PAGE", 4)  # the skipped groups come in two pages
-    read = report.skip_notes(proxy.url, ADMIN_KEY)
-    assert read is not None and sorted(read) == sorted(notes.values())
+    await _known_store(proxy, _skips())
+    read = report.skips(proxy.url, ADMIN_KEY)
+    assert read is not None and read.other_notes == ["a reason no report knows yet"]
+    assert report.skip_notes is report.skips  # the name deploy/loop.py calls
     log = tmp_path / "workflow.log"
     summary = {"workflow": "math", "groups": 7, "admission_waits": 4, "admission_wait_s": 8.0}
     log.write_text("[12:00:00] abandoned e1 (t): timeout\n" + json.dumps(summary) + "\n  stopping\n")
     counts = report.group_counts(report.admission_state(proxy.url, ADMIN_KEY), read, report.workflow_summary(log))
     assert counts == {
-        "generated": 20,
+        "generated": 21,
         "trained": 1,
-        "skipped": 7,
+        "skipped": 8,
         "skipped_stale": 1,
         "skipped_equal": 2,
         "skipped_shaping_only": 1,
         "skipped_few": 1,
         "skipped_empty": 1,
         "skipped_nonfinite": 1,
+        "skipped_teacher": 1,
         "skipped_other": 1,
         "skipped_other_notes": ["a reason no report knows yet"],
         "failed": 1,
         "left_pending": 1,
         "left_open": 9,
-        "stale_fraction": round(1 / 20, 4),
+        "stale_fraction": round(1 / 21, 4),
         "admission_limit": 10,
         "admission_refusals": 1,
         "admission_waits": 4,
@@ -148,33 +157,30 @@ async def test_the_report_counts_every_group_by_what_became_of_it_as_the_store_h
     # The same numbers as the store itself holds.
     with sqlite3.connect(tmp_path / "flywheel.db") as db:
         outcomes = dict(db.execute("select train_status, count(*) from groups where status = 'complete' group by 1"))
-        stored = [n for (n,) in db.execute("select train_note from groups where train_status = 'skipped'")]
+        reasons = dict(
+            db.execute("select train_reason, count(*) from groups where train_status = 'skipped' group by 1")
+        )
         by_status = dict(db.execute("select status, count(*) from groups group by 1"))
-    assert outcomes == {"trained": 1, "skipped": 7, "stale": 1, "pending": 1}
-    assert by_status == {"complete": 10, "failed": 1, "open": 9}
-    assert sum(counts[f"skipped_{r}"] for r in (*report.SKIP_REASONS, "other")) == len(stored) == counts["skipped"]
+    assert outcomes == {"trained": 1, "skipped": 8, "stale": 1, "pending": 1}
+    assert by_status == {"complete": 11, "failed": 1, "open": 9}
+    skip_keys = [k for k in get_args(SkipCount) if k != "stale"]
+    assert {k: counts[f"skipped_{k}"] for k in skip_keys} == {r or "other": n for r, n in reasons.items()}
+    assert sum(counts[f"skipped_{k}"] for k in skip_keys) == counts["skipped"]
     printed = report.summary(counts, 1.0)
-    assert "20 generated, 1 trained (1.0 calls per trained episode), 1 skipped stale" in printed
+    assert "21 generated, 1 trained (1.0 calls per trained episode), 1 skipped stale" in printed
     assert (
-        "7 skipped by the trainer: 2 equal rewards, 1 equal outcomes (shaping alone), 1 too few members, "
+        "8 skipped by the trainer: 2 equal rewards, 1 equal outcomes (shaping alone), 1 too few members, "
         "1 no trainable tokens" in printed
     )
-    assert "1 non-finite gradient, 1 other; 1 failed, 1 left pending, 9 left open" in printed
+    assert "1 non-finite gradient, 1 teacher demonstrations, 1 other; 1 failed, 1 left pending, 9 left open" in printed
 
 
-def test_each_skip_note_the_trainer_writes_has_its_reason() -> None:
-    notes = _notes()
-    assert {kind: report.skip_reason(note) for kind, note in notes.items()} == {
-        "equal": "equal",
-        "shaping_only": "shaping_only",
-        "few": "few",
-        "empty": "empty",
-        "nonfinite": "nonfinite",
-        "other": "other",
-        "joined": "equal",
-    }
-    assert report.skip_reason(f"{notes['equal']}; {notes['few']}") == "other"  # two reasons: neither
-    assert report.skip_reason("") == "other"
+def test_the_report_has_a_count_for_every_reason_a_group_is_skipped_for() -> None:
+    """A reason added to the vocabulary without its ``skipped_<reason>`` key would never be reported."""
+    stored = {k: n for n, k in enumerate(get_args(SkipCount), 1) if k != "stale"}  # each its own count
+    counts = report.group_counts(None, report.Skips(stored, []), {})
+    assert {k: counts[f"skipped_{k}"] for k in stored} == stored
+    assert "skipped_stale" in counts  # from the admission's groups by outcome
 
 
 def test_calls_per_trained_episode_counts_the_trained_episodes_only() -> None:
@@ -204,8 +210,10 @@ def test_calls_per_trained_episode_counts_the_trained_episodes_only() -> None:
 
 
 def test_missing_sources_are_reported_as_unknown_not_zero(tmp_path: Path) -> None:
-    counts = report.group_counts({}, None, report.workflow_summary(tmp_path / "no-such.log"))
+    assert report.admission_state(NO_ENGINE, ADMIN_KEY) is None
+    assert report.skips(NO_ENGINE, ADMIN_KEY) is None
+    counts = report.group_counts(None, None, report.workflow_summary(tmp_path / "no-such.log"))
     assert counts["generated"] is None and counts["skipped_stale"] is None and counts["stale_fraction"] is None
-    assert counts["skipped_equal"] is None and counts["skipped_other"] is None
+    assert counts["skipped_equal"] is None and counts["skipped_other"] is None and counts["skipped_teacher"] is None
     assert counts["admission_refusals"] is None and counts["admission_waits"] is None
-    assert report.skip_notes(NO_ENGINE, ADMIN_KEY) is None
+    assert counts["skipped_other_notes"] == []

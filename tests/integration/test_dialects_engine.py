@@ -1,9 +1,10 @@
-"""Agents that speak the Responses or the Anthropic Messages API, unchanged, against real vLLM.
+"""Agents that speak the Responses, the Anthropic Messages or Google's Gemini API, unchanged, against real vLLM.
 
-The official ``openai`` and ``anthropic`` SDKs and the OpenAI Agents SDK point at an episode's
-base URL; every call must be stored as a chat call with exact ids (the client's own request and
-API beside it), a follow-up must extend the ids vLLM sampled (the splice holds across APIs), and
-what each client assembled must be what the record says vLLM sampled.
+The official ``openai`` and ``anthropic`` SDKs, the OpenAI Agents SDK and Gemini's REST API (as
+Gemini CLI and the google-genai SDKs send it) point at an episode's base URL; every call must be
+stored as a chat call with exact ids (the client's own request and API beside it), a follow-up
+must extend the ids vLLM sampled (the splice holds across APIs), and what each client assembled
+must be what the record says vLLM sampled.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import json
 from typing import Any, Literal
 
 import anthropic
+import httpx
 import openai
+import orjson
 import pytest
 
 from contract.client import Episode
@@ -42,6 +45,7 @@ ANTHROPIC_CALCULATOR = {
     "strict": True,
     "input_schema": CALCULATOR_PARAMETERS,
 }
+GEMINI_CALCULATOR = {"name": "calculator", "description": "Compute a op b."}
 QUESTION = "What is 37 * 48? Use the calculator."
 
 
@@ -219,6 +223,99 @@ def test_anthropic_errors_come_in_anthropic_shape(proxy: ProxyProcess) -> None:
         ).messages.create(model="policy", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
     calls = stored_calls(proxy, episode["id"])
     assert [c["status_code"] for c in calls] == [400] and calls[0]["api"] == "messages"
+
+
+# -- Google's Gemini API ---------------------------------------------------------------------
+
+
+def _gemini_chunks(response: httpx.Response) -> list[dict[str, Any]]:
+    """A ``streamGenerateContent?alt=sse`` answer's chunks, as Google's clients read them."""
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("text/event-stream")
+    return [orjson.loads(line[6:]) for line in response.text.split("\r\n") if line.startswith("data: ")]
+
+
+def _chosen(candidates: list[dict[str, Any]]) -> tuple[list[int], list[float]]:
+    """The sampled ids and log-probs a client reads from ``logprobsResult`` (every chunk's, in order)."""
+    chosen = [
+        c for candidate in candidates for c in (candidate.get("logprobsResult") or {}).get("chosenCandidates", [])
+    ]
+    return [c["tokenId"] for c in chosen], [c["logProbability"] for c in chosen]
+
+
+def test_gemini_generate_content_and_stream_with_a_function_round_trip(proxy: ProxyProcess) -> None:
+    """A function call (``generateContent``), its result passed back and the answer streamed
+    (``streamGenerateContent?alt=sse``): both stored as chat calls with exact ids, and the ids and
+    log-probs the client was given (``responseLogprobs``) are the ones the record says vLLM sampled."""
+    episode = new_episode(proxy, "gemini")
+    root = episode["base_url"].removesuffix("/v1") + "/v1beta/models/policy"  # Gemini CLI adds /v1beta/models/<m>
+    key = {"x-goog-api-key": episode["api_key"]}
+    system = {"parts": [{"text": "Use tools."}]}
+    tools = [{"functionDeclarations": [{**GEMINI_CALCULATOR, "parametersJsonSchema": CALCULATOR_PARAMETERS}]}]
+    question = [{"role": "user", "parts": [{"text": QUESTION}]}]
+    config = {"temperature": 1.0, "responseLogprobs": True}
+    request = {
+        "contents": question,
+        "systemInstruction": system,
+        "tools": tools,
+        # ANY: a call of one of the declared functions, held to its schema (vLLM's strict function)
+        "toolConfig": {"functionCallingConfig": {"mode": "ANY", "allowedFunctionNames": ["calculator"]}},
+        "generationConfig": {**config, "maxOutputTokens": 64},
+    }
+    counted = httpx.post(f"{root}:countTokens", json={"generateContentRequest": request}, headers=key)
+    assert counted.status_code == 200, counted.text
+    first = httpx.post(f"{root}:generateContent", json=request, headers=key, timeout=120)
+    assert first.status_code == 200, first.text
+    (candidate,) = first.json()["candidates"]
+    (call,) = [p["functionCall"] for p in candidate["content"]["parts"] if "functionCall" in p]
+    assert call["name"] == "calculator" and set(call["args"]) == {"a", "op", "b"}
+    follow = [
+        *question,
+        candidate["content"],
+        {
+            "role": "user",
+            "parts": [{"functionResponse": {"id": call["id"], "name": "calculator", "response": {"output": "1776"}}}],
+        },
+    ]
+    streamed = httpx.post(
+        f"{root}:streamGenerateContent",
+        params={"alt": "sse"},
+        json={
+            "contents": follow,
+            "systemInstruction": system,
+            "tools": tools,  # VALIDATED: the model may answer or call, calls held to the schema as before
+            "toolConfig": {"functionCallingConfig": {"mode": "VALIDATED"}},
+            "generationConfig": {**config, "maxOutputTokens": 24},
+        },
+        headers=key,
+        timeout=120,
+    )
+    chunks = _gemini_chunks(streamed)
+    assert chunks[-1]["candidates"][0]["finishReason"] in ("STOP", "MAX_TOKENS")
+    one, two = stored_calls(proxy, episode["id"])
+    assert_exact(one, "gemini")
+    assert_exact(two, "gemini")
+    assert (one["stream"], two["stream"]) == (False, True)
+    assert (one["response_id"], two["response_id"]) == (first.json()["responseId"], chunks[-1]["responseId"])
+    assert counted.json()["totalTokens"] == len(one["prompt_token_ids"])  # the same render vLLM sampled from
+    stored_call = one["choices"][0]["tool_calls"][0]
+    assert stored_call["id"] == call["id"] and json.loads(stored_call["function"]["arguments"]) == call["args"]
+    assert two["request"]["messages"][-1] == {"role": "tool", "tool_call_id": call["id"], "content": "1776"}
+    # what the client was given is what the record says vLLM sampled: ids, log-probs, text, counts
+    assert _chosen([candidate]) == (one["choices"][0]["token_ids"], one["choices"][0]["logprobs"])
+    streamed_candidates = [c for chunk in chunks for c in chunk["candidates"]]
+    assert _chosen(streamed_candidates) == (two["choices"][0]["token_ids"], two["choices"][0]["logprobs"])
+    text = "".join(
+        p.get("text", "") for c in streamed_candidates for p in c["content"]["parts"] if not p.get("thought")
+    )
+    assert text == (two["choices"][0]["text"] or "")
+    usage = chunks[-1]["usageMetadata"]
+    assert (usage["promptTokenCount"], usage["candidatesTokenCount"]) == (
+        len(two["prompt_token_ids"]),
+        two["completion_tokens"],
+    )
+    assert_extends(one, two)
+    assert_merges(proxy, episode["id"], 2)
 
 
 # -- a real agent framework on the Responses API ---------------------------------------------

@@ -1,6 +1,6 @@
-"""Claude Code and Codex CLI, the real harnesses at their pinned versions, run unchanged through the proxy.
+"""Claude Code, Codex CLI and Gemini CLI, the real harnesses at their pinned versions, run unchanged through the proxy.
 
-``make setup`` installs both from the npm registry (``deploy/harnesses``: exact versions in its
+``make setup`` installs them from the npm registry (``deploy/harnesses``: exact versions in its
 ``package-lock.json``). Each runs non-interactively on one task against an episode of a real
 ``proxy serve`` whose upstream is the named fake engine in its scripted mode
 (``bench/fake_script.py``: a call of the harness's shell tool, then a final answer): their system
@@ -57,7 +57,7 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    for name in ("claude", "codex"):
+    for name in ("claude", "codex", "gemini"):
         assert (BIN / name).exists(), f"{BIN / name} is missing: run make setup (deploy/bootstrap.py harnesses)"
     tmp = tmp_path_factory.mktemp("harnesses")
     answers = tmp / "answers.jsonl"
@@ -109,6 +109,13 @@ def _run(stack: Stack, proxy: ProxyProcess, tmp: Path, harness: str) -> Run:
                 "IS_SANDBOX": "1",  # --dangerously-skip-permissions as root
             }
             argv = [str(BIN / "claude"), "-p", TASK, "--model", "policy", "--dangerously-skip-permissions"]
+        elif harness == "gemini":
+            env |= {
+                "GOOGLE_GEMINI_BASE_URL": tee.url + path.removesuffix("/v1"),  # it adds /v1beta/models/...
+                "GEMINI_API_KEY": episode["api_key"],
+            }
+            _gemini_settings(home)
+            argv = [str(BIN / "gemini"), "-p", TASK, "--model", "policy", "--approval-mode", "yolo"]
         else:
             env |= {"CODEX_HOME": str(_codex_home(home, tee.url + path)), "FLYWHEEL_EPISODE_KEY": episode["api_key"]}
             argv = [str(BIN / "codex"), "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox"]
@@ -129,6 +136,19 @@ def _codex_home(home: Path, base_url: str) -> Path:
         f'base_url = "{base_url}"\nenv_key = "FLYWHEEL_EPISODE_KEY"\nwire_api = "responses"\n'
     )
     return codex
+
+
+def _gemini_settings(home: Path) -> None:
+    """Gemini CLI's settings: the API-key auth (the key and base URL from the environment) chosen
+    up front, and nothing that calls Google's servers (usage statistics, telemetry, update checks)."""
+    (home / ".gemini").mkdir()
+    settings = {
+        "security": {"auth": {"selectedType": "gemini-api-key"}, "folderTrust": {"enabled": False}},
+        "privacy": {"usageStatisticsEnabled": False},
+        "telemetry": {"enabled": False},
+        "general": {"enableAutoUpdate": False, "enableAutoUpdateNotification": False},
+    }
+    (home / ".gemini" / "settings.json").write_bytes(orjson.dumps(settings))
 
 
 def _events(raw: bytes) -> list[dict[str, Any]]:
@@ -167,6 +187,20 @@ def _received_response(raw: bytes) -> dict[str, Any]:
     }
 
 
+def _received_gemini(raw: bytes) -> dict[str, Any]:
+    """A Gemini stream as the harness assembled it: the response id, text, function calls (name, id, args)."""
+    out: dict[str, Any] = {"text": "", "tools": []}
+    for event in _events(raw):
+        out["id"] = event["responseId"]
+        for part in event["candidates"][0]["content"]["parts"]:
+            if "functionCall" in part:
+                call = part["functionCall"]
+                out["tools"].append((call["name"], call["id"], call["args"]))
+            elif not part.get("thought"):
+                out["text"] += part["text"]
+    return out
+
+
 def _recorded(call: dict[str, Any]) -> dict[str, Any]:
     (choice,) = call["choices"]
     calls = choice["tool_calls"] or ()
@@ -183,7 +217,7 @@ def _check_recorded(run: Run, proxy: ProxyProcess, api: str, route: str) -> None
     assert [c["status_code"] for c in calls] == [e.status for e in posts] == [200] * len(posts), seen
     assert len(calls) == len(run.engine) >= 2  # the tool call, then the final answer
     assert calls[0]["choices"][0]["tool_calls"] and not calls[-1]["choices"][0]["tool_calls"]
-    received = _received_message if api == "messages" else _received_response
+    received = {"messages": _received_message, "responses": _received_response, "gemini": _received_gemini}[api]
     for call, post, sampled in zip(calls, posts, run.engine, strict=True):
         assert (call["api"], call["exact_ids"]) == (api, True)
         assert call["prompt_token_ids"] == sampled["prompt_token_ids"]
@@ -225,3 +259,19 @@ def test_codex_runs_unchanged_and_every_call_is_recorded_exactly(stack: Stack, t
 def test_codex_in_strict_mode_is_refused_naming_the_field(stack: Stack, tmp_path: Path) -> None:
     run = _run(stack, stack.strict, tmp_path, "codex")
     _check_refused(run, stack.strict, "/v1/responses", "prompt_cache_key")
+
+
+def test_gemini_cli_runs_unchanged_and_every_call_is_recorded_exactly(stack: Stack, tmp_path: Path) -> None:
+    run = _run(stack, stack.lenient, tmp_path, "gemini")
+    _check_recorded(run, stack.lenient, "gemini", ":streamGenerateContent")
+    first, second = [orjson.loads(e.body) for e in run.exchanges if e.method == "POST"]
+    call = episode_record(stack.lenient, run.episode["id"])["calls"][0]
+    sampled = call["choices"][0]["tool_calls"][0]  # the call the engine made, answered by the harness by its id
+    (answered,) = [p["functionResponse"] for p in second["contents"][-1]["parts"]]
+    assert (answered["name"], answered["id"]) == (sampled["function"]["name"], sampled["id"]), second["contents"]
+    assert all(urlsplit(e.path).query == "alt=sse" for e in run.exchanges if e.method == "POST")
+
+
+def test_gemini_cli_in_strict_mode_is_refused_naming_the_field(stack: Stack, tmp_path: Path) -> None:
+    run = _run(stack, stack.strict, tmp_path, "gemini")
+    _check_refused(run, stack.strict, ":streamGenerateContent", "generationConfig.thinkingConfig.includeThoughts")

@@ -177,7 +177,7 @@ def test_one_sample_holds_the_whole_episode_and_its_logprobs_are_vllms(played: P
     context = context_of(played)
     (sample,), stats = build(played.episode, max_seq_len=8192)
     assert sample.input_ids == context
-    assert (stats.calls, stats.merged, stats.calls_constrained, stats.samples) == (
+    assert (stats.calls, stats.merged, stats.calls_constrained, stats.samples_built) == (
         len(calls),
         len(calls) - 1,
         len(calls),
@@ -227,7 +227,7 @@ def test_below_its_length_the_continuation_samples_train_every_sampled_token_onc
                 assert part.behaviour_logprobs[k] == whole.behaviour_logprobs[start + k]
     assert sorted(trained_at) == [j for j, trained in enumerate(whole.loss_mask) if trained]
     assert starts[0] == 0 and all(start > 0 for start in starts[1:])
-    assert len(parts) > 1 and stats.samples == len(parts) and stats.samples_split == len(parts) - 1
+    assert len(parts) > 1 and stats.samples_built == len(parts) and stats.samples_split == len(parts) - 1
     # Declared: the later parts' trained tokens are scored without the episode's earliest context.
     assert stats.episodes_split == 1 and stats.tokens_context_cut == sum(p.num_loss_tokens for p in parts[1:]) > 0
     assert {name: getattr(stats, name) for name in NOTHING_LOST} == dict.fromkeys(NOTHING_LOST, 0)

@@ -158,7 +158,7 @@ def test_every_trained_token_lands_in_exactly_one_window_with_everything_it_carr
         "calls_constrained": 1,
         "tokens_forced": 1,
         "merged": TURNS - 1,
-        "samples": 3,
+        "samples_built": 3,
         "samples_split": 2,
         "tokens_context_cut": 3 * 5,  # turns 2, 3, 4, 6, 7
         "episodes_split": 1,
@@ -200,14 +200,14 @@ def test_a_completion_longer_than_a_window_is_cut_and_ends_the_sample() -> None:
     (first, cut), stats = build(Episode(id="e", status="rewarded", reward=1.0, calls=calls), 8)
     assert first.input_ids == [1, 3, 4, 10, EOS]
     assert cut.input_ids == [50, *long_out[:7]] and cut.loss_mask == [0] + [1] * 7  # turn 2 is lost, as before
-    assert (stats.samples, stats.samples_split, stats.samples_truncated, stats.tokens_context_cut) == (2, 1, 1, 7)
+    assert (stats.samples_built, stats.samples_split, stats.samples_truncated, stats.tokens_context_cut) == (2, 1, 1, 7)
 
 
 def test_truncate_keeps_the_old_cut() -> None:
     (cut,), stats = build(long_episode(), SPLIT_AT, long_samples="truncate")
     (whole,), _ = build(long_episode(), 10_000)
     assert cut.input_ids == whole.input_ids[:SPLIT_AT] and cut.loss_mask == whole.loss_mask[:SPLIT_AT]
-    assert (stats.samples_truncated, stats.samples_split, stats.samples) == (1, 0, 1)
+    assert (stats.samples_truncated, stats.samples_split, stats.samples_built) == (1, 0, 1)
 
 
 def member_weights(samples: list[Sample], members: int) -> dict[str, float]:

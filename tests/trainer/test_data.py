@@ -131,7 +131,7 @@ def test_merges_turns_masks_tool_output_and_counts_every_rule() -> None:
         "calls_greedy": 1,
         "merged": 2,
         "breaks": 1,
-        "samples": 2,
+        "samples_built": 2,
         "episodes_split": 1,
     }
 
@@ -203,7 +203,7 @@ def test_truncation_keeps_masks_aligned_and_drops_samples_left_without_loss_toke
     assert only.loss_mask == [0, 0, 0, 1, 1]
     assert only.behaviour_logprobs[3:] == [-0.1, -0.2]
     assert len(only.behaviour_logprobs) == len(only.temperatures) == 5
-    assert (stats.samples_truncated, stats.samples_empty, stats.samples) == (2, 1, 1)
+    assert (stats.samples_truncated, stats.samples_empty, stats.samples_built) == (2, 1, 1)
 
 
 def test_missing_engine_logprobs_are_unknown_not_zero() -> None:

@@ -129,7 +129,7 @@ def test_every_call_is_trained_or_counted(episode: Episode) -> None:
     assert stats.choices_unused == sum(len(c.choices) - 1 for c in calls)
     assert stats.merged + stats.breaks + 1 == len(calls) - stats.calls_deduped
     counted: dict[str, Any] = {k: v for k, v in stats.as_dict().items() if v}
-    assert counted.get("samples") == len(samples)
+    assert counted.get("samples_built") == len(samples)
 
 
 # -- samples longer than max_seq_len, split at turn boundaries (issue 33) -----------------------------------
@@ -181,5 +181,5 @@ def test_a_long_sample_is_split_into_windows_that_train_every_token_once(episode
         assert set(split) <= set(kept)
     else:
         assert split == kept  # nothing lost either
-    assert stats.samples == len(samples) and stats.samples_split <= len(samples)
+    assert stats.samples_built == len(samples) and stats.samples_split <= len(samples)
     assert stats.tokens_context_cut <= sum(s.num_loss_tokens for s in samples)

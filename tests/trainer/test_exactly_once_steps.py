@@ -103,7 +103,7 @@ def test_a_non_finite_gradient_changes_nothing_and_its_groups_are_acked_skipped(
         assert trainer.run_once()
         assert_unchanged(trainer, before, trainer_proxy)
         group = trainer_proxy.get(f"/groups/{poisoned}")
-        assert group["train_status"] == "skipped" and group["trained_step"] == 1
+        assert (group["train_status"], group["train_reason"], group["trained_step"]) == ("skipped", "nonfinite", 1)
         assert "non-finite gradient (grad_norm=nan)" in group["train_note"]
 
         fresh = trainer_proxy.record_group([1.0, 0.0], question="What is 2+2?")

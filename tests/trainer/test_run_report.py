@@ -2,8 +2,8 @@
 real vLLM, groups of real sampled calls with known rewards, and the real trainer claiming them.
 
 A claim whose groups are all skipped (every reward equal, too few members) is acked without a
-step, so no step's metrics count it: the report counts skips from the store's notes, and each
-skipped group's note holds its own reason only (a trainer that wrote its lease's reasons into every
+step, so no step's metrics count it: the report counts skips by the typed reason the store keeps,
+and each skipped group's note holds its own reason only (a trainer that wrote its lease's reasons into every
 note gave one group "all 3 rewards equal (0): no signal; all 3 rewards equal (1): no signal; ...").
 """
 
@@ -56,6 +56,8 @@ def test_each_skipped_group_keeps_its_own_reason_and_the_report_counts_them_as_t
     reporter.close()
 
     notes = {gid: trainer_proxy.get(f"/groups/{gid}")["train_note"] for gid in (ones, zeros, few, equal)}
+    reasons = {gid: trainer_proxy.get(f"/groups/{gid}")["train_reason"] for gid in (ones, zeros, few, equal)}
+    assert reasons == {ones: "equal", zeros: "equal", few: "few", equal: "equal"}
     assert notes == {
         ones: "all 3 rewards equal (1): no signal",
         zeros: "all 3 rewards equal (0): no signal",
@@ -67,7 +69,7 @@ def test_each_skipped_group_keeps_its_own_reason_and_the_report_counts_them_as_t
     assert [s["metrics"]["data/groups_skipped_equal"] for s in steps] == [1]  # the skip-only claim has no step
 
     counts = report.group_counts(
-        report.admission_state(trainer_proxy.url, ADMIN_KEY), report.skip_notes(trainer_proxy.url, ADMIN_KEY), {}
+        report.admission_state(trainer_proxy.url, ADMIN_KEY), report.skips(trainer_proxy.url, ADMIN_KEY), {}
     )
     assert (counts["generated"], counts["trained"], counts["skipped"]) == (5, 1, 4)
     assert (counts["skipped_equal"], counts["skipped_few"], counts["skipped_other"]) == (3, 1, 0)
