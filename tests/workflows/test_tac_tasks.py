@@ -143,3 +143,39 @@ def test_a_task_without_evaluator_is_ungraded_and_one_without_task_md_is_named(t
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="TAC task empty: missing task.md"):
         load_task(tmp_path / "empty")
+
+
+def test_the_agents_terminal_is_bash_without_the_hosts_rc_files(tmp_path: Path) -> None:
+    """An rc file that sets a variable (as ``pyenv init`` does and more) never reaches the agent's
+    shell: the terminal is the subprocess backend on the runtime's own clean bash, on every host."""
+    home = tmp_path / "home"
+    home.mkdir()
+    for rc in (".bashrc", ".bash_profile", ".profile"):
+        (home / rc).write_text("export FROM_RC=sourced\n")
+    runtime = LocalRuntime(root=tmp_path / "ws")
+    prepared = runtime.prepare(load_task(BUNDLED / "hello-file"), "00000000-x")
+    try:
+        params = prepared.terminal_params
+        assert params["terminal_type"] == "subprocess"
+        shell = params["shell_path"]
+        # OpenHands starts it as `<shell> -i` (interactive: bash would read ~/.bashrc)
+        run = subprocess.run(
+            [shell, "-i", "-c", 'echo "rc=${FROM_RC:-none}"'],
+            env={"HOME": str(home), "PATH": "/usr/bin:/bin"},
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+        assert "rc=none" in run.stdout
+        plain = subprocess.run(
+            ["bash", "-i", "-c", 'echo "rc=${FROM_RC:-none}"'],
+            env={"HOME": str(home), "PATH": "/usr/bin:/bin"},
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+        assert "rc=sourced" in plain.stdout  # the host's bash would have read it
+    finally:
+        runtime.cleanup(prepared)

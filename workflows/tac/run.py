@@ -4,26 +4,37 @@ Reward = TAC's final score ``0.5 * result/total + 0.5 * (result // total)``. An 
 task could not be set up, whose agent run failed, or whose evaluator failed is abandoned with that
 error; only a graded run gets a reward. A task without an evaluator (no checkpoints) is not graded:
 its episodes need ``--reward judge``, which scores each group's runs against ``task.md``.
+
+Tasks come from ``tasks_dir`` (default: the six bundled ones) or, with ``family=N``, from N tasks of
+the generated family (``family.py``), written once into ``$FLYWHEEL_CACHE/tac-family``. A
+``splits.yml`` that lists ``val`` (the family's) decides all three splits; otherwise ``val`` is
+carved out of train as for every workflow (``Workflow.split_tasks``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
-from workflows.base import Endpoint, Episode, Outcome, Source, Workflow, in_thread
+from workflows.base import Endpoint, Episode, Outcome, Source, Split, Workflow, in_thread
 from workflows.tac.agent import AgentConfig, run_agent
+from workflows.tac.family import ensure as ensure_family
 from workflows.tac.runtime import DockerRuntime, LocalRuntime, Runtime
 from workflows.tac.scoring import score
-from workflows.tac.task import BUNDLED, TACTask, load_tasks
+from workflows.tac.task import BUNDLED, TACTask, load_tasks, split_names
 
 
 @dataclass(frozen=True)
 class TACOptions:
     tasks_dir: Path = BUNDLED
     """Directory of TAC-layout tasks (default: the bundled local tasks)."""
+    family: int | None = None
+    """N: instead of tasks_dir, N generated local tasks (workflows/tac/family.py; train/val/test 80/10/10)."""
+    family_seed: int = 0
+    """Seed of the generated family (family=N); each (seed, N) is generated once into $FLYWHEEL_CACHE/tac-family."""
     tasks: list[str] | None = None
     """Only these task names (comma-separated)."""
     runtime: Literal["local", "docker"] = "local"
@@ -50,6 +61,12 @@ class TACOptions:
     def __post_init__(self) -> None:
         if self.max_iterations < 1:
             raise ValueError(f"max_iterations must be >= 1, got {self.max_iterations}")
+        if self.family is not None and self.family < 1:
+            raise ValueError(f"family must be a number of tasks >= 1, got {self.family}")
+        if self.family is not None and self.tasks_dir != BUNDLED:
+            raise ValueError(
+                "family=N generates its own tasks: leave tasks_dir unset, or point it at a generated directory"
+            )
 
 
 class TACWorkflow(Workflow[TACTask, TACOptions]):
@@ -60,20 +77,37 @@ class TACWorkflow(Workflow[TACTask, TACOptions]):
     requires = ("openhands", "litellm")
     episode_timeout_s = 1800.0
 
-    def tasks(self, split: Source) -> Sequence[TACTask]:
-        tasks = load_tasks(self.options.tasks_dir, split)
+    @cached_property
+    def tasks_root(self) -> Path:
+        """``tasks_dir``, or the generated family's directory (generated on first use)."""
+        if self.options.family is None:
+            return self.options.tasks_dir
+        return ensure_family(self.options.family, self.options.family_seed)
+
+    def tasks(self, split: Source | Split) -> Sequence[TACTask]:
+        tasks = load_tasks(self.tasks_root, split)
         if self.options.tasks:
             unknown = set(self.options.tasks) - {t.name for t in tasks}
             if unknown:
-                raise ValueError(f"no {split} TAC tasks named {sorted(unknown)} in {self.options.tasks_dir}")
+                raise ValueError(f"no {split} TAC tasks named {sorted(unknown)} in {self.tasks_root}")
             tasks = [t for t in tasks if t.name in self.options.tasks]
         return tasks
+
+    def split_tasks(self, split: Split) -> list[TACTask]:
+        """splits.yml's own three splits where it lists ``val`` (the family's), else the base rule."""
+        if "val" in split_names(self.tasks_root):
+            return list(self.tasks(split))
+        return super().split_tasks(split)
+
+    def stratum(self, task: TACTask) -> str | None:
+        """A generated task's kind, so every stretch of a run holds each kind; None for hand-written ones."""
+        return task.kind
 
     def task_id(self, task: TACTask) -> str:
         return f"tac/{task.name}"
 
     def task_metadata(self, task: TACTask) -> dict[str, Any]:
-        return {"task": task.name, "runtime": self.options.runtime}
+        return {"task": task.name, "runtime": self.options.runtime, **({"kind": task.kind} if task.kind else {})}
 
     def describe_task(self, task: TACTask) -> str:
         return task.instruction
@@ -129,3 +163,71 @@ class TACWorkflow(Workflow[TACTask, TACOptions]):
 
     async def run_episode(self, task: TACTask, episode: Episode) -> Outcome:
         return await in_thread(self.play, task, episode)
+
+    async def evaluate(
+        self, endpoint: Endpoint, *, split: Split, limit: int | None, concurrency: int, model: str
+    ) -> dict[str, Any]:
+        """Greedy agent runs on the split's first ``limit`` graded tasks through ``endpoint`` (unrecorded).
+
+        ``accuracy`` is success (reward 1.0: every checkpoint passed), ``mean_score`` the mean share
+        of checkpoints passed, both also ``by_kind``. A run the agent ended badly (a context overflow,
+        a refused call, a crashed tool) scores 0 and is counted in ``failed`` with its reason, so a
+        report never silently drops a task; ``finished_rate`` is the share that called ``finish``."""
+        import asyncio
+        import dataclasses
+        import time
+        import uuid
+        from collections import defaultdict
+
+        from workflows.base import EpisodeFailed
+
+        tasks = [t for t in self.split_tasks(split) if t.graded][:limit]
+        if not tasks:
+            raise ValueError(f"no graded {split} TAC tasks to evaluate")
+        greedy = TACWorkflow(dataclasses.replace(self.options, temperature=0.0))
+        slots = asyncio.Semaphore(concurrency)
+        started = time.monotonic()
+        proxy = endpoint.base_url.rstrip("/").removesuffix("/v1")  # play() asks <proxy_url>/v1
+
+        async def one(task: TACTask) -> tuple[TACTask, float, float, str]:
+            run_id = str(uuid.uuid4())
+            episode = Episode(run_id, run_id, 0, endpoint.base_url, endpoint.api_key, model, endpoint, proxy)
+            async with slots:
+                try:
+                    outcome = await in_thread(greedy.play, task, episode)
+                except EpisodeFailed as exc:
+                    return task, 0.0, 0.0, f"failed: {str(exc)[:200]}"
+            result, total = outcome.metadata["final_score"]
+            share = sum(r for r, _ in outcome.metadata["checkpoints"]) / max(
+                sum(t for _, t in outcome.metadata["checkpoints"]), 1
+            )
+            return task, float(result >= total), share, str(outcome.metadata["ending"])
+
+        results = await asyncio.gather(*(one(t) for t in tasks))
+
+        def rates(rows: list[tuple[TACTask, float, float, str]]) -> dict[str, float]:
+            return {
+                "accuracy": sum(r[1] for r in rows) / len(rows),
+                "mean_score": round(sum(r[2] for r in rows) / len(rows), 4),
+                "finished_rate": sum(r[3] == "finished" for r in rows) / len(rows),
+            }
+
+        by_kind: dict[str, list[tuple[TACTask, float, float, str]]] = defaultdict(list)
+        failed: dict[str, int] = defaultdict(int)
+        for row in results:
+            by_kind[row[0].kind or "-"].append(row)
+            if row[3].startswith("failed: "):
+                failed[row[3]] += 1
+        return {
+            "workflow": self.name,
+            "split": split,
+            "model": model,
+            "n": len(results),
+            **rates(list(results)),
+            "failed": dict(failed),
+            "policy_versions": [],  # OpenHands does not expose the X-Policy-Version header
+            "by_kind": {k: {"n": len(v), **rates(v)} for k, v in sorted(by_kind.items())},
+            "max_iterations": self.options.max_iterations,
+            "max_output_tokens": self.options.max_output_tokens,
+            "seconds": round(time.monotonic() - started, 2),
+        }

@@ -96,7 +96,21 @@ class LocalRuntime(Runtime):
             shutil.copytree(task.workspace_seed, workdir)
         else:
             workdir.mkdir()
-        prepared = Prepared(task=task, workdir=workdir, outputs=outputs, instruction=task.instruction)
+        # The agent's terminal is bash without the host's rc files: an interactive shell that sources
+        # ~/.bashrc runs whatever the host put there (here `pyenv init`, whose rehash under load delayed
+        # the prompt until OpenHands took an episode's first command as finished before it ran), so
+        # the same task behaved differently by host. The subprocess backend, not tmux (whose shell
+        # reads them too), so the shell is this one on every host.
+        shell = outputs / "shell.sh"
+        shell.write_text('#!/bin/sh\nexec bash --norc --noprofile "$@"\n')
+        shell.chmod(0o755)
+        prepared = Prepared(
+            task=task,
+            workdir=workdir,
+            outputs=outputs,
+            instruction=task.instruction,
+            terminal_params={"terminal_type": "subprocess", "shell_path": str(shell)},
+        )
         if task.init_script is not None:
             try:
                 _run(

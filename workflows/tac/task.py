@@ -10,15 +10,20 @@ A task directory holds what a TAC image keeps under ``/instruction`` and ``/util
 - ``dependencies.yml``: the services the task needs (gitlab, rocketchat, owncloud, plane); local
   tasks need none;
 - ``workspace/`` (optional): files copied into the agent's fresh working directory;
-- ``init.sh`` (optional): run in the working directory before the agent starts.
+- ``init.sh`` (optional): run in the working directory before the agent starts;
+- ``spec.json`` (generated tasks, ``family.py``): what the shared checks grade; its ``kind`` is the
+  task's kind;
+- ``solution.json`` (optional): OpenHands tool calls that solve the task (``{"steps": [{"tool",
+  "arguments"}, ...]}``, ending with ``finish``), for scripted demonstrations and tests.
 
-A directory of tasks may carry ``splits.yml`` (``train: [...]``, ``test: [...]``); without one,
-every task is in both splits. A task for the docker runtime names its image in ``image.txt``
-(default ``ghcr.io/theagentcompany/<name>-image:1.0.0``).
+A directory of tasks may carry ``splits.yml`` (``train: [...]``, ``test: [...]``, optionally
+``val: [...]``); without one, every task is in both splits. A task for the docker runtime names its
+image in ``image.txt`` (default ``ghcr.io/theagentcompany/<name>-image:1.0.0``).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +41,8 @@ class TACTask:
     instruction: str
     dependencies: tuple[str, ...]
     image: str
+    kind: str | None = None
+    """A generated task's kind (``spec.json``); None for hand-written ones."""
 
     @property
     def evaluator(self) -> Path:
@@ -69,13 +76,23 @@ def load_task(path: Path) -> TACTask:
     image_file = path / "image.txt"
     default_image = f"ghcr.io/theagentcompany/{path.name}-image:1.0.0"
     image = image_file.read_text().strip() if image_file.is_file() else default_image
+    spec_file = path / "spec.json"
+    kind = json.loads(spec_file.read_text()).get("kind") if spec_file.is_file() else None
     return TACTask(
         name=path.name,
         path=path,
         instruction=(path / "task.md").read_text().strip(),
         dependencies=tuple(deps or ()),
         image=image,
+        kind=kind if isinstance(kind, str) else None,
     )
+
+
+def split_names(root: Path) -> set[str]:
+    """The splits ``root/splits.yml`` lists (none without one)."""
+    splits_file = root / "splits.yml"
+    splits = yaml.safe_load(splits_file.read_text()) if splits_file.is_file() else None
+    return set(splits) if isinstance(splits, dict) else set()
 
 
 def load_tasks(root: Path, split: str) -> list[TACTask]:
