@@ -129,12 +129,15 @@ class _Answer:
         call: dict[str, Any] | None,
         parts: list[int],
         ident: str,
+        final: str | None = FINAL,
     ) -> None:
         self.model = body.get("model")
         self.ids = body.get("return_token_ids") is True
         self.logprobs = body.get("logprobs") is True
         self.prompt, self.tokens, self.call, self.parts, self.ident = prompt, tokens, call, parts, ident
         self.finish = "tool_calls" if call else "stop"
+        self.final = final
+        """The final answer's text (``bench/fake_tokens.py`` scripts its own)."""
 
     def _logprobs(self, tokens: list[tuple[int, str, float]]) -> dict[str, Any] | None:
         if not self.logprobs:
@@ -150,7 +153,7 @@ class _Answer:
         }
 
     def whole(self) -> bytes:
-        message: dict[str, Any] = {"role": "assistant", "content": None if self.call else FINAL, "reasoning": None}
+        message: dict[str, Any] = {"role": "assistant", "content": None if self.call else self.final, "reasoning": None}
         if self.call:
             function = {"name": self.call["name"], "arguments": self.call["arguments"]}
             message["tool_calls"] = [{"id": self.call["id"], "type": "function", "function": function}]

@@ -22,6 +22,8 @@ extends the previous prompt plus its completion, as with a real model (``bench/f
 With ``--script COMMAND`` every chat completion is answered by ``bench/fake_script.py``'s scripted
 engine instead: a call of the offered shell tool running COMMAND, then a final answer once the
 conversation holds its result (the agent-harness tests), each answer logged (``--answer-log``).
+``bench/fake_tokens.py`` serves a scripted engine with a real token path (SmolLM2's tokenizer and
+the served template, vLLM's render, generate and derender routes) on this server.
 
 Run: ``python -m bench.fake_upstream --port 0`` prints ``fake_upstream listening on HOST:PORT``.
 """
@@ -45,6 +47,7 @@ import uvloop
 
 if TYPE_CHECKING:
     from bench.fake_script import Script
+    from bench.fake_tokens import TokenEngine
 
 Kind = Literal["chat", "completion"]
 
@@ -102,6 +105,14 @@ VOCAB = [
     (47, "?"),
 ]
 STATUS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found"}
+TOKEN_ROUTES = (
+    b"/v1/chat/completions",
+    b"/v1/chat/completions/render",
+    b"/v1/completions/render",
+    b"/inference/v1/generate",
+    b"/v1/chat/completions/derender",
+)
+"""Chat and vLLM's token API (``--enable-scale-out``), answered by the token engine (``bench/fake_tokens.py``)."""
 
 
 def _token(i: int) -> tuple[int, str, float]:
@@ -553,7 +564,10 @@ class FakeUpstreamProtocol(asyncio.Protocol):
         if method == b"GET" and url == b"/health":
             self._send(200, b"application/json", b"")
         elif method == b"GET" and url == b"/v1/models":
-            self._send(200, b"application/json", MODELS_BODY)
+            engine = self.server.token_api
+            self._send(200, b"application/json", MODELS_BODY if engine is None else engine_models())
+        elif method == b"POST" and self.server.token_api is not None and url in TOKEN_ROUTES:
+            self._token_route(self.server.token_api, url, body)
         elif method == b"POST" and url in (b"/v1/chat/completions", b"/v1/completions"):
             if not self._generate("chat" if url == b"/v1/chat/completions" else "completion", body):
                 return  # a slow stream closes itself when it ends
@@ -566,6 +580,32 @@ class FakeUpstreamProtocol(asyncio.Protocol):
     def _send(self, status: int, content_type: bytes, body: bytes) -> None:
         assert self.transport is not None
         self.transport.write(response_head(status, content_type, len(body)) + body)
+
+    def _token_route(self, engine: TokenEngine, url: bytes, raw: bytes) -> None:
+        """A route of the token engine: JSON, or a stream's events (chat and generate)."""
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            self._send(400, b"application/json", b'{"error":{"message":"invalid JSON body","type":"BadRequestError"}}')
+            return
+        status, answer = 200, None
+        if url == b"/v1/chat/completions":
+            answer = engine.chat(body)
+        elif url == b"/inference/v1/generate":
+            answer = engine.generate(body)
+        elif url == b"/v1/chat/completions/render":
+            answer = orjson.dumps(engine.chat_render(body))
+        elif url == b"/v1/completions/render":
+            status, out = engine.tokens_render(body)
+            answer = orjson.dumps(out)
+        else:
+            answer = orjson.dumps(engine.derender(body))
+        if isinstance(answer, bytes):
+            self._send(status, b"application/json", answer)
+            return
+        assert self.transport is not None
+        head = response_head(200, b"text/event-stream; charset=utf-8", None)
+        self.transport.write(head + b"".join(http_chunk(e) for e in [*answer, DONE]) + b"0\r\n\r\n")
 
     def _scripted(self, script: Script, body: dict[str, Any]) -> None:
         answer = script.answer(body)
@@ -621,11 +661,31 @@ class FakeUpstreamProtocol(asyncio.Protocol):
         return True
 
 
+def engine_models() -> bytes:
+    """``/v1/models`` with the token engine's served window."""
+    from bench.fake_tokens import CONTEXT
+
+    listed = orjson.loads(MODELS_BODY)
+    listed["data"][0]["max_model_len"] = CONTEXT
+    return orjson.dumps(listed)
+
+
 class FakeUpstream:
-    def __init__(self, *, tokens: int, interval_s: float, template: bool = False, script: Script | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        tokens: int,
+        interval_s: float,
+        template: bool = False,
+        script: Script | None = None,
+        token_api: TokenEngine | None = None,
+    ) -> None:
         self.canned = Canned(tokens)
         self.script = script
         """The scripted engine (``bench/fake_script.py``) answering chat completions, if any."""
+        self.token_api = token_api
+        """The scripted engine with a real token path (``bench/fake_tokens.py``), if any: it answers
+        chat completions and vLLM's token API."""
         self.template = Template() if template else None
         """Chat prompts' ids from their messages (not streamed answers: the agents' bench needs only those)."""
         self.ticker = Ticker(interval_s, self.canned)
@@ -637,9 +697,16 @@ class FakeUpstream:
 
 
 async def serve(
-    host: str, port: int, *, tokens: int, interval_s: float, template: bool = False, script: Script | None = None
+    host: str,
+    port: int,
+    *,
+    tokens: int,
+    interval_s: float,
+    template: bool = False,
+    script: Script | None = None,
+    token_api: TokenEngine | None = None,
 ) -> None:
-    upstream = FakeUpstream(tokens=tokens, interval_s=interval_s, template=template, script=script)
+    upstream = FakeUpstream(tokens=tokens, interval_s=interval_s, template=template, script=script, token_api=token_api)
     loop = asyncio.get_running_loop()
     server = await loop.create_server(upstream.protocol, host, port, backlog=16384, reuse_address=True)
     bound = server.sockets[0].getsockname()

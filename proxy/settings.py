@@ -177,8 +177,11 @@ class SpliceSettings(_Section):
     """Earlier assistant turns reach vLLM as the ids it sampled, not re-rendered from their messages
     (needs vLLM's token API: ``vllm serve --enable-scale-out``, vLLM 0.32 or later). Off: vLLM renders
     every prompt from its messages; a turn that re-renders differently is a break for the trainer."""
-    depth: int = Field(default=4, ge=1)
-    """How many of the episode's newest calls are searched for the one a call continues."""
+    depth: int = Field(default=32, ge=1)
+    """How many of the episode's newest calls are searched for the one a call continues. A harness's
+    sub-agent (Claude Code's ``Agent`` tool) makes its calls between two of the main agent's, so the
+    main agent's next call continues one that many calls back: at 4, a sub-agent of four calls broke
+    the main lineage (``tests/integration/test_harnesses.py``). Each searched call is one row read."""
     reasoning: Literal["keep", "strip"] = "strip"
     """Templates that drop earlier turns' reasoning (Qwen3-style: the ``<think>`` block of an assistant
     turn before the latest user turn is not rendered) re-render every earlier turn differently, so

@@ -316,7 +316,7 @@ class Splicer:
         upstreams: Upstreams,
         repo: Repository,
         *,
-        depth: int = 4,
+        depth: int = 32,
         keep_reasoning: bool = False,
         shadow_share: float = 1.0,
     ) -> None:

@@ -15,6 +15,14 @@ and received, so each run checks, without trusting the proxy's own account:
 
 In ``compat.mode: strict`` each harness is refused with a 400 naming a field it always sends, and
 every refusal is on the episode as a refused call.
+
+With splicing on: each harness runs a task of three shell commands in turn (tool results between)
+against ``bench/fake_tokens.py``, a scripted test double of vLLM with a real token path (SmolLM2's
+tokenizer and the served tool template; vLLM's render, generate and derender routes); Claude Code
+also hands it to a sub-agent, and compacts. Every follow-up is spliced (the earlier prompt and
+sampled ids, then the new messages' render) or, where the harness rewrote its history, recorded
+with why not; the trainer's samples built from the store (one per lineage: main agent, sub-agent,
+compaction summary, post-compaction) train each sampled id exactly once and nothing else.
 """
 
 from __future__ import annotations
@@ -32,8 +40,11 @@ import orjson
 import pytest
 
 from bench._procs import FakeUpstreamProcess
-from tests.support.services import ROOT, ProxyProcess, episode_record, new_episode
+from bench.fake_tokens import CONTEXT, DELEGATE, TokenEngineProcess
+from contract.client import Episode
+from tests.support.services import ROOT, ProxyProcess, episode_record, grammar_masker, model_dir, new_episode
 from tests.support.tee import Exchange, Tee
+from trainer.data import DataStats, episode_samples
 
 BIN = ROOT / "deploy" / "harnesses" / "node_modules" / ".bin"
 TASK = "create hello.txt containing hello"
@@ -78,7 +89,38 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         upstream.stop()
 
 
-def _engine_answers(stack: Stack) -> list[dict[str, Any]]:
+@dataclass
+class TokenStack:
+    """The token engine (``bench/fake_tokens.py``) scripting ``COMMANDS``, and a proxy splicing on it."""
+
+    engine: TokenEngineProcess
+    answers: Path
+    proxy: ProxyProcess
+
+
+STEPS_TASK = "create one.txt and two.txt, then both.txt holding both"
+COMMANDS = ["printf one > one.txt && yes one | head -n 1500", "printf two > two.txt", "cat one.txt two.txt > both.txt"]
+"""Run in turn by every harness; the first prints 1,500 lines (3k tokens), so that Claude Code's
+prompt passes its compaction threshold after it and drops under it once compacted."""
+
+
+@pytest.fixture(scope="module")
+def token_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TokenStack]:
+    tmp = tmp_path_factory.mktemp("harnesses-tokens")
+    answers = tmp / "answers.jsonl"
+    engine = TokenEngineProcess.start(model_dir(), COMMANDS, answers)
+    # The default splice.depth (32): at 4, the sub-agent's four calls pushed the main agent's call out
+    # of the newest four searched, and its follow-up went the ordinary way ("no earlier call ... continued")
+    proxy = ProxyProcess(engine.url, f"sqlite+aiosqlite:///{tmp / 'tokens'}.db", tmp / "tokens")
+    try:
+        proxy.start()
+        yield TokenStack(engine, answers, proxy)
+    finally:
+        proxy.stop()
+        engine.stop()
+
+
+def _engine_answers(stack: Stack | TokenStack) -> list[dict[str, Any]]:
     text = stack.answers.read_text() if stack.answers.exists() else ""
     return [orjson.loads(line) for line in text.splitlines()]
 
@@ -93,14 +135,16 @@ class Run:
     """What the engine sampled during this run."""
 
 
-def _run(stack: Stack, proxy: ProxyProcess, tmp: Path, harness: str) -> Run:
+def _run(
+    stack: Stack | TokenStack, proxy: ProxyProcess, tmp: Path, harness: str, task: str = TASK, **extra: str
+) -> Run:
     episode = new_episode(proxy, f"harness-{harness}")
     path = urlsplit(episode["base_url"]).path  # /episodes/<id>/v1
     workdir, home = tmp / "work", tmp / "home"
     workdir.mkdir()
     home.mkdir()
     before = len(_engine_answers(stack))
-    env = {"PATH": os.environ["PATH"], "HOME": str(home), "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    env = {"PATH": os.environ["PATH"], "HOME": str(home), "LITELLM_LOCAL_MODEL_COST_MAP": "True", **extra}
     with Tee(proxy.port) as tee:
         if harness == "claude":
             env |= {
@@ -108,18 +152,18 @@ def _run(stack: Stack, proxy: ProxyProcess, tmp: Path, harness: str) -> Run:
                 "ANTHROPIC_API_KEY": episode["api_key"],
                 "IS_SANDBOX": "1",  # --dangerously-skip-permissions as root
             }
-            argv = [str(BIN / "claude"), "-p", TASK, "--model", "policy", "--dangerously-skip-permissions"]
+            argv = [str(BIN / "claude"), "-p", task, "--model", "policy", "--dangerously-skip-permissions"]
         elif harness == "gemini":
             env |= {
                 "GOOGLE_GEMINI_BASE_URL": tee.url + path.removesuffix("/v1"),  # it adds /v1beta/models/...
                 "GEMINI_API_KEY": episode["api_key"],
             }
             _gemini_settings(home)
-            argv = [str(BIN / "gemini"), "-p", TASK, "--model", "policy", "--approval-mode", "yolo"]
+            argv = [str(BIN / "gemini"), "-p", task, "--model", "policy", "--approval-mode", "yolo"]
         else:
             env |= {"CODEX_HOME": str(_codex_home(home, tee.url + path)), "FLYWHEEL_EPISODE_KEY": episode["api_key"]}
             argv = [str(BIN / "codex"), "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox"]
-            argv.append(TASK)
+            argv.append(task)
         done = subprocess.run(
             argv, cwd=workdir, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL
         )
@@ -275,3 +319,132 @@ def test_gemini_cli_runs_unchanged_and_every_call_is_recorded_exactly(stack: Sta
 def test_gemini_cli_in_strict_mode_is_refused_naming_the_field(stack: Stack, tmp_path: Path) -> None:
     run = _run(stack, stack.strict, tmp_path, "gemini")
     _check_refused(run, stack.strict, ":streamGenerateContent", "generationConfig.thinkingConfig.includeThoughts")
+
+
+def _lineages(calls: list[dict[str, Any]], not_spliced: str | None) -> list[list[dict[str, Any]]]:
+    """The episode's calls by lineage, as the splice chained them (what the trainer's merge makes of
+    them): a call without an assistant turn starts one (no ``notes.splice``), and so does a call not
+    spliced, whose reason must hold ``not_spliced``; a spliced call joins the lineage of the call it
+    continues when that call is the lineage's newest, else (a branch: Claude Code's compaction
+    request continues the turn before the newest) starts one that holds the earlier ids as context."""
+    out: list[list[dict[str, Any]]] = []
+    of: dict[int, list[dict[str, Any]]] = {}
+    for call in calls:
+        note = (call["notes"] or {}).get("splice")
+        if note is not None and "skipped" in note:
+            assert not_spliced is not None and not_spliced in note["skipped"], note
+        if note is None or "skipped" in note or of[note["from"]][-1]["ordinal"] != note["from"]:
+            out.append([])
+            line = out[-1]
+        else:
+            line = of[note["from"]]
+        line.append(call)
+        of[call["ordinal"]] = line
+    return out
+
+
+def _check_spliced(
+    run: Run, proxy: ProxyProcess, api: str, route: str, not_spliced: str | None = None
+) -> list[list[dict[str, Any]]]:
+    """The task ran, every call is recorded as the engine sampled it, every follow-up was spliced onto
+    the call it continues (or not, for the reason ``not_spliced``), and the trainer builds one sample
+    per lineage that trains exactly the sampled ids, each once. The lineages, in the order they began."""
+    seen = [(e.method, e.path, e.status) for e in run.exchanges], run.done.stdout[-1000:], run.done.stderr[-1000:]
+    assert run.done.returncode == 0, seen
+    assert (run.workdir / "both.txt").read_text() == "onetwo", seen
+    posts = [e for e in run.exchanges if e.method == "POST" and urlsplit(e.path).path.endswith(route)]
+    raw = episode_record(proxy, run.episode["id"])
+    calls = sorted(raw["calls"], key=lambda c: c["ordinal"])
+    assert [c["status_code"] for c in calls] == [e.status for e in posts] == [200] * len(posts), seen
+    assert len(calls) == len(run.engine), seen
+    made = [orjson.loads(e["tool_call"]["arguments"]) for e in run.engine if e["tool_call"]]
+    assert [m.get("command", m.get("cmd")) for m in made if "command" in m or "cmd" in m] == COMMANDS
+    received = {"messages": _received_message, "responses": _received_response, "gemini": _received_gemini}[api]
+    for call, post, sampled in zip(calls, posts, run.engine, strict=True):
+        assert (call["api"], call["exact_ids"]) == (api, True)
+        assert call["prompt_token_ids"] == sampled["prompt_token_ids"]
+        assert call["choices"][0]["token_ids"] == sampled["token_ids"]
+        assert call["choices"][0]["logprobs"] == sampled["logprobs"]
+        assert received(post.answer) == _recorded(call)
+        # a call not spliced goes vLLM's chat route; a spliced one generates on the spliced ids
+        note = (call["notes"] or {}).get("splice") or {"skipped": "nothing sampled before it"}
+        assert sampled["route"] == ("chat" if "skipped" in note else "generate"), (call["ordinal"], note)
+        if "skipped" in note:
+            continue
+        before = next(c for c in calls if c["ordinal"] == note["from"])
+        # the engine tokenized the call's parts apart: vLLM's render of the history is not what it sampled
+        assert note["changed"] is True and note["rendered_tokens"] < note["prompt_tokens"], note
+        assert note["shadow"] == {"checked": True, "mismatch": None, "at": None}, note
+        earlier = [*before["prompt_token_ids"], *before["choices"][0]["token_ids"]]
+        assert call["prompt_token_ids"][: len(earlier)] == earlier
+    lineages = _lineages(calls, not_spliced)
+    stats = DataStats()
+    samples = episode_samples(
+        Episode.model_validate(raw), group_id="g", max_seq_len=CONTEXT, stats=stats, masker=grammar_masker()
+    )
+    assert len(samples) == len(lineages) and stats.breaks == len(lineages) - 1, stats
+    for line in lineages:
+        last = line[-1]
+        (sample,) = [s for s in samples if s.input_ids == [*last["prompt_token_ids"], *last["choices"][0]["token_ids"]]]
+        mask = [0] * len(sample.input_ids)
+        for call in line:  # each sampled span where its call put it
+            start = len(call["prompt_token_ids"])
+            ids = call["choices"][0]["token_ids"]
+            assert sample.input_ids[start : start + len(ids)] == ids
+            mask[start : start + len(ids)] = [1] * len(ids)
+        assert sample.loss_mask == mask  # its lineage's sampled ids trained, each once; nothing else
+        trained = [lp for lp, m in zip(sample.behaviour_logprobs, mask, strict=True) if m]
+        assert trained == pytest.approx([lp for call in line for lp in call["choices"][0]["logprobs"]])
+    return lineages
+
+
+def _tools(line: list[dict[str, Any]]) -> list[str | None]:
+    """The tool each call of a lineage called (None: a final answer)."""
+    return [(c["choices"][0]["tool_calls"] or [{"function": {"name": None}}])[0]["function"]["name"] for c in line]
+
+
+def test_claude_code_runs_three_commands_with_every_follow_up_spliced(token_stack: TokenStack, tmp_path: Path) -> None:
+    run = _run(token_stack, token_stack.proxy, tmp_path, "claude", STEPS_TASK)
+    (main,) = _check_spliced(run, token_stack.proxy, "messages", "/v1/messages")
+    assert _tools(main) == ["Bash"] * len(COMMANDS) + [None]
+
+
+def test_claude_code_sub_agent_is_a_lineage_of_its_own(token_stack: TokenStack, tmp_path: Path) -> None:
+    """The main agent hands the task to a sub-agent (its ``Agent`` tool), which runs the commands in a
+    conversation of its own inside the same episode: two lineages, two samples, each spliced."""
+    run = _run(token_stack, token_stack.proxy, tmp_path, "claude", f"{DELEGATE} {STEPS_TASK}")
+    main, sub = _check_spliced(run, token_stack.proxy, "messages", "/v1/messages")
+    assert _tools(main) == ["Agent", None] and _tools(sub) == ["Bash"] * len(COMMANDS) + [None]
+    assert main[0]["ordinal"] < sub[0]["ordinal"] < sub[-1]["ordinal"] < main[-1]["ordinal"]  # it waited
+
+
+def test_claude_code_compacts_and_the_summary_and_what_follows_are_lineages_of_their_own(
+    token_stack: TokenStack, tmp_path: Path
+) -> None:
+    """Claude Code told the served window (``CLAUDE_CODE_MAX_CONTEXT_TOKENS``) compacts once a prompt
+    passes 12 % of it less its output reserve: between the prompt after the first command's output
+    (15k tokens) and the prompts after compaction (12.4k). Its summary request continues the first
+    call (a branch: the second call continued it too), spliced; the conversation after it starts
+    from the summary, its history rewritten, so its first call goes the ordinary way, saying why, and
+    begins the post-compaction lineage. Three samples: main, summary, post-compaction; each sampled
+    id trained once (the first call's in main only: the summary's sample holds them as context)."""
+    window = {"CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(CONTEXT), "CLAUDE_AUTOCOMPACT_PCT_OVERRIDE": "12"}
+    run = _run(token_stack, token_stack.proxy, tmp_path, "claude", STEPS_TASK, **window)
+    rewritten = "is continued by these messages"
+    main, summary, after = _check_spliced(run, token_stack.proxy, "messages", "/v1/messages", rewritten)
+    assert _tools(main) == ["Bash", "Bash"] and _tools(summary) == [None] and _tools(after) == ["Bash", None]
+    assert summary[0]["choices"][0]["text"] == "<summary>COMPACTED: 1 commands ran.</summary>"
+    assert summary[0]["notes"]["splice"]["from"] == main[0]["ordinal"]
+    assert rewritten in after[0]["notes"]["splice"]["skipped"]
+
+
+def test_codex_runs_three_commands_with_every_follow_up_spliced(token_stack: TokenStack, tmp_path: Path) -> None:
+    run = _run(token_stack, token_stack.proxy, tmp_path, "codex", STEPS_TASK)
+    (main,) = _check_spliced(run, token_stack.proxy, "responses", "/v1/responses")
+    assert len(main) == len(COMMANDS) + 1
+
+
+def test_gemini_cli_runs_three_commands_with_every_follow_up_spliced(token_stack: TokenStack, tmp_path: Path) -> None:
+    run = _run(token_stack, token_stack.proxy, tmp_path, "gemini", STEPS_TASK)
+    (main,) = _check_spliced(run, token_stack.proxy, "gemini", ":streamGenerateContent")
+    assert len(main) == len(COMMANDS) + 1
