@@ -13,6 +13,7 @@ BUILTIN = {
     "calc": "workflows.calc.run:CalcWorkflow",
     "tau2": "workflows.tau2.run:Tau2Workflow",
     "tac": "workflows.tac.run:TACWorkflow",
+    "miniswe": "workflows.miniswe.run:MiniSweWorkflow",
 }
 
 

@@ -18,6 +18,13 @@ demonstrated, and a tasks directory without ``splits.yml``, where every task is 
 refused at start), a step past the script's end (400 ``script_exhausted``), a tool the request does
 not offer (400 ``tool_not_offered``) and streams (400 ``stream_unsupported``).
 
+``--style mini-swe-agent`` plays the same scripts to mini-swe-agent (``workflows/miniswe``), whose
+only tool is ``bash`` (``{"command": ...}``) and which ends when a command prints
+``COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT``: each ``terminal`` step becomes a ``bash`` call with the
+same command and ``finish`` becomes ``echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT``; a step with any
+other tool (``file_editor``) is refused (400 ``step_untranslatable``). The default style,
+``openhands``, answers each step as scripted.
+
 Standard library and PyYAML only, so it runs in either venv.
 """
 
@@ -43,6 +50,10 @@ MODEL = "demonstrator"
 """The model name it answers under, whatever was asked."""
 CHARS_PER_TOKEN = 4
 """Usage is estimated: the demonstrator has no tokenizer."""
+STYLES = ("openhands", "mini-swe-agent")
+"""How a scripted step is put to the agent: as scripted (OpenHands' tools), or as mini-swe-agent's bash call."""
+MINISWE_SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+"""The command that ends a mini-swe-agent run (its LocalEnvironment checks the first output line)."""
 
 
 class Refused(Exception):
@@ -89,10 +100,26 @@ def _steps(path: Path) -> tuple[Step, ...]:
     return tuple(out)
 
 
+def as_bash(step: Step, task: str, index: int) -> Step:
+    """A scripted OpenHands step as mini-swe-agent's one tool call: ``bash`` with a command."""
+    if step.tool == "terminal" and isinstance(step.arguments.get("command"), str):
+        return Step("bash", {"command": step.arguments["command"]})
+    if step.tool == "finish":
+        return Step("bash", {"command": MINISWE_SUBMIT})
+    raise Refused(
+        400,
+        f"task {task} step {index + 1} calls {step.tool!r}, which has no mini-swe-agent bash equivalent",
+        "step_untranslatable",
+    )
+
+
 class Demonstrator:
     """The scripts of a tasks directory, indexed by instruction, and the refused test tasks."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, style: str = "openhands") -> None:
+        if style not in STYLES:
+            raise ValueError(f"style must be one of {', '.join(STYLES)}, got {style!r}")
+        self.style = style
         splits_file = root / "splits.yml"
         if not splits_file.is_file():
             raise ValueError(
@@ -143,6 +170,8 @@ class Demonstrator:
                 "script_exhausted",
             )
         step = script.steps[index]
+        if self.style == "mini-swe-agent":
+            step = as_bash(step, script.task, index)
         offered = {t.get("function", {}).get("name") for t in body.get("tools") or () if isinstance(t, dict)}
         if step.tool not in offered:
             names = ", ".join(sorted(str(n) for n in offered)) or "none"
@@ -245,9 +274,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tasks-dir", type=Path, required=True, help="TAC tasks with solution.json and splits.yml")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8300)
+    parser.add_argument(
+        "--style",
+        choices=STYLES,
+        default="openhands",
+        help="openhands: each step as scripted; mini-swe-agent: as its bash tool call, finish as its submit command",
+    )
     args = parser.parse_args(argv)
     try:
-        demonstrator = Demonstrator(args.tasks_dir)
+        demonstrator = Demonstrator(args.tasks_dir, args.style)
     except ValueError as exc:
         parser.error(str(exc))
     server = serve(demonstrator, args.host, args.port)
