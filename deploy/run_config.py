@@ -119,6 +119,75 @@ class EvalSection:
 
 
 @dataclass(frozen=True)
+class WarmStartSection:
+    """Demonstrations and supervised steps before GRPO (``make run`` only; issue 46): the scripted
+    demonstrator (``python -m workflows.tac.demonstrator``) is started beside the proxy as teacher
+    ``teacher``, the workflow records ``groups`` x ``group_size`` demonstrations on the train split
+    with ``--source teacher:<teacher>``, and ``python -m trainer warmstart`` trains ``steps`` steps
+    on those rewarded at least ``min_reward`` and publishes the adapter GRPO then starts from."""
+
+    groups: int = 16
+    """Demonstration groups to record (train split only: the demonstrator refuses test tasks)."""
+    group_size: int = 1
+    """Episodes per demonstration group: the script plays the same calls every time, so one."""
+    concurrency: int = 4
+    """Demonstrations recorded at once (each is an OpenHands run: its tools run on this host)."""
+    teacher: str = "demo"
+    """The teacher's name in the proxy's settings; episodes carry ``metadata.source: teacher:<teacher>``."""
+    tasks_dir: str | None = None
+    """The demonstrator's tasks (each with ``solution.json``); null: the workflow's own tasks, as its
+    options (``-o family=N``, ``-o tasks_dir=...``) make them."""
+    args: tuple[str, ...] = ()
+    """Further ``python -m workflows run`` arguments of the recording (the workflow's ``-o`` options
+    are passed already)."""
+    steps: int = 4
+    """Supervised steps (the trainer's ``warm_start_steps``)."""
+    learning_rate: float | None = None
+    """The trainer's ``warm_start_learning_rate``; null: its ``learning_rate``."""
+    episodes_per_step: int = 8
+    """The trainer's ``warm_start_episodes_per_step``."""
+    min_reward: float | None = 1.0
+    """The trainer's ``warm_start_min_reward``: only demonstrations that passed every checkpoint."""
+
+    def __post_init__(self) -> None:
+        _require(
+            [
+                (self.groups >= 1, "warm_start.groups must be >= 1"),
+                (self.group_size >= 1, "warm_start.group_size must be >= 1"),
+                (self.concurrency >= 1, "warm_start.concurrency must be >= 1"),
+                (self.steps >= 1, "warm_start.steps must be >= 1 (leave warm_start out for none)"),
+                (self.episodes_per_step >= 1, "warm_start.episodes_per_step must be >= 1"),
+                (
+                    self.learning_rate is None or self.learning_rate > 0,
+                    "warm_start.learning_rate must be > 0 (or null)",
+                ),
+                (
+                    bool(self.teacher) and all(c.isalnum() or c in "-_." for c in self.teacher),
+                    f"warm_start.teacher must be a plain name (letters, digits, - _ .), got {self.teacher!r}",
+                ),
+            ]
+        )
+
+    @property
+    def source(self) -> str:
+        """The episodes' ``metadata.source`` (and the trainer's ``warm_start_source``)."""
+        return f"teacher:{self.teacher}"
+
+    def trainer_overrides(self) -> dict[str, Any]:
+        """The trainer's ``warm_start_*`` settings this section stands for."""
+        overrides: dict[str, Any] = {
+            "warm_start_steps": self.steps,
+            "warm_start_source": self.source,
+            "warm_start_episodes_per_step": self.episodes_per_step,
+        }
+        if self.min_reward is not None:
+            overrides["warm_start_min_reward"] = self.min_reward
+        if self.learning_rate is not None:
+            overrides["warm_start_learning_rate"] = self.learning_rate
+        return overrides
+
+
+@dataclass(frozen=True)
 class GuardSection:
     """The collapse guard (``deploy/guard.py``): when the launcher probes, and what it does about a collapse."""
 
@@ -226,6 +295,8 @@ class RunConfig:
     workflow: WorkflowSection = field(default_factory=WorkflowSection)
     eval: EvalSection = field(default_factory=EvalSection)
     guard: GuardSection = field(default_factory=GuardSection)
+    warm_start: WarmStartSection | None = None
+    """Record demonstrations and warm-start the adapter before GRPO (null: GRPO from the base model)."""
 
     def __post_init__(self) -> None:
         _require(
@@ -235,6 +306,14 @@ class RunConfig:
                 (self.budget_steps is None or self.budget_steps >= 1, "budget_steps must be >= 1 (or null)"),
                 (self.eval_after_slowdown >= 0, "eval_after_slowdown must be >= 0"),
                 (self.min_train_minutes >= 0, "min_train_minutes must be >= 0"),
+                (
+                    self.warm_start is None or self.workflow.name == "tac",
+                    f"warm_start needs workflow.name: tac (a TAC demonstrator), got {self.workflow.name!r}",
+                ),
+                (
+                    self.warm_start is None or not any(k.startswith("warm_start_") for k in self.trainer.overrides),
+                    "set the warm start in the warm_start section, not in trainer.overrides (warm_start_*)",
+                ),
             ]
         )
 

@@ -1,5 +1,9 @@
 """The processes ``make serve`` and ``make run`` share: vLLM (supervised) and the proxy, as children.
 
+With a ``warm_start`` section the stack also starts the scripted demonstrator
+(``python -m workflows.tac.demonstrator``) on a free port before the proxy, and names it to the proxy
+as a teacher (``FLYWHEEL_TEACHERS``), so the launcher can record demonstrations through it.
+
 Every child runs in its own process group with a parent-death signal, so even a killed launcher
 leaves no orphans behind; ``Stack.stop`` stops them in reverse order of start.
 """
@@ -10,6 +14,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,6 +27,28 @@ import yaml
 from contract.keyfile import key_file_keys
 from deploy.run_config import RunConfig
 from deploy.vllm import ROOT, Supervisor, VLLMServer, die_with_parent
+
+
+def agents_python() -> str:
+    """The agents venv's Python (workflows, OpenHands): ``FLYWHEEL_AGENTS_PYTHON``, else ``.venv-agents``."""
+    return os.environ.get("FLYWHEEL_AGENTS_PYTHON", str(ROOT / ".venv-agents" / "bin" / "python"))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def workflow_options(args: tuple[str, ...]) -> list[str]:
+    """The ``-o key=value`` options among a workflow's command-line arguments, in order."""
+    options: list[str] = []
+    for i, arg in enumerate(args):
+        if arg in ("-o", "--option") and i + 1 < len(args):
+            options.append(args[i + 1])
+        elif arg.startswith("--option="):
+            options.append(arg.split("=", 1)[1])
+    return options
 
 
 def log(message: str) -> None:
@@ -141,6 +168,12 @@ class Stack:
         )
         self.children: list[Child] = []
         """Processes started on top of the stack (trainer, workflow, evaluation): stopped first."""
+        self.demonstrator: Child | None = None
+        self.teacher_url: str | None = None
+        if config.warm_start is not None:  # the proxy must know the teacher when it starts
+            self.teacher_url = f"http://127.0.0.1:{free_port()}"
+            teachers = [{"name": config.warm_start.teacher, "url": self.teacher_url, "model": "demonstrator"}]
+            env["FLYWHEEL_TEACHERS"] = json.dumps(teachers)
 
     def spawn(self, child: Child) -> Child:
         self.children.append(child)
@@ -165,6 +198,8 @@ class Stack:
             self.vllm.wait_healthy(timeout=900)
             self.supervisor.start()
             log(f"vLLM healthy at {self.vllm.url}")
+        if self.teacher_url is not None:
+            self._start_demonstrator(self.teacher_url)
         self.proxy.start()
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -180,12 +215,49 @@ class Stack:
             raise SystemExit(f"the proxy did not become healthy; see {self.proxy.log_path}")
         log(f"proxy healthy at {self.proxy_url} (log: {self.proxy.log_path}); dashboard at {self.proxy_url}/ui/")
 
+    def demonstrator_tasks(self) -> Path:
+        """The demonstrator's tasks: ``warm_start.tasks_dir``, else the workflow's own, as its ``-o``
+        options make them (asked of the workflow in the agents venv: ``family=N`` generates them there)."""
+        assert self.config.warm_start is not None
+        if self.config.warm_start.tasks_dir:
+            return ROOT / self.config.warm_start.tasks_dir
+        code = (
+            "import sys; from workflows.options import parse_options; from workflows.registry import load; "
+            "cls = load(sys.argv[1]); print(cls(parse_options(cls.options_type, sys.argv[2:])).tasks_root)"
+        )
+        argv = [agents_python(), "-c", code, self.config.workflow.name, *workflow_options(self.config.workflow.args)]
+        done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+        if done.returncode != 0:
+            raise SystemExit(f"could not find the workflow's tasks for the demonstrator: {done.stderr[-2000:]}")
+        return Path(done.stdout.strip().splitlines()[-1])
+
+    def _start_demonstrator(self, url: str) -> None:
+        tasks = self.demonstrator_tasks()
+        port = url.rsplit(":", 1)[1]
+        argv = [sys.executable, "-m", "workflows.tac.demonstrator", "--tasks-dir", str(tasks), "--port", port]
+        self.demonstrator = Child("demonstrator", argv, self.logs / "demonstrator.log")
+        self.demonstrator.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if not self.demonstrator.alive():
+                raise SystemExit(f"the demonstrator exited; see {self.demonstrator.log_path}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    log(f"demonstrator at {url} (tasks {tasks}); the proxy serves it as a teacher")
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise SystemExit(f"the demonstrator did not become healthy; see {self.demonstrator.log_path}")
+
     def stop(self) -> None:
         for child in reversed(self.children):
             child.stop()
         if self.vllm is not None:
             self.supervisor.stop()
         self.proxy.stop()
+        if self.demonstrator is not None:
+            self.demonstrator.stop(timeout=10)
         if self.vllm is not None:
             self.vllm.stop()
         log("stopped the proxy" + (" and vLLM" if self.vllm is not None else ""))

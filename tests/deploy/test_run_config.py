@@ -13,6 +13,7 @@ import yaml
 from deploy.run_config import EngineSection, RunConfig, RunConfigError, load_run_config
 from deploy.vllm import DEFAULT_TEMPLATE, VLLMServer
 from tests.support.services import ROOT
+from trainer.config import TrainerConfig
 
 RUN_CONFIGS = sorted((ROOT / "configs").glob("run-*.yaml"))
 
@@ -64,6 +65,7 @@ LAUNCHER_DEFAULTS = {
         "early_shaping_only_share": 0.75,
         "early_min_success": 0.2,
     },
+    "warm_start": None,  # added since (issue 46): no warm start unless a config asks for one
 }
 
 
@@ -74,7 +76,7 @@ def write(tmp_path: Path, data: object, name: str = "run.yaml") -> Path:
 
 
 def test_shipped_run_configs_exist() -> None:
-    assert {p.name for p in RUN_CONFIGS} >= {"run-local.yaml", "run-tools.yaml"}
+    assert {p.name for p in RUN_CONFIGS} >= {"run-local.yaml", "run-tools.yaml", "run-openhands.yaml"}
 
 
 @pytest.mark.parametrize("path", RUN_CONFIGS, ids=lambda p: p.name)
@@ -120,6 +122,10 @@ def _plain(value: object) -> object:
         ({"workflow": {"arg": []}}, "unknown key 'workflow.arg' (did you mean 'args'?)"),
         ({"eval": {"split": "test"}}, "unknown key 'eval.split' (known: args)"),
         (
+            {"workflow": {"name": "tac"}, "warm_start": {"step": 2}},
+            "unknown key 'warm_start.step' (did you mean 'steps'?)",
+        ),
+        (
             {"trainer": {"overrides": {"learning_rat": 1e-4}}},
             "unknown trainer setting 'trainer.overrides.learning_rat' (did you mean 'learning_rate'?)",
         ),
@@ -153,6 +159,15 @@ def test_unknown_keys_are_refused_with_a_did_you_mean_naming_the_file(
         ({"budget_steps": 0}, "budget_steps must be >= 1 (or null)"),
         ({"budget_steps": 2.5}, "budget_steps: expected an integer, got 2.5"),
         ("- a list", "the run config: expected a mapping of settings"),
+        ({"workflow": {"name": "tac"}, "warm_start": {"steps": 0}}, "warm_start.steps must be >= 1"),
+        ({"workflow": {"name": "tac"}, "warm_start": {"groups": "many"}}, "warm_start.groups: expected an integer"),
+        ({"workflow": {"name": "tac"}, "warm_start": {"teacher": "a b"}}, "warm_start.teacher must be a plain name"),
+        ({"workflow": {"name": "tac"}, "warm_start": {"learning_rate": 0}}, "warm_start.learning_rate must be > 0"),
+        ({"warm_start": {}}, "warm_start needs workflow.name: tac (a TAC demonstrator), got 'math'"),
+        (
+            {"workflow": {"name": "tac"}, "warm_start": {}, "trainer": {"overrides": {"warm_start_steps": 3}}},
+            "set the warm start in the warm_start section, not in trainer.overrides",
+        ),
     ],
 )
 def test_wrong_types_and_values_are_refused_naming_key_and_file(tmp_path: Path, data: object, message: str) -> None:
@@ -253,3 +268,43 @@ def test_stack_starts_vllm_and_the_proxy_as_the_config_says(tmp_path: Path, monk
     assert yaml.safe_load(stack.proxy.env["FLYWHEEL_UPSTREAMS"]) == [
         {"name": "vllm-0", "url": "http://127.0.0.1:9000", "seed_rule": "drop"}
     ]
+
+
+def test_warm_start_section_stands_for_the_trainers_warm_start_settings(tmp_path: Path) -> None:
+    args = ["--group-size", "4", "-o", "family=40", "--option=system_prompt=short"]
+    base = {"workflow": {"name": "tac", "args": args}}
+    assert load_run_config(write(tmp_path, base)).warm_start is None  # absent: GRPO from the base model
+    config = load_run_config(write(tmp_path, {**base, "warm_start": {"steps": 3, "learning_rate": 1e-4}}))
+    warm = config.warm_start
+    assert warm is not None and warm.source == "teacher:demo" and warm.groups == 16 and warm.min_reward == 1.0
+    assert warm.trainer_overrides() == {
+        "warm_start_steps": 3,
+        "warm_start_source": "teacher:demo",
+        "warm_start_episodes_per_step": 8,
+        "warm_start_min_reward": 1.0,
+        "warm_start_learning_rate": 1e-4,
+    }
+    names = {f.name for f in dataclasses.fields(TrainerConfig)}
+    assert set(warm.trainer_overrides()) <= names  # every key one the trainer knows
+    anyone = load_run_config(write(tmp_path, {**base, "warm_start": {"min_reward": None, "teacher": "big"}}))
+    assert anyone.warm_start is not None and "warm_start_min_reward" not in anyone.warm_start.trainer_overrides()
+    assert anyone.warm_start.trainer_overrides()["warm_start_source"] == "teacher:big"
+    from deploy.stack import workflow_options
+
+    assert workflow_options(config.workflow.args) == ["family=40", "system_prompt=short"]
+
+
+def test_stack_starts_the_demonstrator_as_the_proxys_teacher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from deploy.stack import Stack
+
+    monkeypatch.setenv("FLYWHEEL_ADMIN_KEY", "k" * 20)
+    config = load_run_config(ROOT / "configs/run-openhands.yaml")
+    engine = EngineSection(url="http://127.0.0.1:9000", model=str(tmp_path))
+    stack = Stack(dataclasses.replace(config, engine=engine), data_dir=tmp_path)  # starts nothing
+    [teacher] = yaml.safe_load(stack.proxy.env["FLYWHEEL_TEACHERS"])
+    assert teacher == {"name": "demo", "url": stack.teacher_url, "model": "demonstrator"}
+    warm = dataclasses.replace(config.warm_start, tasks_dir="workflows/tac/tasks")
+    stack = Stack(dataclasses.replace(config, engine=engine, warm_start=warm), data_dir=tmp_path)
+    assert stack.demonstrator_tasks() == ROOT / "workflows/tac/tasks"
+    plain = Stack(dataclasses.replace(config, engine=engine, warm_start=None), data_dir=tmp_path)
+    assert "FLYWHEEL_TEACHERS" not in plain.proxy.env and plain.teacher_url is None
