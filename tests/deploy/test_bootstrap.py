@@ -16,7 +16,7 @@ def test_the_harnesses_are_pinned_exactly_by_the_committed_lock() -> None:
     package = json.loads((bootstrap.HARNESSES / "package.json").read_text())
     lock = json.loads((bootstrap.HARNESSES / "package-lock.json").read_text())
     wanted = package["dependencies"]
-    assert set(wanted) == {"@anthropic-ai/claude-code", "@openai/codex"}
+    assert set(wanted) == {"@anthropic-ai/claude-code", "@openai/codex", "@google/gemini-cli"}
     assert all(EXACT.match(version) for version in wanted.values()), wanted  # no ranges
     assert lock["packages"][""]["dependencies"] == wanted
     for name, version in wanted.items():

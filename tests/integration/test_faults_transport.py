@@ -440,3 +440,24 @@ def test_a_burst_of_1000_connections_is_served_or_refused_cleanly(proxied: Proxi
         f"\nburst of 1000: statuses {dict(statuses)}, failures {dict(failures)}; stored calls by status "
         f"{dict(stored)} (incl. 2 outside the burst); proxy descriptors {dict(baseline)} before, {dict(fds)} after"
     )
+
+
+def test_a_stream_reaches_the_client_as_the_upstream_sends_it(proxied: Proxied) -> None:
+    """The upstream sends a token event every 0.5 s for 6 s (slow-stream mode): a proxy that buffered
+    the stream would hand every event over at its end. Half-second gaps between events are far
+    longer than a busy machine's scheduling stalls, so unlike a fast engine's stream this cannot pass
+    or fail by the machine's load (``test_vllm.py`` checks the real engine's stream for its content)."""
+    episode = new_episode(proxied.proxy, "slow-stream")
+    body = {**_chat(64, stream=True), "fake_upstream": {"duration_s": 6.0}}
+    arrivals: list[float] = []
+    start = time.perf_counter()
+    url = f"{episode['base_url']}/chat/completions"
+    with httpx.stream("POST", url, headers=_key(episode), json=body, timeout=ANSWER_TIMEOUT_S) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                arrivals.append(time.perf_counter() - start)
+    assert len(arrivals) >= 8, arrivals
+    assert arrivals[0] < 2.0 and arrivals[-1] > 5.0, (arrivals[0], arrivals[-1])
+    apart = sum(1 for a, b in zip(arrivals, arrivals[1:], strict=False) if b - a > 0.25)
+    assert apart >= 6, arrivals

@@ -113,6 +113,11 @@ def assert_clean(response: Reply, path: str) -> None:
     body = response.json()
     if path.endswith(("/v1/messages", "/v1/messages/count_tokens")):
         assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+    elif path.endswith((":generateContent", ":streamGenerateContent", ":countTokens")):  # Google's shape
+        assert set(body) == {"error"} and set(body["error"]) >= {"code", "message", "status"}, body
+        assert body["error"]["code"] == response.status_code and body["error"]["status"], body
+        assert body["error"]["message"], body
+        return
     else:
         assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
     assert body["error"]["message"] and body["error"]["type"], body

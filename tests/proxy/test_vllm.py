@@ -6,7 +6,6 @@ Every assertion about recorded tokens compares against what vLLM itself returns 
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -115,21 +114,22 @@ def test_openai_client_streamed_records_the_assembled_stream(proxy: ProxyProcess
     assert call["response"]["choices"][0]["message"]["content"] == text
 
 
-def test_stream_reaches_the_client_as_it_is_generated(proxy: ProxyProcess) -> None:
-    """Chunks are forwarded as vLLM sends them, not buffered until the end."""
+def test_a_long_stream_from_vllm_reaches_the_client_event_by_event(proxy: ProxyProcess) -> None:
+    """A 768-token stream of the real engine reaches the client as its events, each in vLLM's chunk
+    shape. That the proxy forwards events as they come, not buffered until the end, is checked where
+    the upstream's pace is fixed (``test_faults_transport.py``, half a second per event): timed here,
+    on an engine that decodes a token in a few milliseconds, a busy machine's stall of two seconds
+    delivered all 768 events within 4 ms and failed a proxy that does not buffer."""
     episode = new_episode(proxy)
     body = {
         "model": "policy",
         "messages": [{"role": "user", "content": "Count from 1 to 40."}],
-        # The plumbing model decodes a token in a few milliseconds: 64 tokens fit inside one stall of a
-        # busy proxy (CI once read all 64 in the same 0.1 ms), so the stream is long enough to take seconds.
         "max_tokens": 768,
         "stream": True,
         "temperature": 0,
         "ignore_eos": True,
     }
-    arrivals: list[float] = []
-    start = time.perf_counter()
+    events: list[dict[str, Any]] = []
     with httpx.stream(
         "POST",
         f"{episode['base_url']}/chat/completions",
@@ -141,12 +141,11 @@ def test_stream_reaches_the_client_as_it_is_generated(proxy: ProxyProcess) -> No
         assert response.headers["content-type"].startswith("text/event-stream")
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                arrivals.append(time.perf_counter() - start)
-    assert len(arrivals) >= 700
-    # A buffering proxy delivers every chunk at the end: the first would arrive with the last.
-    assert arrivals[0] < 0.5 * arrivals[-1], (arrivals[0], arrivals[-1])
-    separate_reads = sum(1 for a, b in zip(arrivals, arrivals[1:], strict=False) if b - a > 0.001)
-    assert separate_reads >= 20, separate_reads
+                events.append(json.loads(line.removeprefix("data: ")))
+    content = [e for e in events if e["choices"] and e["choices"][0]["delta"].get("content")]
+    assert len(content) >= 700, len(content)
+    assert all(e["object"] == "chat.completion.chunk" and e["id"] == events[0]["id"] for e in events)
+    assert events[-1]["choices"] == [] or events[-1]["choices"][0]["finish_reason"] == "length"
 
 
 def test_httpx_streamed_with_token_ids_and_logprobs_asked_by_the_client(proxy: ProxyProcess, vllm_url: str) -> None:
