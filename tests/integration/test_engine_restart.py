@@ -212,7 +212,7 @@ def _streams(episode: dict[str, Any]) -> list[Stream]:
             {
                 "model": "policy",
                 "stream": True,
-                "max_tokens": 4000,
+                "max_tokens": 8000,
                 "ignore_eos": True,
                 "messages": [{"role": "user", "content": LONG}],
             },
@@ -221,13 +221,13 @@ def _streams(episode: dict[str, Any]) -> list[Stream]:
             "responses",
             f"{base}/responses",
             key,
-            {"model": "policy", "stream": True, "max_output_tokens": 4000, "input": LONG},
+            {"model": "policy", "stream": True, "max_output_tokens": 8000, "input": LONG},
         ),
         Stream(
             "messages",
             f"{base.removesuffix('/v1')}/v1/messages",
             key,
-            {"model": "policy", "stream": True, "max_tokens": 4000, "messages": [{"role": "user", "content": LONG}]},
+            {"model": "policy", "stream": True, "max_tokens": 8000, "messages": [{"role": "user", "content": LONG}]},
         ),
     ]
 
@@ -273,8 +273,9 @@ def _generating_streams(proxy: Any, attempts: int = 4) -> tuple[dict[str, Any], 
 
 def test_engine_killed_mid_stream_fails_the_calls_and_the_episode_goes_on(engine: Engine) -> None:
     """``kill -9`` of vLLM (its whole process group) while a chat, a Responses and a Messages
-    stream of one episode are generating (4,000 tokens asked, the kill lands after their first
-    chunks).
+    stream of one episode are generating (8,000 tokens asked, near the 8,192-token window: at
+    4,000 the plumbing model's chat stream once ended with ``[DONE]`` on a loaded machine, its
+    thread still reading when the kill came; the kill lands after their first chunks).
 
     The client sees: HTTP 200 (the stream had begun), then one error event in its API as the last
     event (chat: ``data: {"error": {"type": "upstream_error", ...}}`` and no ``data: [DONE]``;

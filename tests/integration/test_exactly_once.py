@@ -182,8 +182,9 @@ def test_a_reward_committed_by_one_replica_refuses_a_call_still_streaming_on_ano
 
     auth = {"authorization": f"Bearer {racing['api_key']}"}
     on_b = f"{b.url}/episodes/{racing['id']}/v1/chat/completions"
-    # 1,024 tokens: still streaming while a rewards the episode, even on the fast plumbing model
-    body = {**question, "max_tokens": 1024, "ignore_eos": True, "stream": True}
+    # 6,000 tokens: still streaming while a rewards the episode, even on the fast plumbing model and a
+    # loaded machine (at 1,024 the stream once ended before the reward committed); cut at the reward
+    body = {**question, "max_tokens": 6000, "ignore_eos": True, "stream": True}
     events: list[bytes] = []
     with httpx.stream("POST", on_b, json=body, headers=auth, timeout=300) as stream:
         assert stream.status_code == 200
