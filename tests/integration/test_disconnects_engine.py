@@ -22,9 +22,10 @@ from trainer.data import episode_samples
 pytestmark = pytest.mark.vllm
 
 QUESTION = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
-LONG = {"model": "policy", "messages": QUESTION, "max_tokens": 1024, "ignore_eos": True, "temperature": 0.8}
-"""1,024 tokens take seconds on the plumbing model as SmolLM2's 256 did: long enough that the
-client's retry commits while vLLM still generates the answer it left."""
+LONG = {"model": "policy", "messages": QUESTION, "max_tokens": 3072, "ignore_eos": True, "temperature": 0.8}
+"""3,072 tokens take seconds on the plumbing model: long enough that the proxy has seen the client
+leave before vLLM finishes the answer it left (at 1,024, with the machine loaded by the other test
+worker, both calls were once recorded 200: the answer was ready before the proxy saw the close)."""
 
 
 @pytest.fixture
