@@ -22,10 +22,9 @@ from trainer.data import episode_samples
 pytestmark = pytest.mark.vllm
 
 QUESTION = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
-LONG = {"model": "policy", "messages": QUESTION, "max_tokens": 3072, "ignore_eos": True, "temperature": 0.8}
-"""3,072 tokens take seconds on the plumbing model: long enough that the proxy has seen the client
-leave before vLLM finishes the answer it left (at 1,024, with the machine loaded by the other test
-worker, both calls were once recorded 200: the answer was ready before the proxy saw the close)."""
+LONG = {"model": "policy", "messages": QUESTION, "max_tokens": 1024, "ignore_eos": True, "temperature": 0.8}
+"""1,024 tokens take seconds on the plumbing model as SmolLM2's 256 did: long enough that the
+client's retry commits while vLLM still generates the answer it left."""
 
 
 @pytest.fixture
@@ -72,9 +71,8 @@ def test_an_answer_the_client_left_before_is_recorded_as_not_delivered(proxy: Pr
     if not stream:  # what vLLM generated is kept for the audit: the whole answer, nobody read it
         assert left["response"] is not None and len(left["choices"][0]["token_ids"]) == LONG["max_tokens"]
     # Ordinals follow commit order: the retry usually commits first (vLLM is still generating the
-    # left call), but on a loaded machine the left call can finish first (seen with two test workers
-    # on two cores). In either order only the answer the client read becomes a sample.
-    assert {by_status[200]["ordinal"], left["ordinal"]} == {0, 1}
+    # left call), but on a loaded machine the left call can commit first; in either order only the
+    # answer the client read becomes a sample (below).
     record = {**episode_record(proxy, episode["id"]), "status": "rewarded", "reward": 1.0}
     (sample,) = episode_samples(Episode.model_validate(record), group_id="g", max_seq_len=4096)
     trained = [t for t, m in zip(sample.input_ids, sample.loss_mask, strict=True) if m]
