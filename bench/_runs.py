@@ -16,6 +16,23 @@ from bench._procs import free_port
 from deploy.run_config import RunConfig
 
 
+def private(base: RunConfig, workdir: Path, *, seed: int, **changes: object) -> RunConfig:
+    """``base`` with its own directory (``workdir``), free ports and ``seed``, and any other field
+    ``changes`` names; written to ``workdir/run.yaml``. The guard and budget stay as ``base`` has them."""
+    proxy_config = yaml.safe_load(base.proxy_config_path.read_text())
+    vllm_port, proxy_port = free_port(), free_port()
+    while proxy_port == vllm_port:
+        proxy_port = free_port()
+    proxy_config["proxy"]["upstreams"][0]["url"] = f"http://127.0.0.1:{vllm_port}"
+    (workdir / "proxy.yaml").write_text(yaml.safe_dump(proxy_config))
+    config = dataclasses.replace(
+        base, data_dir=str(workdir), proxy_config=str(workdir / "proxy.yaml"), proxy_port=proxy_port, seed=seed,
+        **changes,  # type: ignore[arg-type]
+    )  # fmt: skip
+    (workdir / "run.yaml").write_text(yaml.safe_dump(config.to_dict()))
+    return config
+
+
 def isolated(
     base: RunConfig,
     workdir: Path,
@@ -27,17 +44,9 @@ def isolated(
     workflow_args: Sequence[str] = (),
 ) -> RunConfig:
     """``base`` with this arm's directory, seed, budget and ports; written to ``workdir/run.yaml``."""
-    proxy_config = yaml.safe_load(base.proxy_config_path.read_text())
-    vllm_port, proxy_port = free_port(), free_port()
-    while proxy_port == vllm_port:
-        proxy_port = free_port()
-    proxy_config["proxy"]["upstreams"][0]["url"] = f"http://127.0.0.1:{vllm_port}"
-    (workdir / "proxy.yaml").write_text(yaml.safe_dump(proxy_config))
-    config = dataclasses.replace(
+    return private(
         base,
-        data_dir=str(workdir),
-        proxy_config=str(workdir / "proxy.yaml"),
-        proxy_port=proxy_port,
+        workdir,
         seed=seed,
         resume=False,
         budget_minutes=minutes,
@@ -47,5 +56,3 @@ def isolated(
         trainer=dataclasses.replace(base.trainer, overrides={**base.trainer.overrides, **(trainer_overrides or {})}),
         workflow=dataclasses.replace(base.workflow, args=(*base.workflow.args, *workflow_args)),
     )
-    (workdir / "run.yaml").write_text(yaml.safe_dump(config.to_dict()))
-    return config

@@ -46,6 +46,11 @@ class Metrics:
             registry=r,
         )
         self.replicas_healthy = Gauge("flywheel_replicas_healthy", "Healthy vLLM replicas", registry=r)
+        self.upstream_waiting = Gauge(
+            "flywheel_upstream_waiting",
+            "Model requests sent upstream whose answer (non-streamed) or first bytes (streamed) have not arrived",
+            registry=r,
+        )
         self.policy_version = Gauge("flywheel_policy_version", "Current policy version", registry=r)
         self.dropped = Counter(
             "flywheel_dropped_fields", "Request fields dropped to protect the engine", ["field"], registry=r

@@ -302,6 +302,7 @@ class ModelCall:
             body = self._body_for(replica)
             self.record.replica = replica
             replica.in_flight += 1
+            self.relay.metrics.upstream_waiting.inc()
             try:
                 return await self.relay.upstreams.send(
                     replica, "POST", PATHS[self.kind], content=orjson.dumps(body), stream=stream
@@ -311,6 +312,7 @@ class ModelCall:
                 tried += (replica,)
             finally:
                 replica.in_flight -= 1
+                self.relay.metrics.upstream_waiting.dec()
         assert last is not None
         raise last
 
