@@ -2,7 +2,7 @@
 
 1. vLLM (supervised) and the proxy on a SQLite store in this run's directory (``data/runs/<id>``);
 2. evaluate the base policy on the held-out split (greedy, same prompts every time);
-2b. with a ``warm_start`` section (``configs/run-openhands.yaml``): record demonstrations through the
+2b. with a ``warm_start`` section (``configs/run-openhands.yaml``, ``configs/run-miniswe.yaml``): record demonstrations through the
    scripted teacher the stack started (train split, ``--source teacher:<name>``), run ``python -m
    trainer warmstart`` on them (its adapter is published), evaluate that ``warm`` policy the same way;
    GRPO then resumes from the warm start's checkpoint, and ``budget_steps`` counts GRPO steps only.

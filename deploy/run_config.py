@@ -27,6 +27,12 @@ from trainer.config import TrainerConfig, coerce_number
 
 Device = Literal["cpu", "gpu"]
 GuardAction = Literal["off", "warn", "stop", "rollback"]
+DemonstratorStyle = Literal["openhands", "mini-swe-agent"]
+"""How the scripted demonstrator puts a step to the agent (its ``--style``): OpenHands' tools, or
+mini-swe-agent's one ``bash`` tool."""
+DEMONSTRATOR_STYLES: dict[str, DemonstratorStyle] = {"tac": "openhands", "miniswe": "mini-swe-agent"}
+"""The workflows a warm start can record demonstrations with, and the style each one's agent needs:
+the demonstrator plays TAC-layout tasks' ``solution.json`` scripts, so only the agents on those tasks."""
 
 
 class RunConfigError(ValueError):
@@ -121,17 +127,22 @@ class EvalSection:
 @dataclass(frozen=True)
 class WarmStartSection:
     """Demonstrations and supervised steps before GRPO (``make run`` only; issue 46): the scripted
-    demonstrator (``python -m workflows.tac.demonstrator``) is started beside the proxy as teacher
-    ``teacher``, the workflow records ``groups`` x ``group_size`` demonstrations on the train split
-    with ``--source teacher:<teacher>``, and ``python -m trainer warmstart`` trains ``steps`` steps
-    on those rewarded at least ``min_reward`` and publishes the adapter GRPO then starts from."""
+    demonstrator (``python -m workflows.tac.demonstrator``, in ``style``) is started beside the proxy
+    as teacher ``teacher``, the workflow (``tac`` or ``miniswe``) records ``groups`` x ``group_size``
+    demonstrations on the train split with ``--source teacher:<teacher>``, and ``python -m trainer
+    warmstart`` trains ``steps`` steps on those rewarded at least ``min_reward`` and publishes the
+    adapter GRPO then starts from."""
 
     groups: int = 16
     """Demonstration groups to record (train split only: the demonstrator refuses test tasks)."""
     group_size: int = 1
     """Episodes per demonstration group: the script plays the same calls every time, so one."""
     concurrency: int = 4
-    """Demonstrations recorded at once (each is an OpenHands run: its tools run on this host)."""
+    """Demonstrations recorded at once (each is an agent run: its commands run on this host)."""
+    style: DemonstratorStyle | None = None
+    """The demonstrator's ``--style``; null: the one the workflow's agent needs (``openhands`` for
+    ``tac``, ``mini-swe-agent`` for ``miniswe``). Another style's answers use tools the agent does
+    not offer, so the demonstrator refuses every call (``tool_not_offered``)."""
     teacher: str = "demo"
     """The teacher's name in the proxy's settings; episodes carry ``metadata.source: teacher:<teacher>``."""
     tasks_dir: str | None = None
@@ -307,8 +318,9 @@ class RunConfig:
                 (self.eval_after_slowdown >= 0, "eval_after_slowdown must be >= 0"),
                 (self.min_train_minutes >= 0, "min_train_minutes must be >= 0"),
                 (
-                    self.warm_start is None or self.workflow.name == "tac",
-                    f"warm_start needs workflow.name: tac (a TAC demonstrator), got {self.workflow.name!r}",
+                    self.warm_start is None or self.workflow.name in DEMONSTRATOR_STYLES,
+                    f"warm_start needs a workflow the scripted demonstrator can play to "
+                    f"({' or '.join(DEMONSTRATOR_STYLES)}), got workflow.name {self.workflow.name!r}",
                 ),
                 (
                     self.warm_start is None or not any(k.startswith("warm_start_") for k in self.trainer.overrides),
@@ -316,6 +328,13 @@ class RunConfig:
                 ),
             ]
         )
+
+    @property
+    def demonstrator_style(self) -> DemonstratorStyle | None:
+        """The demonstrator's ``--style``: ``warm_start.style``, else the workflow's; None without a warm start."""
+        if self.warm_start is None:
+            return None
+        return self.warm_start.style or DEMONSTRATOR_STYLES[self.workflow.name]
 
     @property
     def data_path(self) -> Path:

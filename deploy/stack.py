@@ -1,8 +1,9 @@
 """The processes ``make serve`` and ``make run`` share: vLLM (supervised) and the proxy, as children.
 
 With a ``warm_start`` section the stack also starts the scripted demonstrator
-(``python -m workflows.tac.demonstrator``) on a free port before the proxy, and names it to the proxy
-as a teacher (``FLYWHEEL_TEACHERS``), so the launcher can record demonstrations through it.
+(``python -m workflows.tac.demonstrator``, in the style the workflow's agent needs: ``openhands`` for
+``tac``, ``mini-swe-agent`` for ``miniswe``) on a free port before the proxy, and names it to the
+proxy as a teacher (``FLYWHEEL_TEACHERS``), so the launcher can record demonstrations through it.
 
 Every child runs in its own process group with a parent-death signal, so even a killed launcher
 leaves no orphans behind; ``Stack.stop`` stops them in reverse order of start.
@@ -25,7 +26,7 @@ import httpx
 import yaml
 
 from contract.keyfile import key_file_keys
-from deploy.run_config import RunConfig
+from deploy.run_config import DemonstratorStyle, RunConfig
 from deploy.vllm import ROOT, Supervisor, VLLMServer, die_with_parent
 
 
@@ -49,6 +50,23 @@ def workflow_options(args: tuple[str, ...]) -> list[str]:
         elif arg.startswith("--option="):
             options.append(arg.split("=", 1)[1])
     return options
+
+
+def demonstrator_command(
+    tasks: Path, port: int | str, style: DemonstratorStyle, python: str = sys.executable
+) -> list[str]:
+    """The demonstrator's command line; the style is always named, so its log shows which one played."""
+    return [
+        python,
+        "-m",
+        "workflows.tac.demonstrator",
+        "--tasks-dir",
+        str(tasks),
+        "--port",
+        str(port),
+        "--style",
+        style,
+    ]
 
 
 def log(message: str) -> None:
@@ -232,9 +250,10 @@ class Stack:
         return Path(done.stdout.strip().splitlines()[-1])
 
     def _start_demonstrator(self, url: str) -> None:
+        style = self.config.demonstrator_style
+        assert style is not None
         tasks = self.demonstrator_tasks()
-        port = url.rsplit(":", 1)[1]
-        argv = [sys.executable, "-m", "workflows.tac.demonstrator", "--tasks-dir", str(tasks), "--port", port]
+        argv = demonstrator_command(tasks, url.rsplit(":", 1)[1], style)
         self.demonstrator = Child("demonstrator", argv, self.logs / "demonstrator.log")
         self.demonstrator.start()
         deadline = time.monotonic() + 60
@@ -243,7 +262,7 @@ class Stack:
                 raise SystemExit(f"the demonstrator exited; see {self.demonstrator.log_path}")
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    log(f"demonstrator at {url} (tasks {tasks}); the proxy serves it as a teacher")
+                    log(f"demonstrator at {url} ({style} style, tasks {tasks}); the proxy serves it as a teacher")
                     return
             except httpx.HTTPError:
                 pass

@@ -6,6 +6,7 @@ import dataclasses
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -19,7 +20,7 @@ RUN_CONFIGS = sorted((ROOT / "configs").glob("run-*.yaml"))
 
 # What the launcher used when a key was absent, before the config was typed: the defaults of its
 # `config.get(key, default)` calls in deploy/local.py and deploy/loop.py, copied from there.
-LAUNCHER_DEFAULTS = {
+LAUNCHER_DEFAULTS: dict[str, Any] = {
     "data_dir": "data",
     "proxy_config": "configs/local.yaml",
     "proxy_port": None,
@@ -76,7 +77,12 @@ def write(tmp_path: Path, data: object, name: str = "run.yaml") -> Path:
 
 
 def test_shipped_run_configs_exist() -> None:
-    assert {p.name for p in RUN_CONFIGS} >= {"run-local.yaml", "run-tools.yaml", "run-openhands.yaml"}
+    assert {p.name for p in RUN_CONFIGS} >= {
+        "run-local.yaml",
+        "run-tools.yaml",
+        "run-openhands.yaml",
+        "run-miniswe.yaml",
+    }
 
 
 @pytest.mark.parametrize("path", RUN_CONFIGS, ids=lambda p: p.name)
@@ -163,7 +169,7 @@ def test_unknown_keys_are_refused_with_a_did_you_mean_naming_the_file(
         ({"workflow": {"name": "tac"}, "warm_start": {"groups": "many"}}, "warm_start.groups: expected an integer"),
         ({"workflow": {"name": "tac"}, "warm_start": {"teacher": "a b"}}, "warm_start.teacher must be a plain name"),
         ({"workflow": {"name": "tac"}, "warm_start": {"learning_rate": 0}}, "warm_start.learning_rate must be > 0"),
-        ({"warm_start": {}}, "warm_start needs workflow.name: tac (a TAC demonstrator), got 'math'"),
+        ({"warm_start": {}}, "warm_start needs a workflow the scripted demonstrator can play to"),
         (
             {"workflow": {"name": "tac"}, "warm_start": {}, "trainer": {"overrides": {"warm_start_steps": 3}}},
             "set the warm start in the warm_start section, not in trainer.overrides",
@@ -303,6 +309,7 @@ def test_stack_starts_the_demonstrator_as_the_proxys_teacher(tmp_path: Path, mon
     stack = Stack(dataclasses.replace(config, engine=engine), data_dir=tmp_path)  # starts nothing
     [teacher] = yaml.safe_load(stack.proxy.env["FLYWHEEL_TEACHERS"])
     assert teacher == {"name": "demo", "url": stack.teacher_url, "model": "demonstrator"}
+    assert config.warm_start is not None
     warm = dataclasses.replace(config.warm_start, tasks_dir="workflows/tac/tasks")
     stack = Stack(dataclasses.replace(config, engine=engine, warm_start=warm), data_dir=tmp_path)
     assert stack.demonstrator_tasks() == ROOT / "workflows/tac/tasks"

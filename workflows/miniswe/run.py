@@ -11,26 +11,21 @@ environment failed, or whose evaluator failed is abandoned with that error.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
-import uuid
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from workflows.base import Endpoint, Episode, EpisodeFailed, Outcome, Source, Split, Workflow, in_thread
+from workflows.base import Endpoint, Episode, Outcome, Source, Split, Workflow, in_thread
 from workflows.miniswe.agent import AgentConfig, run_agent
 from workflows.tac.run import TACOptions, TACWorkflow
 from workflows.tac.runtime import LocalRuntime
 from workflows.tac.scoring import score
+from workflows.tac.summary import run_greedy, summarize
 from workflows.tac.task import BUNDLED, TACTask
-
-Row = tuple[TACTask, float, float, str]
-"""An evaluated task: its success, its share of checkpoints passed, how the run ended."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +85,12 @@ class MiniSweWorkflow(Workflow[TACTask, MiniSweOptions]):
     def tac(self) -> TACWorkflow:
         """tac's workflow over the same tasks: task loading, splits and strata come from it."""
         return TACWorkflow(self.options.tac)
+
+    @property
+    def tasks_root(self) -> Path:
+        """tac's task directory (the generated family's, generated on first use): the launcher's
+        demonstrator plays the scripts there (``deploy/stack.py``)."""
+        return self.tac.tasks_root
 
     def tasks(self, split: Source | Split) -> Sequence[TACTask]:
         return self.tac.tasks(split)
@@ -159,51 +160,19 @@ class MiniSweWorkflow(Workflow[TACTask, MiniSweOptions]):
 
         ``accuracy`` is success (every checkpoint passed), ``mean_score`` the mean share of
         checkpoints passed, ``submitted_rate`` the share the agent submitted (format apart from
-        success), all also ``by_kind``; a failed run scores 0 and is counted in ``failed``."""
+        success), all also ``by_kind``; a failed run scores 0 and is counted in ``failed``
+        (``workflows/tac/summary.py``, shared with ``tac``)."""
         tasks = [t for t in self.split_tasks(split) if t.graded][:limit]
         if not tasks:
             raise ValueError(f"no graded {split} TAC tasks to evaluate")
         greedy = MiniSweWorkflow(dataclasses.replace(self.options, temperature=0.0))
-        slots = asyncio.Semaphore(concurrency)
         started = time.monotonic()
-        proxy = endpoint.base_url.rstrip("/").removesuffix("/v1")
-
-        async def one(task: TACTask) -> Row:
-            run_id = str(uuid.uuid4())
-            episode = Episode(run_id, run_id, 0, endpoint.base_url, endpoint.api_key, model, endpoint, proxy)
-            async with slots:
-                try:
-                    outcome = await in_thread(greedy.play, task, episode)
-                except EpisodeFailed as exc:
-                    return task, 0.0, 0.0, f"failed: {str(exc)[:200]}"
-            result, total = outcome.metadata["final_score"]
-            checks = outcome.metadata["checkpoints"]
-            share = sum(r for r, _ in checks) / max(sum(t for _, t in checks), 1)
-            return task, float(result >= total), share, str(outcome.metadata["ending"])
-
-        results = list(await asyncio.gather(*(one(t) for t in tasks)))
-
-        def rates(rows: list[Row]) -> dict[str, float]:
-            return {
-                "accuracy": sum(r[1] for r in rows) / len(rows),
-                "mean_score": round(sum(r[2] for r in rows) / len(rows), 4),
-                "submitted_rate": sum(r[3] == "submitted" for r in rows) / len(rows),
-            }
-
-        by_kind: dict[str, list[Row]] = defaultdict(list)
-        failed: dict[str, int] = defaultdict(int)
-        for row in results:
-            by_kind[row[0].kind or "-"].append(row)
-            if row[3].startswith("failed: "):
-                failed[row[3]] += 1
+        rows = await run_greedy(greedy.play, tasks, endpoint, concurrency=concurrency, model=model)
         return {
             "workflow": self.name,
             "split": split,
             "model": model,
-            "n": len(results),
-            **rates(results),
-            "failed": dict(failed),
-            "by_kind": {k: {"n": len(v), **rates(v)} for k, v in sorted(by_kind.items())},
+            **summarize(rows, "submitted"),
             "step_limit": self.options.step_limit,
             "max_tokens": self.options.max_tokens,
             "seconds": round(time.monotonic() - started, 2),

@@ -13,6 +13,8 @@ carved out of train as for every workflow (``Workflow.split_tasks``).
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -24,6 +26,7 @@ from workflows.tac.agent import AgentConfig, run_agent
 from workflows.tac.family import ensure as ensure_family
 from workflows.tac.runtime import DockerRuntime, LocalRuntime, Runtime
 from workflows.tac.scoring import score
+from workflows.tac.summary import run_greedy, summarize
 from workflows.tac.task import BUNDLED, TACTask, load_tasks, split_names
 
 
@@ -172,61 +175,20 @@ class TACWorkflow(Workflow[TACTask, TACOptions]):
         ``accuracy`` is success (reward 1.0: every checkpoint passed), ``mean_score`` the mean share
         of checkpoints passed, both also ``by_kind``. A run the agent ended badly (a context overflow,
         a refused call, a crashed tool) scores 0 and is counted in ``failed`` with its reason, so a
-        report never silently drops a task; ``finished_rate`` is the share that called ``finish``."""
-        import asyncio
-        import dataclasses
-        import time
-        import uuid
-        from collections import defaultdict
-
-        from workflows.base import EpisodeFailed
-
+        report never silently drops a task; ``finished_rate`` is the share that called ``finish``
+        (``summary.py``, shared with ``miniswe``)."""
         tasks = [t for t in self.split_tasks(split) if t.graded][:limit]
         if not tasks:
             raise ValueError(f"no graded {split} TAC tasks to evaluate")
         greedy = TACWorkflow(dataclasses.replace(self.options, temperature=0.0))
-        slots = asyncio.Semaphore(concurrency)
         started = time.monotonic()
-        proxy = endpoint.base_url.rstrip("/").removesuffix("/v1")  # play() asks <proxy_url>/v1
-
-        async def one(task: TACTask) -> tuple[TACTask, float, float, str]:
-            run_id = str(uuid.uuid4())
-            episode = Episode(run_id, run_id, 0, endpoint.base_url, endpoint.api_key, model, endpoint, proxy)
-            async with slots:
-                try:
-                    outcome = await in_thread(greedy.play, task, episode)
-                except EpisodeFailed as exc:
-                    return task, 0.0, 0.0, f"failed: {str(exc)[:200]}"
-            result, total = outcome.metadata["final_score"]
-            share = sum(r for r, _ in outcome.metadata["checkpoints"]) / max(
-                sum(t for _, t in outcome.metadata["checkpoints"]), 1
-            )
-            return task, float(result >= total), share, str(outcome.metadata["ending"])
-
-        results = await asyncio.gather(*(one(t) for t in tasks))
-
-        def rates(rows: list[tuple[TACTask, float, float, str]]) -> dict[str, float]:
-            return {
-                "accuracy": sum(r[1] for r in rows) / len(rows),
-                "mean_score": round(sum(r[2] for r in rows) / len(rows), 4),
-                "finished_rate": sum(r[3] == "finished" for r in rows) / len(rows),
-            }
-
-        by_kind: dict[str, list[tuple[TACTask, float, float, str]]] = defaultdict(list)
-        failed: dict[str, int] = defaultdict(int)
-        for row in results:
-            by_kind[row[0].kind or "-"].append(row)
-            if row[3].startswith("failed: "):
-                failed[row[3]] += 1
+        rows = await run_greedy(greedy.play, tasks, endpoint, concurrency=concurrency, model=model)
         return {
             "workflow": self.name,
             "split": split,
             "model": model,
-            "n": len(results),
-            **rates(list(results)),
-            "failed": dict(failed),
+            **summarize(rows, "finished"),
             "policy_versions": [],  # OpenHands does not expose the X-Policy-Version header
-            "by_kind": {k: {"n": len(v), **rates(v)} for k, v in sorted(by_kind.items())},
             "max_iterations": self.options.max_iterations,
             "max_output_tokens": self.options.max_output_tokens,
             "seconds": round(time.monotonic() - started, 2),
