@@ -40,6 +40,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from contract.trainability import FIX, untrainable, untrained
 from contract.vocabulary import TRAINED_MODES, EpisodeStatus
 from proxy.store.records import CallRecord, EpisodeRecord
 from proxy.store.repository import Repository
@@ -235,14 +236,8 @@ def _reward(call_rewards: dict[str, float] | None, ordinal: int, index: int) -> 
 
 def call_trained(call: CallRecord) -> bool:
     """Whether the trainer would train this call's sampled tokens (``trainer/turns.py``): answered,
-    served by a policy version, exact ids, sampled in a trained mode."""
-    return (
-        _sampling(call)[2]
-        and call.status_code == 200
-        and call.policy_version is not None
-        and call.exact_ids
-        and call.prompt_token_ids is not None
-    )
+    served by a policy version, exact ids, sampled in a trained mode (``contract/trainability.py``)."""
+    return untrained(call) is None
 
 
 def loss_mask(call: CallRecord, ids: list[int], logprobs: list[float]) -> list[int]:
@@ -348,7 +343,8 @@ def fidelity(episode: EpisodeRecord) -> dict[str, Any]:
     """Whether what was trained is what was sampled, for one episode: what the proxy did to its
     calls (spliced, splice skipped and why, the splice's shadow check: calls checked and mismatches
     by cause; refused, answered to a client that had left) and, once its group was trained, the
-    trainer's audit from the ack (``trainer/audit.py``; None before)."""
+    trainer's audit from the ack (``trainer/audit.py``; None before); ``untrainable``: why none of its
+    calls trains, with the fix (``contract/trainability.py``), or None."""
     calls = episode.calls or []
     spliced = unchanged = checked = 0
     skipped: dict[str, int] = {}
@@ -381,6 +377,7 @@ def fidelity(episode: EpisodeRecord) -> dict[str, Any]:
         "splice_skipped": skipped,
         "splice_shadow": {"checked": checked, "mismatch": mismatched},
         "trainer": episode.train_audit,
+        "untrainable": None if (why := untrainable(calls)) is None else {"reason": why, "fix": FIX[why]},
     }
 
 

@@ -86,6 +86,11 @@ class DataStats:
     episodes_split: int = 0
     """Members whose calls broke (or were split) into more than one sample (each weighs one episode
     if normalised)."""
+    episodes_untrainable: int = 0
+    """GRPO members none of whose calls left a trained turn (all greedy, failed, penalized, replayed,
+    without exact ids...: ``contract/trainability.py``; the per-call counters above say which). Their rewards
+    still count in their group; an agent whose episodes are all like this is recorded for nothing,
+    and its episode pages say what to change."""
     episodes_abandoned_penalized: int = 0
     """Abandoned episodes made group members with ``abandoned_reward`` (``abandoned: penalize``)."""
     episodes_abandoned_skipped: int = 0

@@ -270,4 +270,7 @@ def member_turns(
     """The usable turns of an episode (``choice`` forces the choice of n > 1 calls; ``supervised``:
     the warm start's turns, the module docstring)."""
     stats = stats if stats is not None else DataStats()
-    return _turns(episode.calls or [], retokenize, stats, choice, masker, supervised)
+    turns = _turns(episode.calls or [], retokenize, stats, choice, masker, supervised)
+    if not supervised and episode.calls and all(t.mode < 0 for t in turns):
+        stats.episodes_untrainable += 1  # the per-call counters say why (contract/trainability.py names it)
+    return turns

@@ -444,3 +444,15 @@ async def test_the_fork_tree_shows_the_source_its_fork_point_and_the_siblings_re
     assert "Fork group of episode" in compare
     overview = (await client.get("/ui/")).text  # per workflow (the source group has none: "?")
     assert re.search(r"<td>\?</td><td class=\"num\">2</td><td class=\"num\">50%</td><td class=\"num\">1</td>", overview)
+
+
+async def test_an_episode_whose_calls_are_all_greedy_says_it_trains_nothing_and_why(ui: Any) -> None:
+    client, repo, ids = ui
+    await _login(client)
+    greedy = [{"role": "user", "content": "What is 2 + 2?"}]
+    call = _call(ids[2], greedy, text="4", tool_calls=None, token_ids=[7], logprobs=[-0.1], version=1, mode="greedy")
+    assert await repo.calls.insert([call]) == [None]
+    page = (await client.get(f"/ui/episodes/{ids[2]}")).text
+    assert "Nothing in this episode can be trained (greedy)" in page and "temperature 0" in page
+    trainable = (await client.get(f"/ui/episodes/{ids[0]}")).text  # one sampled call is enough
+    assert "Nothing in this episode can be trained" not in trainable

@@ -618,3 +618,19 @@ def test_batch_scaling_takes_the_std_over_every_reward_like_trl() -> None:
     std = torch.tensor([1.0, 0.0, 1.0, 1.0]).std().item()  # the equal group's rewards are in the std
     assert batch.trained == ["g-signal"]
     assert {s.episode_id: s.advantage for s in batch.samples}["g-signal-0"] == pytest.approx(0.5 / (std + 1e-4))
+
+
+def test_a_member_none_of_whose_calls_trains_is_counted_untrainable() -> None:
+    """Issue 47: an agent that sends temperature 0 (or whose calls all fail) is recorded for nothing;
+    the step says how many members were like that, beside the per-call counters that say why."""
+    greedy = Episode(
+        id="greedy",
+        status="rewarded",
+        reward=1.0,
+        calls=[call(0, SYSTEM, [10, EOS], temperature=0.0), call(1, SYSTEM + [10, EOS, 5], [11, EOS], temperature=0.0)],
+    )
+    failed = Episode(id="failed", status="rewarded", reward=0.0, calls=[call(0, SYSTEM, None, status=500)])
+    episodes = [greedy, failed, two_turn("sampled", 0.0), two_turn("sampled-2", 1.0)]
+    batch = build_batch([Group(id="g", task_id="t", status="complete", episodes=episodes)])
+    assert batch.stats.episodes_untrainable == 2
+    assert batch.stats.calls_greedy == 2 and batch.stats.calls_failed == 1
