@@ -124,6 +124,7 @@ class _Client(Generic[T, H]):
     episodes = _Method(endpoints.episodes)
     episode = _Method(endpoints.episode)
     reward = _Method(endpoints.reward)
+    await_reward = _Method(endpoints.await_reward)
     abandon = _Method(endpoints.abandon)
 
     # -- policy and training (trainers) ----------------------------------------------------------

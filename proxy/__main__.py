@@ -6,7 +6,7 @@ import os
 import secrets
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, cast
+from typing import TYPE_CHECKING, Annotated, cast, get_args
 
 import typer
 
@@ -168,8 +168,10 @@ def export(
 
     if fmt not in ("jsonl", "parquet"):
         raise typer.BadParameter(f"{fmt!r}: jsonl or parquet", param_hint="--format")
-    if status not in (None, "open", "rewarded", "abandoned"):
-        raise typer.BadParameter(f"{status!r}: open, rewarded or abandoned", param_hint="--status")
+    from contract.vocabulary import EpisodeStatus as Statuses
+
+    if status is not None and status not in get_args(Statuses):
+        raise typer.BadParameter(f"{status!r}: one of {', '.join(get_args(Statuses))}", param_hint="--status")
     try:
         since_at = ex.parse_since(since) if since is not None else None
     except ValueError as exc:

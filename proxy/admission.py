@@ -10,7 +10,8 @@ the trainer's last claim count as ahead too until this proxy publishes (or the t
 again, which it does after publishing): a group created between an ack and its publish would be
 sampled on the version that publish makes old. The limit is that
 times ``admission.slack``, or ``admission.max_backlog_groups`` when set; the backlog is counted in
-the store (open groups and complete, untrained ones: ``Episodes.count_backlog``).
+the store (open groups and complete, untrained ones: ``Episodes.count_backlog``; a group whose
+unfinished episodes all await a late reward is not counted: nothing more is generated for it).
 
 A refused group gets 429 ``backlog_full`` with ``Retry-After``: about the time the trainer needs to
 take the excess (its measured time per step, scaled by how far over the limit the backlog is),

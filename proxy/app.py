@@ -221,7 +221,11 @@ def _loops(settings: Settings, svc: Services, key_file: KeyFile | None) -> list[
             _every(
                 settings.episodes.reaper_interval_s,
                 "reaper",
-                lambda: episodes.abandon_expired(idle_s=settings.episodes.deadline_s),
+                lambda: episodes.abandon_expired(
+                    idle_s=settings.episodes.deadline_s,
+                    late_tasks=settings.late_rewards.tasks,
+                    max_wait_s=settings.late_rewards.max_wait_s,
+                ),
             )
         ),
     ]

@@ -105,13 +105,28 @@ class EpisodeSettings(_Section):
     """When idle episodes are abandoned, when a group completes, and how large a group may be."""
 
     deadline_s: float = Field(default=1800.0, gt=0)
-    """An open episode with no call and no reward for this long is abandoned, so its group completes."""
+    """An open episode with no call and no reward for this long is abandoned, so its group completes
+    (one of a task in ``late_rewards.tasks`` starts awaiting its reward instead)."""
     reaper_interval_s: float = Field(default=5.0, gt=0)
     """How often (s) open episodes are checked against ``deadline_s``."""
     min_rewarded: int = Field(default=2, ge=1)
     """A group completes when every episode is rewarded or abandoned and at least this many are rewarded."""
     max_group_size: int = Field(default=1024, ge=1)
     """The most episodes one group may have: a larger ``size`` (``POST /groups``, a fork) is answered 400."""
+
+
+class LateRewardSettings(_Section):
+    """Episodes whose reward comes late (a human's review, a slow judge): they await it instead of
+    being abandoned at ``episodes.deadline_s`` (``EpisodeStatus`` ``awaiting``). A workflow declares
+    one with ``POST /episodes/{id}/await_reward``; these settings declare them by task."""
+
+    tasks: list[str] = []
+    """Task id patterns (``fnmatch``: ``*`` matches all, ``review-*`` a family): an open episode of
+    such a task that idles past ``episodes.deadline_s`` starts awaiting its reward instead of being
+    abandoned. Empty: only the workflow's own declaration makes an episode await."""
+    max_wait_s: float | None = Field(default=None, gt=0)
+    """An episode awaiting its reward this long (s) is abandoned (cause ``deadline``, the reason
+    says so) and its group completes without it. None: it waits until rewarded or abandoned."""
 
 
 class AuthSettings(_Section):
@@ -294,6 +309,7 @@ class Settings(_Section):
     policy: PolicySettings = PolicySettings()
     store: StoreSettings = StoreSettings()
     episodes: EpisodeSettings = EpisodeSettings()
+    late_rewards: LateRewardSettings = LateRewardSettings()
     auth: AuthSettings
     timeouts: UpstreamTimeouts = UpstreamTimeouts()
     sampling: SamplingSettings = SamplingSettings()

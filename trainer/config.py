@@ -258,6 +258,19 @@ class TrainerConfig:
     max_staleness: int | None = None
     """Async mode: groups whose oldest call is more than this many versions behind are dropped
     (proxy marks them stale). None means 1. Sync mode always uses 0."""
+    late_after_s: float = 1800.0
+    """A group whose oldest call started longer ago than this (s) when its step is built is late, as is
+    one that awaited its reward (the proxy's ``await_reward``) or lags more than the staleness bound
+    (the proxy offers a late group whatever its staleness). A late group trains like any other, on the
+    recorded log-probs under the bounded importance weight (``vllm_importance_sampling_cap``), and is
+    counted in ``data/groups_late``."""
+    late_max_versions: int | None = None
+    """A late group whose oldest call lags the current policy by more than this many versions is
+    skipped (reason ``late``, ``data/groups_skipped_late``): too far off-policy for the capped weight.
+    None: no limit."""
+    late_max_age_s: float | None = None
+    """A late group whose oldest call started longer ago than this (s) is skipped (reason ``late``,
+    ``data/groups_skipped_late``). None: no limit."""
     publish_every: int = 1
     """Publish the adapter to vLLM every this many steps."""
     keep_adapters: int = 4
@@ -344,6 +357,15 @@ class TrainerConfig:
                 not (self.mode == "sync" and self.max_staleness not in (None, 0)),
                 f"mode=sync trains only on groups from the current version (staleness 0), but max_staleness="
                 f"{self.max_staleness}; drop max_staleness or use mode=async",
+            ),
+            (self.late_after_s > 0, "late_after_s must be > 0"),
+            (
+                self.late_max_versions is None or self.late_max_versions >= 0,
+                "late_max_versions must be >= 0 (or null for no limit)",
+            ),
+            (
+                self.late_max_age_s is None or self.late_max_age_s > 0,
+                "late_max_age_s must be > 0 (or null for no limit)",
             ),
             (self.publish_every >= 1, "publish_every must be >= 1"),
             (self.keep_adapters >= 1, "keep_adapters must be >= 1 (3 or more: the proxy keeps 3 versions loaded)"),

@@ -16,12 +16,18 @@
 prefix breaks, or its length splits, into (rLLM PR #512 found split episodes getting N times the
 weight): each of its samples divides by the member's loss tokens (``member_loss_tokens``). Nothing is
 dropped silently: every rule has a counter in ``DataStats`` (``counters.py``), the step's ``data/*``.
+
+A late group (``Late``: its reward came late, or it is older than the staleness bound or
+``late_after_s``) is trained like any other, on its recorded log-probs under the bounded importance
+weight (``loss.truncated_importance_weights``), and counted (``data/groups_late``); past
+``late_max_versions`` or ``late_max_age_s`` it is skipped ``late`` (``data/groups_skipped_late``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -30,7 +36,7 @@ import torch
 
 from contract.client import Group
 from contract.vocabulary import TrainerSkip
-from trainer.config import ScaleRewards
+from trainer.config import ScaleRewards, TrainerConfig
 from trainer.counters import DataStats
 from trainer.credit import EQUAL, assign, member_values, shaping_only
 from trainer.loss import group_advantages
@@ -46,6 +52,7 @@ __all__ = [
     "Batch",
     "ChatRetokenizer",
     "DataStats",
+    "Late",
     "Masker",
     "Retokenizer",
     "Rules",
@@ -53,14 +60,16 @@ __all__ = [
     "build_batch",
     "episode_samples",
     "finite_mean",
+    "late_rule",
     "member_turns",
     "staleness",
 ]
 
-SkipKind = Literal["few", "equal", "shaping_only", "empty"]
+SkipKind = Literal["few", "equal", "shaping_only", "empty", "late"]
 """Why a group is skipped here: too few members, equal values (no signal), equal outcomes whose
-per-turn returns differ by shaping alone (``shaping: gated``), nothing trainable; the ack's typed
-``reason`` (``contract.vocabulary.TrainerSkip``, which adds the loop's ``nonfinite``)."""
+per-turn returns differ by shaping alone (``shaping: gated``), nothing trainable, a late group past
+the age limit; the ack's typed ``reason`` (``contract.vocabulary.TrainerSkip``, which adds the loop's
+``nonfinite``)."""
 NOTHING_TRAINABLE = "no trainable calls (see the data counters)"
 MIN_MEMBERS = 2
 """GRPO compares the members of a group with each other: a group with fewer has no comparison and is
@@ -90,6 +99,11 @@ class Batch:
     """Groups with equal outcomes whose per-turn returns differ by shaping alone (``shaping: gated``)."""
     skipped_few: int = 0
     skipped_empty: int = 0
+    skipped_late: int = 0
+    """Late groups past ``late_max_versions`` or ``late_max_age_s``."""
+    late: int = 0
+    """Late groups within the limits, kept for training (their reward came late, or they are older than
+    the staleness bound or ``late_after_s``); one may still be skipped for another reason."""
     stats: DataStats = field(default_factory=DataStats)
     episodes: dict[str, DataStats] = field(default_factory=dict)
     """The counters of each episode of the trained groups: its fidelity audit (``audit``)."""
@@ -103,6 +117,55 @@ class Batch:
         setattr(self, f"skipped_{kind}", getattr(self, f"skipped_{kind}") + 1)
 
 
+@dataclass(frozen=True)
+class Late:
+    """Which groups are late and which of those are too old to train (``TrainerConfig.late_*``)."""
+
+    current_version: int
+    staleness_bound: int
+    """Versions a group may lag before it is late (the trainer's ``staleness_bound``)."""
+    after_s: float
+    """Seconds since its oldest call after which a group is late (``late_after_s``)."""
+    max_versions: int | None = None
+    """Versions a late group may lag and still train (``late_max_versions``; None: any)."""
+    max_age_s: float | None = None
+    """Seconds since its oldest call a late group may be and still train (``late_max_age_s``; None: any)."""
+    now: float = field(default_factory=time.time)
+    """What ages are counted to: the calls' ``started_at`` are the proxy's epoch seconds."""
+
+    def judge(self, group: Group) -> str | None:
+        """None: not late; "": late and trained (under the importance weight like any sample); else the
+        note it is skipped ``late`` with. Age and lag are those of its oldest call (a fork's replayed
+        calls are context, never its age, as on the proxy's claim)."""
+        calls = [c for e in group.episodes or [] for c in e.calls or []]
+        versions = [
+            c.policy_version for c in calls if c.policy_version is not None and not (c.notes or {}).get("replay")
+        ]
+        lag = self.current_version - min(versions) if versions else 0
+        started = min((c.started_at for c in calls), default=group.created_at)
+        age = self.now - started
+        awaited = any(e.awaiting_since is not None for e in group.episodes or [])
+        if not (awaited or lag > self.staleness_bound or age > self.after_s):
+            return None
+        if self.max_versions is not None and lag > self.max_versions:
+            behind = f"{lag} versions behind v{self.current_version}"
+            return f"late: oldest call {behind} (late_max_versions {self.max_versions})"
+        if self.max_age_s is not None and age > self.max_age_s:
+            return f"late: oldest call {age:.0f}s old (late_max_age_s {self.max_age_s:.0f})"
+        return ""
+
+
+def late_rule(config: TrainerConfig, current_version: int) -> Late:
+    """The config's late rule at ``current_version`` (the version the step's groups were claimed at)."""
+    return Late(
+        current_version=current_version,
+        staleness_bound=config.staleness_bound,
+        after_s=config.late_after_s,
+        max_versions=config.late_max_versions,
+        max_age_s=config.late_max_age_s,
+    )
+
+
 def build_batch(
     groups: Sequence[Group],
     *,
@@ -111,12 +174,14 @@ def build_batch(
     retokenize: Retokenizer | None = None,
     rules: Rules | None = None,
     masker: Masker | None = None,
+    late: Late | None = None,
 ) -> Batch:
     """Samples with advantages for the groups that carry a learning signal; the rest are skipped.
 
     ``scale_rewards: batch`` follows TRL: the std is that of every compared value of the step,
     equal-reward groups included (they then get zero advantages and are skipped for compute), and so
     are the returns of groups skipped as shaping-only: they are values of the step like any other.
+    ``late``: late groups past its limits are skipped ``late``, the others counted (None: no rule).
     """
     rules = rules or Rules()
     if max_seq_len is not None:
@@ -127,6 +192,11 @@ def build_batch(
     kept: list[Kept] = []
     compared: list[float] = []
     for group in groups:
+        verdict = late.judge(group) if late is not None else None
+        if verdict:
+            batch.skip(group.id, "late", verdict)
+            continue
+        batch.late += verdict == ""
         stats, episodes = DataStats(), dict[str, DataStats]()
         members = group_members(
             group, rules, retokenize=retokenize, masker=masker, group_stats=stats, episodes=episodes

@@ -38,7 +38,7 @@ from trainer.audit import group_audits
 from trainer.checkpoint import Checkpoints, CheckpointState, LeaseRecord
 from trainer.claims import Claims
 from trainer.config import TrainerConfig
-from trainer.data import ChatRetokenizer, Rules, build_batch
+from trainer.data import ChatRetokenizer, Rules, build_batch, late_rule
 from trainer.distributed import World
 from trainer.grammar import masks_for, unmasked
 from trainer.learner import Learner
@@ -147,7 +147,13 @@ class Trainer:
         if not groups or self.stop_requested:  # claimed leases stay in pending.json for the next run
             return False
         wait_s = time.perf_counter() - wait_started
-        batch = build_batch(groups, rules=data_rules(self.config), retokenize=self.retokenize, masker=self.masker)
+        batch = build_batch(
+            groups,
+            rules=data_rules(self.config),
+            retokenize=self.retokenize,
+            masker=self.masker,
+            late=late_rule(self.config, current),
+        )
         step = self.step + 1
         for lease in leases:
             take_step(lease, batch.trained, batch.skipped, batch.reasons)

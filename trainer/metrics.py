@@ -54,6 +54,9 @@ STEP_METRICS: dict[str, str] = {
     "shaping alone (``shaping: gated``).",
     "data/groups_skipped_few": "Groups skipped with fewer members than GRPO compares.",
     "data/groups_skipped_empty": "Groups skipped with nothing trainable.",
+    "data/groups_skipped_late": "Late groups skipped past ``late_max_versions`` or ``late_max_age_s``.",
+    "data/groups_late": "Late groups (a late reward, or older than the staleness bound or ``late_after_s``) kept "
+    "for training under the bounded importance weight.",
     "staleness/mean": "Mean policy versions a trained sample's oldest call lags the current version.",
     "staleness/max": "The largest such lag.",
     "proxy/policy_version": "The proxy's current policy version when the step's groups were claimed.",
@@ -135,6 +138,8 @@ def step_metrics(
         "data/groups_skipped_shaping_only": batch.skipped_shaping_only,
         "data/groups_skipped_few": batch.skipped_few,
         "data/groups_skipped_empty": batch.skipped_empty,
+        "data/groups_skipped_late": batch.skipped_late,
+        "data/groups_late": batch.late,
         "staleness/mean": statistics.fmean(lags) if lags else 0.0,
         "staleness/max": max(lags, default=0),
         "proxy/policy_version": current,

@@ -231,6 +231,23 @@ async def reward_episode(episode_id: str, body: RewardIn, svc: ServicesDep, _: A
     return Episode.model_validate(episode)
 
 
+@router.post(
+    "/episodes/{episode_id}/await_reward",
+    response_model=Episode,
+    responses={409: {"description": "episode_rewarded / episode_abandoned: it is finished already"}},
+)
+async def await_reward(episode_id: str, svc: ServicesDep, _: AdminDep) -> Episode:
+    """The agent is done and its reward comes late (a review, a slow judge): the episode takes no
+    more model calls (409 ``episode_closed``), is never abandoned for idling, and is no traffic for
+    admission; a reward posted hours or days later still completes its group. ``late_rewards.max_wait_s``
+    bounds the wait. Again on an awaiting episode: a no-op."""
+    episode, changed = await svc.repo.episodes.await_reward(canonical_id(episode_id))
+    svc.gate.closed(episode.id)
+    if changed:
+        svc.metrics.episodes.labels("awaiting").inc()
+    return Episode.model_validate(episode)
+
+
 @router.post("/episodes/{episode_id}/abandon", response_model=Episode)
 async def abandon_episode(episode_id: str, body: AbandonIn, svc: ServicesDep, _: AdminDep) -> Episode:
     """Finish an episode without a reward (the agent failed): it never enters training."""

@@ -1,16 +1,23 @@
-"""Episodes and their groups: created, read, rewarded, abandoned (by the agent or the idle sweep).
+"""Episodes and their groups: created, read, rewarded, abandoned (by the agent or the idle sweep),
+or left awaiting a late reward.
 
 Each public method is one transaction (``sessions.py``). A reward or an abandon locks the episode's
 group row, then the episode row (``_episode_for_update``), so two rewards of one group serialise and
 the last one completes the group; the idle sweep takes the same locks, group rows first, each sorted
 by id. A finished episode's cached last call is dropped from ``Tails``: no call extends it any more.
+
+An ``awaiting`` episode (its agent done, its reward late) is unfinished like an open one (its group
+stays open until it is rewarded or abandoned) but takes no call, is never abandoned for idling
+(only past ``max_wait_s``), and is no traffic: a group whose unfinished episodes all await leaves
+the admission backlog. Time is ``Episodes.clock`` (epoch s), so tests can move it days ahead.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from fnmatch import fnmatchcase
 from typing import Any, Final
 
 from sqlalchemy import func, select, update
@@ -26,8 +33,11 @@ from proxy.store.rows import episode_record, group_record, group_records
 from proxy.store.sessions import Sessions, calls_of, lock_group
 
 OPEN: Final = "open"
+AWAITING: Final = "awaiting"
 REWARDED: Final = "rewarded"
 ABANDONED: Final = "abandoned"
+UNFINISHED: Final[tuple[EpisodeStatus, ...]] = (OPEN, AWAITING)
+"""Statuses that still take a reward or an abandon: the group is open while one of its episodes has one."""
 NOT_TRAINED: Final[tuple[TrainStatus, ...]] = ("skipped", "stale")
 """The train statuses a group ends in untrained, each with its ``train_reason``."""
 
@@ -71,10 +81,14 @@ class Episodes:
     """The episodes-and-groups aggregate; ``min_rewarded`` decides whether a finished group is
     ``complete`` or ``failed``."""
 
-    def __init__(self, sessions: Sessions, tails: Tails, *, min_rewarded: int = 2) -> None:
+    def __init__(
+        self, sessions: Sessions, tails: Tails, *, min_rewarded: int = 2, clock: Callable[[], float] = time.time
+    ) -> None:
         self._sessions = sessions
         self._tails = tails
         self.min_rewarded = min_rewarded
+        self.clock = clock
+        """Epoch seconds of rewards, abandons, waits and the idle sweep (tests move it ahead)."""
 
     async def create_group(
         self,
@@ -90,13 +104,18 @@ class Episodes:
         return group_record(group, [episode_record(e) for e in episodes])
 
     async def count_backlog(self) -> int:
-        """Groups the trainer has still to take: open (in flight) or complete, and not yet trained,
-        skipped or stale (leased ones included: they are being trained on the current version)."""
+        """Groups the trainer has still to take: open with an episode in flight, or complete, and not
+        yet trained, skipped or stale (leased ones included: they are being trained on the current
+        version). An open group whose unfinished episodes all await a late reward is not in flight:
+        it would hold admission back for hours (its staleness is the trainer's ``late`` rule)."""
+        in_flight = select(Episode.id).where(Episode.group_id == Group.id, Episode.status == OPEN).exists()
         async with self._sessions.read() as session:
             count = await session.scalar(
                 select(func.count())
                 .select_from(Group)
-                .where(Group.train_status == "pending", Group.status.in_((OPEN, "complete")))
+                .where(
+                    Group.train_status == "pending", (Group.status == "complete") | ((Group.status == OPEN) & in_flight)
+                )
             )
         return int(count or 0)
 
@@ -238,7 +257,7 @@ class Episodes:
                 )
             ).all()
         )
-        if counts.get(OPEN, 0) > 0:
+        if any(counts.get(s, 0) > 0 for s in UNFINISHED):
             return
         # A group smaller than min_rewarded (a lone episode whose n > 1 choices carry their own rewards)
         # completes when all of it is rewarded: the trainer decides whether its members compare.
@@ -259,8 +278,8 @@ class Episodes:
     async def set_reward(
         self, episode_id: str, *, reward: float, call_rewards: dict[str, float] | None, metadata: dict[str, Any] | None
     ) -> tuple[EpisodeRecord, bool]:
-        """Reward and finish an episode. Returns (episode, changed); the same payload twice is a
-        no-op, a different one is a ``Conflict``."""
+        """Reward and finish an episode (open, or awaiting a late reward). Returns (episode, changed);
+        the same payload twice is a no-op, a different one is a ``Conflict``."""
         async with self._sessions.write() as session:
             row = await self._episode_for_update(session, episode_id)
             if row.status == REWARDED:
@@ -281,7 +300,7 @@ class Episodes:
                 )
             if call_rewards:
                 await _check_ordinals(session, episode_id, call_rewards)
-            now = time.time()
+            now = self.clock()
             row.status, row.reward, row.finished_at = REWARDED, reward, now
             self._tails.drop(episode_id)
             row.call_rewards, row.reward_metadata = call_rewards or None, metadata or None
@@ -289,61 +308,98 @@ class Episodes:
             await self._complete_group(session, row.group_id, now)
             return episode_record(row), True
 
+    async def await_reward(self, episode_id: str) -> tuple[EpisodeRecord, bool]:
+        """Its agent is done and its reward will come late: the episode takes no more calls and waits
+        (no idle abandon) until rewarded, abandoned, or past ``max_wait_s``. Returns (episode, changed):
+        an awaiting episode again is a no-op; a finished one is a ``Conflict``."""
+        async with self._sessions.write() as session:
+            row = await self._episode_for_update(session, episode_id)
+            if row.status == REWARDED:
+                raise Conflict(f"episode {episode_id} is already rewarded", code="episode_rewarded")
+            if row.status == ABANDONED:
+                raise Conflict(
+                    f"episode {episode_id} was abandoned ({row.abandon_reason}); it awaits no reward",
+                    code="episode_abandoned",
+                )
+            if row.status == AWAITING:
+                return episode_record(row), False
+            row.status, row.awaiting_since = AWAITING, self.clock()
+            self._tails.drop(episode_id)
+            return episode_record(row), True
+
     async def abandon(self, episode_id: str, *, reason: str, cause: AbandonCause = "agent") -> EpisodeRecord:
         async with self._sessions.write() as session:
             row = await self._episode_for_update(session, episode_id)
             if row.status == REWARDED:
                 raise Conflict(f"episode {episode_id} is already rewarded", code="episode_rewarded")
-            if row.status == OPEN:
-                now = time.time()
+            if row.status in UNFINISHED:
+                now = self.clock()
                 row.status, row.abandon_reason, row.abandon_cause, row.finished_at = ABANDONED, reason, cause, now
                 self._tails.drop(episode_id)
                 await session.flush()
                 await self._complete_group(session, row.group_id, now)
             return episode_record(row)
 
-    async def abandon_expired(self, *, idle_s: float) -> int:
-        """Abandon open episodes idle (no call, no reward) for ``idle_s``; returns how many."""
-        now = time.time()
+    async def abandon_expired(
+        self, *, idle_s: float, late_tasks: Sequence[str] = (), max_wait_s: float | None = None
+    ) -> int:
+        """The reaper: abandon open episodes idle (no call, no reward) for ``idle_s``, except those of
+        a task matching a ``late_tasks`` pattern (``fnmatch``), which start awaiting their reward;
+        abandon episodes awaiting one for longer than ``max_wait_s`` (None: no limit). Returns how
+        many it abandoned."""
+        now = self.clock()
         last_call = (
             select(func.max(Call.started_at)).where(Call.episode_id == Episode.id).correlate(Episode).scalar_subquery()
         )
-        idle = select(Episode.id, Episode.group_id).where(
-            Episode.status == OPEN, func.coalesce(last_call, Episode.created_at) < now - idle_s
-        )
+        idle = (Episode.status == OPEN) & (func.coalesce(last_call, Episode.created_at) < now - idle_s)
+        due = idle
+        if max_wait_s is not None:
+            due = due | ((Episode.status == AWAITING) & (Episode.awaiting_since < now - max_wait_s))
+        scan = select(Episode.id, Episode.group_id).where(due)
         async with self._sessions.write() as session:
-            expired = (await session.execute(idle)).all()
-            if not expired:
+            found = (await session.execute(scan)).all()
+            if not found:
                 return 0
-            groups = sorted({g for _, g in expired if g})
+            groups = sorted({g for _, g in found if g})
             if groups:  # the lock order: group rows, then episode rows, each sorted by id
                 await session.execute(select(Group.id).where(Group.id.in_(groups)).order_by(Group.id).with_for_update())
             # Locked, the episodes are checked again: a call or a reward may have come in since the scan.
-            ids = list(
-                (
-                    await session.scalars(
-                        idle.with_only_columns(Episode.id)
-                        .where(Episode.id.in_(sorted(e for e, _ in expired)))
-                        .order_by(Episode.id)
-                        .with_for_update()
-                    )
-                ).all()
-            )
-            if not ids:
-                return 0
-            await session.execute(
-                update(Episode)
-                .where(Episode.id.in_(ids))
-                .values(
-                    status=ABANDONED,
-                    abandon_reason=f"no reward within {idle_s:.0f}s",
-                    abandon_cause="deadline",
-                    finished_at=now,
+            rows = (
+                await session.execute(
+                    select(Episode.id, Episode.status, Episode.task_id)
+                    .where(due, Episode.id.in_(sorted(e for e, _ in found)))
+                    .order_by(Episode.id)
+                    .with_for_update()
                 )
-            )
-            for group_id in groups:
-                await self._complete_group(session, group_id, now)
-        return len(ids)
+            ).all()
+            waits = [i for i, status, task in rows if status == OPEN and _late(task, late_tasks)]
+            idled = [i for i, status, task in rows if status == OPEN and not _late(task, late_tasks)]
+            expired = [i for i, status, _ in rows if status == AWAITING]
+            if waits:
+                await session.execute(
+                    update(Episode).where(Episode.id.in_(waits)).values(status=AWAITING, awaiting_since=now)
+                )
+            for ids, reason in (
+                (idled, f"no reward within {idle_s:.0f}s"),
+                (expired, f"no late reward within {max_wait_s or 0:.0f}s of awaiting it"),
+            ):
+                if ids:
+                    await session.execute(
+                        update(Episode)
+                        .where(Episode.id.in_(ids))
+                        .values(status=ABANDONED, abandon_reason=reason, abandon_cause="deadline", finished_at=now)
+                    )
+            for episode_id, _, _ in rows:
+                self._tails.drop(episode_id)
+            if idled or expired:
+                for group_id in groups:
+                    await self._complete_group(session, group_id, now)
+        return len(idled) + len(expired)
+
+
+def _late(task_id: str | None, patterns: Sequence[str]) -> bool:
+    """Whether an idle episode of this task awaits a late reward (``late_rewards.tasks``) instead of being abandoned."""
+    return any(fnmatchcase(task_id or "", pattern) for pattern in patterns)
 
 
 async def _check_ordinals(session: AsyncSession, episode_id: str, call_rewards: dict[str, float]) -> None:

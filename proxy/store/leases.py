@@ -6,7 +6,11 @@ the group rows another claim has locked (``SKIP LOCKED`` on PostgreSQL); a claim
 ``lease_id`` returns what that lease holds.
 An ack needs a live lease (``ack``): a lapsed one is renewed first, which only works if nobody
 claimed the group since. A teacher's group (``metadata.source: teacher:<name>``, ``proxy/teachers.py``)
-is never handed out: its calls are demonstrations, not samples of the policy.
+is never handed out: its calls are demonstrations, not samples of the policy. A late group (an
+episode of it awaited its reward: ``Episodes.await_reward``) is never marked stale: the claim's
+``max_staleness`` is about groups that waited on the trainer, not on their reward, and the trainer
+judges a late group's age itself (its ``late`` rule: trained under the bounded importance weight,
+or skipped ``late`` and counted).
 """
 
 from __future__ import annotations
@@ -57,6 +61,14 @@ async def _min_versions(session: AsyncSession, group_ids: list[str]) -> dict[str
     return {gid: v for gid, v in result.all() if gid is not None and v is not None}
 
 
+async def _late(session: AsyncSession, group_ids: list[str]) -> set[str]:
+    """The groups with an episode that awaited its reward (``awaiting_since`` kept once rewarded)."""
+    result = await session.scalars(
+        select(Episode.group_id).where(Episode.group_id.in_(group_ids), Episode.awaiting_since.is_not(None)).distinct()
+    )
+    return {gid for gid in result.all() if gid is not None}
+
+
 async def _held(session: AsyncSession, lease_id: str, group_ids: Sequence[str]) -> dict[str, Group]:
     """The groups, locked in id order; ``NotFound`` if one does not exist."""
     rows = {g.id: g for g in (await session.scalars(locked_groups(Group.id.in_(sorted(set(group_ids))))))}
@@ -100,9 +112,10 @@ class Leases:
         """Lease up to ``max_groups`` completed, untrained groups (oldest first).
 
         Groups whose oldest call is more than ``max_staleness`` versions behind ``current_version``
-        are marked ``stale`` and never offered again; a teacher's group is marked ``skipped`` (its
-        calls are no samples of the policy: GRPO never trains them) and never offered either, so it
-        leaves the backlog that admission counts. A lease that expires offers the group again.
+        are marked ``stale`` and never offered again (a late group never is: the trainer judges its
+        age); a teacher's group is marked ``skipped`` (its calls are no samples of the policy: GRPO
+        never trains them) and never offered either, so it leaves the backlog that admission counts.
+        A lease that expires offers the group again.
         A claim retried with the same client-chosen ``lease_id`` (its answer was lost) returns the
         groups that lease already holds, with the lease renewed, instead of leasing more. With
         ``delta`` the calls come as stored (``call_records``): linear in an episode's tokens.
@@ -134,13 +147,19 @@ class Leases:
                 if not batch:
                     break
                 versions = await _min_versions(session, [g.id for g in batch])
+                late = await _late(session, [g.id for g in batch])
                 for group in batch:
                     oldest = versions.get(group.id)
                     teacher = _teacher_source(group)
                     if teacher is not None:
                         group.train_status, group.train_reason = "skipped", "teacher"
                         group.train_note = f"{teacher}: demonstrations, never trained on-policy (GRPO)"
-                    elif max_staleness is not None and oldest is not None and current_version - oldest > max_staleness:
+                    elif (
+                        max_staleness is not None
+                        and oldest is not None
+                        and current_version - oldest > max_staleness
+                        and group.id not in late
+                    ):
                         group.train_status, group.train_reason = "stale", "stale"
                         group.train_note = f"oldest call at policy v{oldest}, current v{current_version}"
                         stale += 1

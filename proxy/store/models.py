@@ -95,6 +95,9 @@ class Episode(Base):
     """Who or what ended it without a reward (migration 0008); the trainer reads it, never the reason."""
     created_at: Mapped[float]
     finished_at: Mapped[float | None]
+    awaiting_since: Mapped[float | None]
+    """When it began awaiting a late reward (status ``awaiting``, migration 0012): what
+    ``late_rewards.max_wait_s`` counts from; kept once rewarded, so a late group is known as one."""
     train_audit: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     """What the trainer made of the episode (sent with its group's ack; migration 0007)."""
     # A fork episode (``proxy/replay.py``, migration 0009): its first ``fork_at`` answered calls are

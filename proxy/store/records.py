@@ -99,6 +99,7 @@ class EpisodeRecord:
     diverged_at: int | None = None
     divergence: dict[str, Any] | None = None
     purged_at: float | None = None
+    awaiting_since: float | None = None
 
 
 @dataclass(slots=True)

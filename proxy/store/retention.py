@@ -330,7 +330,7 @@ class Retention:
             changed.append(group.id)
             group.size = total
             undecided = group.status == "open" or (group.status == "complete" and group.train_status == "pending")
-            if undecided and left.get("open", 0) == 0:
+            if undecided and left.get("open", 0) == 0 and left.get("awaiting", 0) == 0:
                 judged: GroupStatus = (
                     "complete" if left.get("rewarded", 0) >= min(self.min_rewarded, total) else "failed"
                 )

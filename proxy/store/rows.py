@@ -195,6 +195,7 @@ def episode_record(row: Episode, calls: list[CallRecord] | None = None) -> Episo
         diverged_at=row.diverged_at,
         divergence=row.divergence,
         purged_at=row.purged_at,
+        awaiting_since=row.awaiting_since,
     )
 
 

@@ -17,9 +17,10 @@ from contract.client import ProxyClient
 from contract.vocabulary import TrainerSkip
 from tests.support.services import ADMIN_KEY, serving_proxy
 from tests.trainer.test_data import FAILED_ALIKE, group, shaped, untrainable_group
+from tests.trainer.test_late import timed_group
 from trainer.checkpoint import CheckpointState, LeaseRecord
 from trainer.counters import DataStats
-from trainer.data import SkipKind, build_batch
+from trainer.data import Late, SkipKind, build_batch
 from trainer.learner import StepStats
 from trainer.leases import Leases, skip_trained, take_step
 from trainer.members import Rules
@@ -48,19 +49,28 @@ def _complete_groups(client: ProxyClient, n: int) -> list[str]:
 
 
 def test_each_skip_is_acked_with_its_typed_reason_and_its_note(client: ProxyClient) -> None:
-    ids = _complete_groups(client, 5)
-    claim = client.claim(trainer_id="t", max_groups=5, lease_s=60, max_staleness=None)
+    ids = _complete_groups(client, 6)
+    claim = client.claim(trainer_id="t", max_groups=6, lease_s=60, max_staleness=None)
     assert [g.id for g in claim.groups] == ids
-    equal, shaping, few, empty, poisoned = ids
+    equal, shaping, few, empty, late, poisoned = ids
     groups = [
         group(equal, [1.0, 1.0, 1.0]),
         shaped(shaping, FAILED_ALIKE),
         group(few, [1.0], abandoned=1),
         untrainable_group(empty),
+        timed_group(late, version=0, started_at=0.0, awaited=True),  # its reward came late, a version behind
         group(poisoned, [1.0, 0.0]),
     ]
-    batch = build_batch(groups, rules=Rules(turn_credit="discounted"))
-    kinds: dict[str, SkipKind] = {equal: "equal", shaping: "shaping_only", few: "few", empty: "empty"}
+    # The others lag one version, within the bound; the late group is past late_max_versions 0.
+    rule = Late(current_version=1, staleness_bound=1, after_s=float("inf"), max_versions=0)
+    batch = build_batch(groups, rules=Rules(turn_credit="discounted"), late=rule)
+    kinds: dict[str, SkipKind] = {
+        equal: "equal",
+        shaping: "shaping_only",
+        few: "few",
+        empty: "empty",
+        late: "late",
+    }
     assert batch.trained == [poisoned] and batch.reasons == kinds
     metrics = step_metrics(batch, groups, StepStats(), current=0, stale=0, wait_s=0.0, pass_threshold=1.0)
     assert {kind: metrics[f"data/groups_skipped_{kind}"] for kind in get_args(SkipKind)} == dict.fromkeys(
