@@ -2,9 +2,10 @@
 
 1. vLLM (supervised) and the proxy on a SQLite store in this run's directory (``data/runs/<id>``);
 2. evaluate the base policy on the held-out split (greedy, same prompts every time);
-2b. with a ``warm_start`` section (``configs/run-openhands.yaml``, ``configs/run-miniswe.yaml``): record demonstrations through the
-   scripted teacher the stack started (train split, ``--source teacher:<name>``), run ``python -m
-   trainer warmstart`` on them (its adapter is published), evaluate that ``warm`` policy the same way;
+2b. with a ``warm_start`` section (``configs/run-openhands.yaml``, ``configs/run-miniswe.yaml``): record
+   demonstrations through the scripted teacher the stack started (train split, ``--source
+   teacher:<name>``), run ``python -m trainer warmstart`` on them (its adapter is published),
+   evaluate that ``warm`` policy the same way;
    GRPO then resumes from the warm start's checkpoint, and ``budget_steps`` counts GRPO steps only.
    Each phase leaves a file in the run directory (``demonstrations.json``, ``warm_start.json``,
    ``eval_*.json``), so a resumed run skips the phases it finished;
