@@ -14,6 +14,7 @@ import sys
 import time
 from typing import Any
 
+from deploy.agreement import check as check_agreement
 from deploy.loop import run
 from deploy.run_config import RunConfig, RunConfigError, load_run_config
 from deploy.stack import Stack, log
@@ -22,6 +23,7 @@ from deploy.stack import Stack, log
 def serve(config: RunConfig) -> None:
     data_dir = config.data_path
     stack = Stack(config, data_dir=data_dir)
+    check_agreement(config, stack.model_dir)
     stopping = False
 
     def _stop(*_: Any) -> None:
@@ -60,10 +62,14 @@ def main(argv: list[str] | None = None) -> None:
     except RunConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    if args.command == "serve":
-        serve(config)
-    else:
-        run(config)
+    try:
+        if args.command == "serve":
+            serve(config)
+        else:
+            run(config)
+    except RunConfigError as exc:  # the processes' settings disagree: nothing was started
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

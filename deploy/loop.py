@@ -38,6 +38,8 @@ from typing import Any
 import httpx
 
 from contract.client import ProxyClient, ProxyError
+from deploy.agreement import check as check_agreement
+from deploy.agreement import shared_overrides
 from deploy.groups import (
     admission_state,
     calls_per_trained_episode,
@@ -225,7 +227,7 @@ def _warm_start(stack: Stack, config: RunConfig, run_dir: Path) -> dict[str, Any
         overrides = {
             "proxy_url": stack.proxy_url,
             "output_dir": str(output_dir),
-            "seed": config.seed,
+            **shared_overrides(config),
             **config.trainer.overrides,
             **warm.trainer_overrides(),
         }
@@ -357,7 +359,7 @@ def _train(
     overrides = {
         "proxy_url": stack.proxy_url,
         "output_dir": str(run_dir / "trainer"),
-        "seed": config.seed,
+        **shared_overrides(config),
         **config.trainer.overrides,
     }
     if config.budget_steps is not None:  # the trainer stops itself there; the launcher then evaluates
@@ -633,6 +635,7 @@ def run(config: RunConfig) -> None:
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     stack = Stack(config, data_dir=run_dir)
+    check_agreement(config, stack.model_dir)  # before anything starts: a disagreement names both sides
     try:
         stack.start()
         t0 = time.time()
