@@ -125,6 +125,7 @@ def group_counts(admission: AdmissionOut | None, skipped_by: Skips | None, workf
         "skipped_empty": skipped("empty"),
         "skipped_nonfinite": skipped("nonfinite"),
         "skipped_teacher": skipped("teacher"),
+        "skipped_late": skipped("late"),
         "skipped_other": skipped("other"),
         "skipped_other_notes": [] if skipped_by is None else skipped_by.other_notes,
         "failed": count("failed"),
@@ -147,7 +148,8 @@ def summary(groups: dict[str, Any], calls_per_episode: float | None) -> str:
         f"{groups['skipped_equal']} equal rewards, {groups['skipped_shaping_only']} equal outcomes (shaping "
         f"alone), {groups['skipped_few']} too few members, "
         f"{groups['skipped_empty']} no trainable tokens, {groups['skipped_nonfinite']} non-finite gradient, "
-        f"{groups['skipped_teacher']} teacher demonstrations, {groups['skipped_other']} other; "
+        f"{groups['skipped_teacher']} teacher demonstrations, {groups['skipped_late']} late past the age limit, "
+        f"{groups['skipped_other']} other; "
         f"{groups['failed']} failed, {groups['left_pending']} left pending, "
         f"{groups['left_open']} left open\n"
         f"admission: {groups['admission_refusals']} refusals (limit {groups['admission_limit']}), "

@@ -41,6 +41,8 @@ ALLOWED: dict[tuple[str, str], str] = {
     "diffs today's models (target_metadata) against the database, so it must see the live ones",
     ("migrations/env.py", "proxy.store.rows"): "the engine it builds writes JSON columns with json_text, "
     "the text every live writer stores, so rows a migration writes read back as the proxy's own",
+    ("deploy/agreement.py", "proxy.settings"): "before anything starts, the launcher reads the proxy's file "
+    "with the proxy's own loader to check its policy.base_model is the name vLLM serves; read, never served",
     ("deploy/docs.py", "proxy.settings"): "the docs' reference pages are generated from the code: the "
     "proxy's settings classes (and its env_overrides, to check each variable named), read, never served",
     ("deploy/docs.py", "proxy.app"): "the HTTP API page is the app's OpenAPI schema: create_app builds "

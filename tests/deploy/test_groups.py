@@ -27,7 +27,8 @@ from proxy.store.repository import Repository
 from tests.proxy.test_store import call as stored_call
 from tests.support.services import ADMIN_KEY, ProxyProcess, serving_proxy
 from tests.trainer.test_data import FAILED_ALIKE, SYSTEM, call, group, shaped, untrainable_group
-from trainer.data import build_batch
+from tests.trainer.test_late import timed_group
+from trainer.data import Late, build_batch
 from trainer.learner import StepStats
 from trainer.loop import step_metrics
 from trainer.members import Rules
@@ -46,7 +47,12 @@ def _skips() -> list[tuple[str | None, str]]:
     batch = build_batch(groups, max_seq_len=64)
     shaping = build_batch([shaped("g-shaping", FAILED_ALIKE)], rules=Rules(turn_credit="discounted"))
     zeros = build_batch([group("g-zeros", [0.0, 0.0])], max_seq_len=64)
-    made = [(batch, "g-equal"), (zeros, "g-zeros"), (shaping, "g-shaping"), (batch, "g-few"), (batch, "g-empty")]
+    past = Late(current_version=1, staleness_bound=1, after_s=float("inf"), max_versions=0)  # awaited, a version behind
+    late = build_batch([timed_group("g-late", version=0, started_at=0.0, awaited=True)], late=past)
+    made = [
+        (batch, "g-equal"), (zeros, "g-zeros"), (shaping, "g-shaping"), (batch, "g-few"), (batch, "g-empty"),
+        (late, "g-late"),
+    ]  # fmt: skip
     return [
         *((b.reasons[g], b.skipped[g]) for b, g in made),
         ("nonfinite", "non-finite gradient (grad_norm=nan)"),  # trainer/loop.py, Trainer._drop_nonfinite
@@ -57,7 +63,7 @@ def _skips() -> list[tuple[str | None, str]]:
 @pytest.fixture
 def proxy(tmp_path: Path) -> Iterator[ProxyProcess]:
     env = {
-        "FLYWHEEL_ADMISSION__MAX_BACKLOG_GROUPS": "10",
+        "FLYWHEEL_ADMISSION__MAX_BACKLOG_GROUPS": "11",
         "FLYWHEEL_ADMISSION__RETRY_AFTER_S": "2",
         "FLYWHEEL_TEACHERS": TEACHERS,
     }
@@ -98,7 +104,7 @@ def _ack(proxy: ProxyProcess, lease_id: str, ids: list[str], status: str, reason
 
 
 async def _known_store(proxy: ProxyProcess, skips: list[tuple[str | None, str]]) -> None:
-    """1 stale, 1 trained, one skipped per skip, 1 teacher's, 1 failed, 1 pending, 9 open (the 10th refused)."""
+    """1 stale, 1 trained, one skipped per skip, 1 teacher's, 1 failed, 1 pending, 10 open (the 11th refused)."""
     repo = Repository(proxy.store_url)
     try:
         await _group(proxy, repo, (1.0, 0.0))
@@ -117,8 +123,8 @@ async def _known_store(proxy: ProxyProcess, skips: list[tuple[str | None, str]])
         await _group(proxy, repo, (0.0, 1.0))  # complete, not yet claimed
     finally:
         await repo.close()
-    statuses = [_post(proxy, "/groups", {"task_id": "t", "size": 2}).status_code for _ in range(10)]
-    assert statuses == [201] * 9 + [429]  # still running; with the one pending, the 10th would be the 11th ahead
+    statuses = [_post(proxy, "/groups", {"task_id": "t", "size": 2}).status_code for _ in range(11)]
+    assert statuses == [201] * 10 + [429]  # still running; with the one pending, the 11th would be the 12th ahead
 
 
 async def test_the_report_counts_every_group_by_what_became_of_it_as_the_store_holds_it(
@@ -133,9 +139,9 @@ async def test_the_report_counts_every_group_by_what_became_of_it_as_the_store_h
     log.write_text("[12:00:00] abandoned e1 (t): timeout\n" + json.dumps(summary) + "\n  stopping\n")
     counts = report.group_counts(report.admission_state(proxy.url, ADMIN_KEY), read, report.workflow_summary(log))
     assert counts == {
-        "generated": 21,
+        "generated": 23,
         "trained": 1,
-        "skipped": 8,
+        "skipped": 9,
         "skipped_stale": 1,
         "skipped_equal": 2,
         "skipped_shaping_only": 1,
@@ -143,13 +149,14 @@ async def test_the_report_counts_every_group_by_what_became_of_it_as_the_store_h
         "skipped_empty": 1,
         "skipped_nonfinite": 1,
         "skipped_teacher": 1,
+        "skipped_late": 1,
         "skipped_other": 1,
         "skipped_other_notes": ["a reason no report knows yet"],
         "failed": 1,
         "left_pending": 1,
-        "left_open": 9,
-        "stale_fraction": round(1 / 21, 4),
-        "admission_limit": 10,
+        "left_open": 10,
+        "stale_fraction": round(1 / 23, 4),
+        "admission_limit": 11,
         "admission_refusals": 1,
         "admission_waits": 4,
         "admission_wait_s": 8.0,
@@ -161,18 +168,21 @@ async def test_the_report_counts_every_group_by_what_became_of_it_as_the_store_h
             db.execute("select train_reason, count(*) from groups where train_status = 'skipped' group by 1")
         )
         by_status = dict(db.execute("select status, count(*) from groups group by 1"))
-    assert outcomes == {"trained": 1, "skipped": 8, "stale": 1, "pending": 1}
-    assert by_status == {"complete": 11, "failed": 1, "open": 9}
+    assert outcomes == {"trained": 1, "skipped": 9, "stale": 1, "pending": 1}
+    assert by_status == {"complete": 12, "failed": 1, "open": 10}
     skip_keys = [k for k in get_args(SkipCount) if k != "stale"]
     assert {k: counts[f"skipped_{k}"] for k in skip_keys} == {r or "other": n for r, n in reasons.items()}
     assert sum(counts[f"skipped_{k}"] for k in skip_keys) == counts["skipped"]
     printed = report.summary(counts, 1.0)
-    assert "21 generated, 1 trained (1.0 calls per trained episode), 1 skipped stale" in printed
+    assert "23 generated, 1 trained (1.0 calls per trained episode), 1 skipped stale" in printed
     assert (
-        "8 skipped by the trainer: 2 equal rewards, 1 equal outcomes (shaping alone), 1 too few members, "
+        "9 skipped by the trainer: 2 equal rewards, 1 equal outcomes (shaping alone), 1 too few members, "
         "1 no trainable tokens" in printed
     )
-    assert "1 non-finite gradient, 1 teacher demonstrations, 1 other; 1 failed, 1 left pending, 9 left open" in printed
+    assert (
+        "1 non-finite gradient, 1 teacher demonstrations, 1 late past the age limit, 1 other; 1 failed, "
+        "1 left pending, 10 left open" in printed
+    )
 
 
 def test_the_report_has_a_count_for_every_reason_a_group_is_skipped_for() -> None:
