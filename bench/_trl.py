@@ -8,7 +8,10 @@ trainer step for step (the datasets come in Flywheel's own order).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainer.config import TrainerConfig
 
 TRAIN_ONLY: dict[str, Any] = {
     "use_cpu": True,
@@ -22,3 +25,18 @@ TRAIN_ONLY: dict[str, Any] = {
 }
 """``GRPOConfig`` keywords: CPU in float32, no checkpoints, logs, trackers or progress bars, the
 dataset in the order given."""
+
+
+def peft_lora(config: TrainerConfig, *, dropout: float | None = None) -> Any:
+    """The trainer config's LoRA (rank, alpha, targets) as the PEFT ``LoraConfig`` TRL is given, so
+    both sides train the same adapter; ``dropout`` None: the config's."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout if dropout is None else dropout,
+        target_modules=list(config.lora_target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )

@@ -87,7 +87,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from bench._procs import load_average  # noqa: E402
 from bench._runs import isolated  # noqa: E402
-from bench._trl import TRAIN_ONLY  # noqa: E402
+from bench._trl import TRAIN_ONLY, peft_lora  # noqa: E402
 from deploy.guard import Guard  # noqa: E402
 from deploy.loop import _evaluate, _steps, _train  # noqa: E402
 from deploy.run_config import RunConfig, load_run_config  # noqa: E402
@@ -232,16 +232,7 @@ def trl_tokenizer(model: str) -> Any:
 
 def trl_lora(config: TrainerConfig) -> Any:
     """The trainer config's LoRA settings as a PEFT ``LoraConfig`` for GRPOTrainer."""
-    from peft import LoraConfig
-
-    return LoraConfig(
-        r=config.lora_r,
-        lora_alpha=config.lora_alpha,
-        lora_dropout=config.lora_dropout,
-        target_modules=list(config.lora_target_modules),
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
+    return peft_lora(config)
 
 
 def trl_args(shared: Shared, output_dir: Path, *, seed: int, max_steps: int = 1_000_000) -> Any:

@@ -348,11 +348,10 @@ def _trl(
 ) -> dict[str, Any]:
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from datasets import Dataset  # type: ignore[import-untyped]
-    from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer  # type: ignore[attr-defined]
 
-    from bench._trl import TRAIN_ONLY
+    from bench._trl import TRAIN_ONLY, peft_lora
     from trainer.lora import resolve_dtype
 
     handed: list[int] = []  # tokens handed to TRL per rollout (one rollout per optimizer step)
@@ -426,14 +425,7 @@ def _trl(
         args=args,
         train_dataset=Dataset.from_list([{"prompt": "p"}]),
         processing_class=AutoTokenizer.from_pretrained(spec["model"]),
-        peft_config=LoraConfig(
-            r=config.lora_r,
-            lora_alpha=config.lora_alpha,
-            lora_dropout=0.0,
-            target_modules=list(config.lora_target_modules),
-            bias="none",
-            task_type="CAUSAL_LM",
-        ),
+        peft_config=peft_lora(config, dropout=0.0),
         rollout_func=rollout,
         callbacks=[timer],
     )

@@ -248,11 +248,10 @@ def trl_step(spec: dict[str, Any]) -> dict[str, Any]:
     and added RSS, positions computed; ``{"error": ...}`` when it runs out of memory."""
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from datasets import Dataset  # type: ignore[import-untyped]
-    from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer  # type: ignore[attr-defined]
 
-    from bench._trl import TRAIN_ONLY
+    from bench._trl import TRAIN_ONLY, peft_lora
 
     torch.set_num_threads(spec["threads"])
     config = trainer_config(
@@ -344,14 +343,7 @@ def trl_step(spec: dict[str, Any]) -> dict[str, Any]:
         args=args,
         train_dataset=Dataset.from_list([{"prompt": g} for g in by_group]),
         processing_class=AutoTokenizer.from_pretrained(spec["model"]),
-        peft_config=LoraConfig(
-            r=config.lora_r,
-            lora_alpha=config.lora_alpha,
-            lora_dropout=0.0,
-            target_modules=list(config.lora_target_modules),
-            bias="none",
-            task_type="CAUSAL_LM",
-        ),
+        peft_config=peft_lora(config, dropout=0.0),
         rollout_func=rollout,
         callbacks=[meter],
     )
