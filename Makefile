@@ -22,7 +22,7 @@ AGENTS_PY := $(CURDIR)/.venv-agents/bin/python
 RUN_CONFIG ?= configs/run-local.yaml
 PYTEST_ARGS ?=
 
-.PHONY: help setup engine agents model harnesses lock test check docs test-engine test-agents coverage lint run serve bench clean
+.PHONY: help setup engine agents model harnesses harnesses-check lock test check docs test-engine test-agents coverage lint run serve bench clean
 
 help:
 	@echo "make run    set up, then run the local loop (vLLM + proxy + trainer + math workflow)"
@@ -32,6 +32,7 @@ help:
 	@echo "make bench  run the benchmarks in bench/"
 	@echo "make docs   generate the reference pages and build the docs site (strict)"
 	@echo "make coverage  the engine suite with a line-coverage table"
+	@echo "make harnesses-check  the newest agent harnesses against the scripted engine: a compatibility matrix"
 
 engine:
 	@$(BOOTSTRAP_PYTHON) deploy/bootstrap.py engine >/dev/null
@@ -43,11 +44,19 @@ agents:
 model: engine
 	@$(ENGINE_PY) -m deploy.model fetch tiny >/dev/null
 
-# Claude Code and Codex CLI at the versions deploy/harnesses/package-lock.json pins (npm ci into the cache).
+# Claude Code, Codex CLI and Gemini CLI at the versions deploy/harnesses/package-lock.json pins (npm ci into the cache).
 harnesses:
 	@$(BOOTSTRAP_PYTHON) deploy/bootstrap.py harnesses >/dev/null
 
 setup: engine agents model harnesses
+
+# The harness sentinel (bench/harnesses_check.py): the newest releases of Claude Code, Codex CLI,
+# Gemini CLI, opencode and mini-swe-agent beside the pinned ones, each on a three-command task through
+# the proxy (splicing on) and the scripted engine; prints the matrix and the request fields that
+# changed. Needs the npm registry and PyPI; HARNESSES_ARGS="--pinned-only" runs offline.
+HARNESSES_ARGS ?=
+harnesses-check: setup
+	FLYWHEEL_TINY_MODEL_DIR=$$($(ENGINE_PY) -m deploy.model path tiny) $(ENGINE_PY) -m bench.harnesses_check $(HARNESSES_ARGS)
 
 # Recompile deploy/locks/{engine,agents}.txt from pyproject.toml (uv pip compile; CONTRIBUTING.md).
 # Keeps the locked versions; UPGRADE=all takes the newest releases, UPGRADE=name,... those named.

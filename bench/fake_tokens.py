@@ -110,12 +110,15 @@ def _takes(function: dict[str, Any], name: str) -> bool:
     return name in (parameters.get("required") or []) and (properties.get(name) or {}).get("type") == "string"
 
 
-def shell_in(prompt: str) -> tuple[str, str] | None:
-    """(tool, argument) of the first tool in the rendered ``<tools>`` block that takes a shell command."""
+def shell_in(prompt: str) -> tuple[str, str, list[str]] | None:
+    """(tool, argument, other required string arguments) of the first tool in the rendered
+    ``<tools>`` block that takes a shell command (opencode's ``bash`` also requires a ``description``)."""
     for function in tools_in(prompt):
         for name in SHELL_ARGUMENTS:
             if _takes(function, name):
-                return str(function["name"]), name
+                required = (function.get("parameters") or function.get("parametersJsonSchema") or {}).get("required")
+                others = [r for r in required or () if r != name and _takes(function, r)]
+                return str(function["name"]), name, others
     return None
 
 
@@ -205,7 +208,8 @@ class TokenEngine:
         elif agent is not None and DELEGATE in asked:  # the main agent: delegate, then report
             tool = None if done else (agent, orjson.dumps(SUB_TASK))
         elif shell is not None and done < len(self.commands):
-            tool = shell[0], orjson.dumps({shell[1]: self.commands[done]})
+            filled = {other: "Runs the next command" for other in shell[2]}
+            tool = shell[0], orjson.dumps({shell[1]: self.commands[done], **filled})
         if tool is not None:
             arguments = tool[1].decode()
             head = f'{CALL_OPEN}\n{{"name": "{tool[0]}", "arguments": '

@@ -285,6 +285,36 @@ def _lifespan(
     return lifespan, keys
 
 
+_ID_AFTER = frozenset({"episodes", "groups", "calls", "runs", "adapters"})
+
+
+def path_shape(path: str) -> str:
+    """A request path with its ids as ``{id}`` and model names as ``{model}`` (a Gemini method kept):
+    what an unserved request is logged and counted by, so a label names the route, not the episode."""
+    parts = path.split("/")
+    shaped = []
+    for i, part in enumerate(parts):
+        before = parts[i - 1] if i else ""
+        if before in _ID_AFTER or (len(part) >= 16 and any(c.isdigit() for c in part)):
+            shaped.append("{id}")
+        elif before == "models" and part:
+            shaped.append("{model}" + (":" + part.split(":", 1)[1][:40] if ":" in part else ""))
+        else:
+            shaped.append(part[:40])
+    return "/".join(shaped)[:200]
+
+
+def _unserved(request: Request, status: int) -> None:
+    """A request no route serves is logged and counted (``flywheel_unserved_routes``): a harness
+    speaking an API or version the proxy lacks would otherwise leave no trace. The query string is
+    never logged (Google's clients may put their key there)."""
+    shape = path_shape(request.url.path)
+    log.warning("unserved route", extra={"method": request.method, "path": shape, "status": status})
+    svc = getattr(request.app.state, "services", None)
+    if svc is not None:
+        svc.metrics.on_unserved(request.method, shape)
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     """Every error leaves as the API's error JSON (OpenAI's shape; Anthropic's on the Messages routes)."""
 
@@ -299,6 +329,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if (exc.status_code, exc.detail) in ((404, "Not Found"), (405, "Method Not Allowed")):
+            _unserved(request, exc.status_code)
         if exc.status_code == 404:
             missing = NotFound(f"no route {exc.detail}" if exc.detail != "Not Found" else "no such route")
             return _error_response(missing, request.url.path)

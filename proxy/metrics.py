@@ -6,6 +6,8 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+UNSERVED_SHAPES = 64
+"""Distinct (method, path shape) labels of ``flywheel_unserved_routes`` before the rest count as ``other``."""
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -123,11 +125,29 @@ class Metrics:
             ["api", "rule", "field"],
             registry=r,
         )
+        self.unserved = Counter(
+            "flywheel_unserved_routes",
+            "Requests on a route the proxy lacks (404) or with a method it does not serve there (405), by method "
+            "and path shape (ids as {id}; past 64 shapes, other): a client speaking an API or version not served",
+            ["method", "path"],
+            registry=r,
+        )
+        self._unserved_shapes: set[tuple[str, str]] = set()
 
     def on_compat(self, api: str, decisions: Iterable[tuple[str, str]]) -> None:
         """Count what ``proxy/compat.py`` decided for one request: (rule, field) pairs."""
         for rule, field in decisions:
             self.compat.labels(api, rule, field).inc()
+
+    def on_unserved(self, method: str, shape: str) -> None:
+        """Count a request no route serves; the label set is bounded (a scanner's paths would be unbounded)."""
+        key = (method, shape)
+        if key not in self._unserved_shapes:
+            if len(self._unserved_shapes) >= UNSERVED_SHAPES:
+                key = (method, "other")
+            else:
+                self._unserved_shapes.add(key)
+        self.unserved.labels(*key).inc()
 
     def on_batch(self, calls: int, seconds: float) -> None:
         self.recorded.inc(calls)

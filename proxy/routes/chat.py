@@ -50,18 +50,20 @@ async def _models(request: Request) -> Response:
     replica = svc.upstreams.pick(None)
     models = await svc.upstreams.list_models(replica)
     current = svc.adapters.current
+    # vLLM lists its context length on each model it serves; the aliases carry it too, so a client
+    # that reads the window from the model list (rather than assuming one for an unknown name) sees it
+    window = next((m["max_model_len"] for m in models if isinstance(m, dict) and m.get("max_model_len")), None)
     for alias in svc.adapters.settings.aliases:
-        models.append(
-            {
-                "id": alias,
-                "object": "model",
-                "owned_by": "flywheel",
-                "created": int(time.time()),
-                "parent": svc.adapters.settings.base_model,
-                "root": current.name if current else svc.adapters.settings.base_model,
-                "policy_version": svc.adapters.version,
-            }
-        )
+        entry = {
+            "id": alias,
+            "object": "model",
+            "owned_by": "flywheel",
+            "created": int(time.time()),
+            "parent": svc.adapters.settings.base_model,
+            "root": current.name if current else svc.adapters.settings.base_model,
+            "policy_version": svc.adapters.version,
+        }
+        models.append(entry if window is None else {**entry, "max_model_len": window})
     return Response(orjson.dumps({"object": "list", "data": models}), media_type="application/json")
 
 

@@ -5,7 +5,7 @@
 ``proxy serve`` whose upstream is the named fake engine in its scripted mode
 (``bench/fake_script.py``: a call of the harness's shell tool, then a final answer): their system
 prompts and tools (10-17k tokens) do not fit SmolLM2's context; on a GPU deployment they run on
-vLLM. A TCP tee between harness and proxy (``tests/support/tee.py``) keeps what the harness sent
+vLLM. A TCP tee between harness and proxy (``bench/_tee.py``) keeps what the harness sent
 and received, so each run checks, without trusting the proxy's own account:
 
 - the harness exits 0 and the file its tool call wrote holds what the task asked;
@@ -40,13 +40,14 @@ import orjson
 import pytest
 
 from bench._procs import FakeUpstreamProcess
+from bench._tee import Exchange, Tee
 from bench.fake_tokens import CONTEXT, DELEGATE, TokenEngineProcess
+from bench.harnesses import BY_NAME, COMMANDS, PINNED_BIN, STEPS_TASK, launch
 from contract.client import Episode
-from tests.support.services import ROOT, ProxyProcess, episode_record, grammar_masker, model_dir, new_episode
-from tests.support.tee import Exchange, Tee
+from tests.support.services import ProxyProcess, episode_record, grammar_masker, model_dir, new_episode
 from trainer.data import DataStats, episode_samples
 
-BIN = ROOT / "deploy" / "harnesses" / "node_modules" / ".bin"
+BIN = PINNED_BIN
 TASK = "create hello.txt containing hello"
 COMMAND = "printf hello > hello.txt"
 TIMEOUT_S = 600
@@ -98,12 +99,6 @@ class TokenStack:
     proxy: ProxyProcess
 
 
-STEPS_TASK = "create one.txt and two.txt, then both.txt holding both"
-COMMANDS = ["printf one > one.txt && yes one | head -n 1500", "printf two > two.txt", "cat one.txt two.txt > both.txt"]
-"""Run in turn by every harness; the first prints 1,500 lines (3k tokens), so that Claude Code's
-prompt passes its compaction threshold after it and drops under it once compacted."""
-
-
 @pytest.fixture(scope="module")
 def token_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TokenStack]:
     tmp = tmp_path_factory.mktemp("harnesses-tokens")
@@ -144,55 +139,14 @@ def _run(
     workdir.mkdir()
     home.mkdir()
     before = len(_engine_answers(stack))
-    env = {"PATH": os.environ["PATH"], "HOME": str(home), "LITELLM_LOCAL_MODEL_COST_MAP": "True", **extra}
     with Tee(proxy.port) as tee:
-        if harness == "claude":
-            env |= {
-                "ANTHROPIC_BASE_URL": tee.url + path.removesuffix("/v1"),
-                "ANTHROPIC_API_KEY": episode["api_key"],
-                "IS_SANDBOX": "1",  # --dangerously-skip-permissions as root
-            }
-            argv = [str(BIN / "claude"), "-p", task, "--model", "policy", "--dangerously-skip-permissions"]
-        elif harness == "gemini":
-            env |= {
-                "GOOGLE_GEMINI_BASE_URL": tee.url + path.removesuffix("/v1"),  # it adds /v1beta/models/...
-                "GEMINI_API_KEY": episode["api_key"],
-            }
-            _gemini_settings(home)
-            argv = [str(BIN / "gemini"), "-p", task, "--model", "policy", "--approval-mode", "yolo"]
-        else:
-            env |= {"CODEX_HOME": str(_codex_home(home, tee.url + path)), "FLYWHEEL_EPISODE_KEY": episode["api_key"]}
-            argv = [str(BIN / "codex"), "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox"]
-            argv.append(task)
+        argv, env = launch(BY_NAME[harness], BIN, tee.url + path, episode["api_key"], home, task, extra=extra)
+        env["PATH"] = os.environ["PATH"]
         done = subprocess.run(
             argv, cwd=workdir, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL
         )
         exchanges = tee.exchanges()
     return Run(episode, done, exchanges, workdir, _engine_answers(stack)[before:])
-
-
-def _codex_home(home: Path, base_url: str) -> Path:
-    """Codex's provider block: the episode's base URL and key, the Responses API (its only wire API)."""
-    codex = home / ".codex"
-    codex.mkdir()
-    (codex / "config.toml").write_text(
-        'model = "policy"\nmodel_provider = "flywheel"\n\n[model_providers.flywheel]\nname = "Flywheel"\n'
-        f'base_url = "{base_url}"\nenv_key = "FLYWHEEL_EPISODE_KEY"\nwire_api = "responses"\n'
-    )
-    return codex
-
-
-def _gemini_settings(home: Path) -> None:
-    """Gemini CLI's settings: the API-key auth (the key and base URL from the environment) chosen
-    up front, and nothing that calls Google's servers (usage statistics, telemetry, update checks)."""
-    (home / ".gemini").mkdir()
-    settings = {
-        "security": {"auth": {"selectedType": "gemini-api-key"}, "folderTrust": {"enabled": False}},
-        "privacy": {"usageStatisticsEnabled": False},
-        "telemetry": {"enabled": False},
-        "general": {"enableAutoUpdate": False, "enableAutoUpdateNotification": False},
-    }
-    (home / ".gemini" / "settings.json").write_bytes(orjson.dumps(settings))
 
 
 def _events(raw: bytes) -> list[dict[str, Any]]:

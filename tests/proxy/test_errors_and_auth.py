@@ -11,6 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
+from proxy.app import path_shape
+from proxy.metrics import UNSERVED_SHAPES, Metrics
 from tests.proxy.conftest import ADMIN, episode_auth, fake_upstream, make_settings, new_group, running_app
 
 AGENT = {"authorization": "Bearer agent-key-0123456789abcdef"}
@@ -236,9 +238,35 @@ async def test_body_over_the_limit_is_413(sqlite_url: str) -> None:
         )
 
 
-async def test_unknown_route_and_method(client: httpx.AsyncClient) -> None:
-    assert_error(await client.get("/nope", headers=ADMIN), 404, "not_found_error")
-    assert_error(await client.get("/v1/chat/completions", headers=ADMIN), 405, "invalid_request_error")
+async def test_unknown_route_and_method(client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture) -> None:
+    """Each is answered in the API's shape, logged (the query never: Google's clients put keys there)
+    and counted by path shape, an episode's id as ``{id}``: a harness speaking a route the proxy
+    lacks leaves a trace."""
+    episode = str(uuid.uuid4())
+    gemini = f"/episodes/{episode}/v1beta/models/policy:embedContent?key=secret-in-query"
+    with caplog.at_level("WARNING", logger="flywheel.app"):
+        assert_error(await client.get("/nope", headers=ADMIN), 404, "not_found_error")
+        assert_error(await client.get("/v1/chat/completions", headers=ADMIN), 405, "invalid_request_error")
+        for _ in range(2):  # under a Gemini mount, in Google's error shape
+            answer = await client.post(gemini, json={}, headers=ADMIN)
+            assert (answer.status_code, answer.json()["error"]["status"]) == (404, "NOT_FOUND"), answer.text
+    logged = [(r.method, r.path, r.status) for r in caplog.records if r.getMessage() == "unserved route"]  # type: ignore[attr-defined]
+    shape = "/episodes/{id}/v1beta/models/{model}:embedContent"
+    assert logged == [("GET", "/nope", 404), ("GET", "/v1/chat/completions", 405), *[("POST", shape, 404)] * 2]
+    assert "secret-in-query" not in caplog.text and episode not in caplog.text
+    metrics = (await client.get("/metrics", headers=ADMIN)).text
+    assert f'flywheel_unserved_routes_total{{method="POST",path="{shape}"}} 2.0' in metrics
+    assert 'flywheel_unserved_routes_total{method="GET",path="/v1/chat/completions"} 1.0' in metrics
+
+
+def test_unserved_path_shapes_are_bounded() -> None:
+    """Past 64 distinct shapes the rest count as ``other``: a scanner cannot grow the label set."""
+    metrics = Metrics()
+    for i in range(UNSERVED_SHAPES + 10):
+        metrics.on_unserved("GET", path_shape(f"/probe-{i}"))
+    metrics.on_unserved("GET", path_shape("/probe-0"))
+    counted = {s.labels["path"]: s.value for s in metrics.unserved.collect()[0].samples if s.name.endswith("_total")}
+    assert len(counted) == UNSERVED_SHAPES + 1 and counted["other"] == 10 and counted["/probe-0"] == 2
 
 
 # -- control API input ----------------------------------------------------------------------------

@@ -363,6 +363,8 @@ def test_publish_routes_later_calls_to_the_new_adapter(proxy: ProxyProcess, adap
     models = httpx.get(f"{proxy.url}/v1/models", headers=auth).json()["data"]
     policy = next(m for m in models if m["id"] == "policy")
     assert policy["root"] == f"{prefix}{version + 1}"
+    served = next(m for m in models if m["id"] != "policy")  # the engine's own entry: its window
+    assert policy["max_model_len"] == served["max_model_len"] > 0
 
 
 def test_dead_replica_is_skipped(vllm_url: str, tmp_path: Path) -> None:

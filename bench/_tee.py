@@ -75,7 +75,7 @@ def _requests(chunks: list[tuple[float, bytes]]) -> list[dict[str, Any]]:
 
 def _dechunk(data: bytes, at: int) -> tuple[bytes, int]:
     """A chunked body from ``at``: its bytes, and where the next message starts (the end if cut short)."""
-    parts = []
+    parts: list[bytes] = []
     while (line := data.find(b"\r\n", at)) >= 0:
         size = int(data[at:line].split(b";")[0], 16)
         if size == 0:
