@@ -69,10 +69,12 @@ def launch(
     *,
     window: int | None = None,
     extra: dict[str, str] | None = None,
+    model: str | None = "policy",
 ) -> tuple[list[str], dict[str, str]]:
     """The argv and the environment (beyond ``PATH`` and ``HOME``) that run ``harness`` on ``task``
     against an episode at ``base_url`` (``.../episodes/<id>/v1``) with its key; config files are
-    written under ``home``. ``window``: the served context length, told the harness its own way."""
+    written under ``home``. ``window``: the served context length, told the harness its own way;
+    ``model`` None: Claude Code and Codex ask for their own default model name."""
     root = base_url.removesuffix("/v1")  # the Anthropic and Google SDKs append their own version
     env = {"HOME": str(home), "LITELLM_LOCAL_MODEL_COST_MAP": "True", **(extra or {})}
     binary = str(bin_dir / harness.binary)
@@ -80,13 +82,14 @@ def launch(
         env |= {"ANTHROPIC_BASE_URL": root, "ANTHROPIC_API_KEY": api_key, "IS_SANDBOX": "1"}  # root may skip asking
         if window is not None:
             env.setdefault("CLAUDE_CODE_MAX_CONTEXT_TOKENS", str(window))
-        return [binary, "-p", task, "--model", "policy", "--dangerously-skip-permissions"], env
+        named = ["--model", model] if model else []
+        return [binary, "-p", task, *named, "--dangerously-skip-permissions"], env
     if harness.name == "gemini":
         env |= {"GOOGLE_GEMINI_BASE_URL": root, "GEMINI_API_KEY": api_key}
         gemini_settings(home, window)
         return [binary, "-p", task, "--model", "policy", "--approval-mode", "yolo"], env
     if harness.name == "codex":
-        env |= {"CODEX_HOME": str(codex_home(home, base_url, window)), "FLYWHEEL_EPISODE_KEY": api_key}
+        env |= {"CODEX_HOME": str(codex_home(home, base_url, window, model)), "FLYWHEEL_EPISODE_KEY": api_key}
         return [binary, "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox", task], env
     if harness.name == "opencode":
         env |= {"OPENCODE_CONFIG": str(opencode_config(home, base_url, window)), "FLYWHEEL_EPISODE_KEY": api_key}
@@ -115,7 +118,7 @@ def launch(
     raise ValueError(f"unknown harness {harness.name!r}")
 
 
-def codex_home(home: Path, base_url: str, window: int | None = None) -> Path:
+def codex_home(home: Path, base_url: str, window: int | None = None, model: str | None = "policy") -> Path:
     """Codex's provider block: the episode's base URL and key, the Responses API (its only wire API);
     with a window, ``model_context_window`` and an auto-compact limit at 80 % of it (Codex assumes a
     window of its own for a model name it does not know)."""
@@ -127,7 +130,8 @@ def codex_home(home: Path, base_url: str, window: int | None = None) -> Path:
         else f"model_context_window = {window}\nmodel_auto_compact_token_limit = {window * 4 // 5}\n"
     )
     (codex / "config.toml").write_text(
-        f'model = "policy"\nmodel_provider = "flywheel"\n{limits}\n[model_providers.flywheel]\nname = "Flywheel"\n'
+        (f'model = "{model}"\n' if model else "")
+        + f'model_provider = "flywheel"\n{limits}\n[model_providers.flywheel]\nname = "Flywheel"\n'
         f'base_url = "{base_url}"\nenv_key = "FLYWHEEL_EPISODE_KEY"\nwire_api = "responses"\n'
     )
     return codex

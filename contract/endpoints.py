@@ -54,7 +54,8 @@ from contract.vocabulary import (
 
 R = TypeVar("R")
 CallRewards = Mapping[int, float] | Mapping[str, float]
-"""Per-call rewards keyed by call ordinal (``2`` or ``"2"``), or ``"ordinal:choice"`` for a call with n > 1."""
+"""Per-call rewards keyed by call ordinal (``2`` or ``"2"``), or ``"ordinal:choice"`` for a call with n > 1;
+or by the call's receipt (``x-flywheel-call-id``: ``RECEIPT_PREFIX`` and hex), with ``":choice"`` likewise."""
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,9 @@ class Call(_Entity):
     the chat request the proxy executed)."""
     response_id: str | None = None
     """The id the client was given, where the API names answers (``resp_...``, ``msg_...``)."""
+    receipt: str | None = None
+    """The proxy's id of the call, sent with its answer as ``x-flywheel-call-id``: a ``call_rewards``
+    key may name the call by it (``"call_<hex>"``, or ``"call_<hex>:<choice>"``)."""
     delta: CallDelta | None = None
     """Only in a claim asked with ``calls: "delta"``: this call's prompt ids and messages follow its
     base's. The client makes such a call whole (``Episode.rejoined``): None after it."""

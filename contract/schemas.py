@@ -86,7 +86,8 @@ class RewardIn(_In):
     call_rewards: dict[str, FiniteFloat] | None = Field(
         None,
         description='optional per-call rewards keyed by call ordinal (0-based), e.g. {"2": 0.5}, or by '
-        'ordinal and choice for calls with n > 1, e.g. {"0:3": 1.0}',
+        'ordinal and choice for calls with n > 1, e.g. {"0:3": 1.0}; a call may be named by the receipt its '
+        'answer carried (x-flywheel-call-id), e.g. {"call_9f...": 0.0}, stored as its ordinal',
     )
     metadata: Metadata | None = None
 

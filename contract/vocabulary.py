@@ -10,7 +10,7 @@ into their groups' metadata and the trainer reads it there. No imports beyond ``
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Final, Literal
 
 EpisodeStatus = Literal["open", "awaiting", "rewarded", "abandoned"]
 """``open`` until a reward is posted (``rewarded``) or it ends without one (``abandoned``: by its
@@ -94,3 +94,8 @@ demonstrations, never trained on-policy). The note beside it is free text for pe
 SkipCount = Literal[SkipReason, "other"]
 """A key of the skip count (``GET /groups/skips``): a reason, or ``other`` for groups skipped without
 one (acked by a trainer that sent none, or stored before migration 0011 with a note it could not read)."""
+
+
+RECEIPT_PREFIX: Final = "call_"
+"""How a call's receipt starts (``x-flywheel-call-id`` on every recorded answer, ``Call.receipt``): a
+``call_rewards`` key that starts so names the call by it, not by its ordinal."""

@@ -36,6 +36,8 @@ a coding agent at it") mirrors this one:
                 container, mcp_servers, bash/text_editor/computer/memory tools      refused
     Responses   client_metadata, user, safety_identifier, prompt_cache_*            ignored
                 reasoning.effort / summary, text.verbosity, include_obfuscation     ignored (effort: used)
+                reasoning.context (``compat.thinking_switch`` null / set)           ignored / by kind
+                input item "additional_tools" (Codex, a model it knows)             mapped: the request's tools
                 tools[].type "namespace"                                            mapped: flattened
                 background, conversation, prompt, max_tool_calls, context_mgmt      refused
                 custom, local_shell, shell, apply_patch tools                       refused
@@ -129,6 +131,7 @@ _LABELS = frozenset(
         "thinking.budget_tokens",
         "thinking.display",
         "output_config.effort",
+        "messages.output_config.effort",
         "context_management",
         "context_management.edits",
         "messages.role",
@@ -141,6 +144,8 @@ _LABELS = frozenset(
         "reasoning.effort",
         "reasoning.summary",
         "reasoning.generate_summary",
+        "reasoning.context",
+        "input.additional_tools",
         "text.verbosity",
         "stream_options.include_obfuscation",
         "tools.namespace",
@@ -347,12 +352,18 @@ def _context_management(value: Any, body: dict[str, Any], ledger: Ledger) -> Non
         ledger.ignore("context_management", "context edits with nothing to act on", where=where)
 
 
-def _output_config(value: Any, body: dict[str, Any], ledger: Ledger) -> None:
-    for key, item in _object(value, "output_config").items():
+def output_config(value: Any, where: str, ledger: Ledger) -> None:
+    """``output_config`` at the top level, or on a message (Claude Code run under its default model
+    name sends it on a system message inside ``messages``, as Anthropic accepts): one rule for both."""
+    for key, item in _object(value, where).items():
         if key == "effort" and item is not None:
-            effort(item, "output_config.effort", ledger)
+            effort(item, f"{where}.effort", ledger)
         else:
-            ledger.unknown(key, item, where=f"output_config.{key}")
+            ledger.unknown(key, item, where=f"{where}.{key}")
+
+
+def _output_config(value: Any, body: dict[str, Any], ledger: Ledger) -> None:
+    output_config(value, "output_config", ledger)
 
 
 def _ignored(why: str) -> Any:
@@ -471,6 +482,8 @@ def responses_top(request: BaseModel, ledger: Ledger) -> None:
                 continue
             if key == "effort":
                 effort(item, where, ledger)
+            elif (parent, key) == ("reasoning", "context") and ledger.settings.thinking_switch is None:
+                ledger.ignore(where, "which turns' reasoning to keep, and the model has no reasoning", where=where)
             elif key in known:
                 ledger.ignore(where, known[key], where=where)
             else:
@@ -502,7 +515,13 @@ def namespace_members(tool: dict[str, Any], where: str, ledger: Ledger) -> tuple
     for j, member in enumerate(members):
         if member.get("type", "function") != "function":
             at = f"{where}.tools[{j}].type"
-            raise InvalidRequest(f"'{at}': only function tools are served in a namespace", param=at)
+            why = f"'{at}': only function tools are served in a namespace"
+            if member.get("type") in CLIENT_TOOLS:  # Codex under a model name it knows sends freeform tools
+                why += (
+                    f"; {member.get('type')!r} tools take a grammar or format only OpenAI's models know "
+                    "(Codex sends function tools for a model name it does not know, such as policy)"
+                )
+            raise InvalidRequest(why, param=at, code="unsupported_parameter")
     ledger.map("tools.namespace", f"flattened into function tools named <namespace>{SEPARATOR}<name>", where=where)
     return name, members
 

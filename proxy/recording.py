@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from contract.vocabulary import CallApi, CallKind
+from contract.vocabulary import RECEIPT_PREFIX, CallApi, CallKind
 from proxy.capture import Captured
 from proxy.dialects.base import Translation
 from proxy.errors import EpisodeClosed, FlywheelError, RecordingFailed
@@ -58,6 +59,8 @@ class Recording:
     """The source call a fork's call was answered from (``notes.replay``, ``proxy/replay.py``)."""
     teacher: dict[str, Any] | None = None
     """The teacher that answered the call instead of the policy (``notes.teacher``, ``proxy/teachers.py``)."""
+    receipt: str = field(default_factory=lambda: f"{RECEIPT_PREFIX}{uuid.uuid4().hex}")
+    """The call's id, known before it is answered: a streamed answer's headers carry it."""
     started: float = field(default_factory=time.time)
     t0: float = field(default_factory=time.perf_counter)
     """The call's clock (latency and time to first token)."""
@@ -101,6 +104,7 @@ class Recording:
             api=self.route,
             client_request=self.translation.client_request if self.translation else None,
             response_id=self.translation.response_id if self.translation else None,
+            receipt=self.receipt,
         )
 
     def notes(self) -> dict[str, Any] | None:

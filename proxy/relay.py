@@ -318,11 +318,13 @@ class ModelCall:
 
     def headers(self) -> dict[str, str]:
         """What the answer tells the client besides its body: the policy version, a dropped field, and
-        a receipt naming the episode it was recorded in (a workflow that lost track of its episode,
-        or awaits a late reward, finds it again)."""
+        a receipt: the episode it was recorded in (a workflow that lost track of its episode, or
+        awaits a late reward, finds it again) and the call's own id (feedback on this one call:
+        ``call_rewards`` keyed by it)."""
         out = {}
         if self.recorded and self.episode_id is not None:
             out["x-flywheel-episode-id"] = self.episode_id
+            out["x-flywheel-call-id"] = self.record.receipt
         if self.record.version is not None:
             out["x-policy-version"] = str(self.record.version)
         dropped = self.record.dropped

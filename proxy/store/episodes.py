@@ -23,7 +23,7 @@ from typing import Any, Final
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from contract.vocabulary import AbandonCause, EpisodeStatus, GroupStatus, SkipCount, TrainStatus
+from contract.vocabulary import RECEIPT_PREFIX, AbandonCause, EpisodeStatus, GroupStatus, SkipCount, TrainStatus
 from proxy.errors import Conflict, InvalidRequest, NotFound
 from proxy.store.delta import Tails
 from proxy.store.faults import translated
@@ -282,6 +282,8 @@ class Episodes:
         the same payload twice is a no-op, a different one is a ``Conflict``."""
         async with self._sessions.write() as session:
             row = await self._episode_for_update(session, episode_id)
+            if call_rewards:  # receipts named as ordinals first: the stored form, compared below
+                call_rewards = await _by_ordinal(session, episode_id, call_rewards)
             if row.status == REWARDED:
                 same = (
                     row.reward == reward
@@ -400,6 +402,32 @@ class Episodes:
 def _late(task_id: str | None, patterns: Sequence[str]) -> bool:
     """Whether an idle episode of this task awaits a late reward (``late_rewards.tasks``) instead of being abandoned."""
     return any(fnmatchcase(task_id or "", pattern) for pattern in patterns)
+
+
+async def _by_ordinal(session: AsyncSession, episode_id: str, call_rewards: dict[str, float]) -> dict[str, float]:
+    """``call_rewards`` with each key that names a call by its receipt (``call_<hex>``, from the
+    answer's ``x-flywheel-call-id``; ``:<choice>`` may follow) put as its ordinal; the stored and
+    trained form is the ordinal's. A receipt of no call of this episode is a 400 naming it."""
+    receipts = {k.partition(":")[0] for k in call_rewards if k.startswith(RECEIPT_PREFIX)}
+    if not receipts:
+        return call_rewards
+    rows = await session.execute(
+        select(Call.receipt, Call.ordinal).where(Call.episode_id == episode_id, Call.receipt.in_(receipts))
+    )
+    ordinals = {receipt: ordinal for receipt, ordinal in rows.all()}
+    unknown = sorted(receipts - ordinals.keys())
+    if unknown:
+        raise InvalidRequest(
+            f"call_rewards names receipts {unknown} of no call of episode {episode_id}", param="call_rewards"
+        )
+    out: dict[str, float] = {}
+    for key, value in call_rewards.items():
+        head, sep, choice = key.partition(":")
+        named = f"{ordinals[head]}{sep}{choice}" if head in ordinals else key
+        if named in out and out[named] != value:
+            raise InvalidRequest(f"call_rewards names call {named} twice, with different rewards", param="call_rewards")
+        out[named] = value
+    return out
 
 
 async def _check_ordinals(session: AsyncSession, episode_id: str, call_rewards: dict[str, float]) -> None:

@@ -153,6 +153,8 @@ class Call(Base):
     """The client's own request, for the APIs translated to chat (``request`` is the chat request)."""
     response_id: Mapped[str | None] = mapped_column(String(64), index=True)
     """The answer's id as the client saw it, where the API has one (``previous_response_id``)."""
+    receipt: Mapped[str | None] = mapped_column(String(40), index=True, unique=True)
+    """The proxy's id of the call, sent as ``x-flywheel-call-id`` (migration 0013; NULL before it)."""
     # The compact layout (``delta.py``): 0 = JSON layout (before migration 0004), 1 = compact.
     encoding: Mapped[int] = mapped_column(Integer, server_default="0")
     base_ordinal: Mapped[int | None]

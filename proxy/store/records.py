@@ -48,6 +48,9 @@ class NewCall:
     the chat request the proxy executed)."""
     response_id: str | None = None
     """The id the client was given, where the API names answers (``resp_...``, ``msg_...``)."""
+    receipt: str | None = None
+    """The proxy's own id of the call, sent with its answer (``x-flywheel-call-id``), so a service can
+    name this one call in feedback (``call_rewards``) without counting calls."""
 
 
 @dataclass(slots=True, frozen=True)

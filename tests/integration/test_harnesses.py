@@ -50,6 +50,9 @@ from trainer.data import DataStats, episode_samples
 BIN = PINNED_BIN
 TASK = "create hello.txt containing hello"
 COMMAND = "printf hello > hello.txt"
+CLAUDE_DEFAULT_MODEL = "claude-opus-5-5"
+"""The model name Claude Code 2.1.332 asks for without ``--model``: served as the policy by listing
+it in ``policy.aliases`` (the token stack's proxy does)."""
 TIMEOUT_S = 600
 """A guard against a hung harness (a run takes seconds; this machine may be shared and loaded)."""
 
@@ -106,7 +109,8 @@ def token_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TokenStack
     engine = TokenEngineProcess.start(model_dir(), COMMANDS, answers)
     # The default splice.depth (32): at 4, the sub-agent's four calls pushed the main agent's call out
     # of the newest four searched, and its follow-up went the ordinary way ("no earlier call ... continued")
-    proxy = ProxyProcess(engine.url, f"sqlite+aiosqlite:///{tmp / 'tokens'}.db", tmp / "tokens")
+    aliases = {"FLYWHEEL_POLICY__ALIASES": orjson.dumps(["policy", CLAUDE_DEFAULT_MODEL]).decode()}
+    proxy = ProxyProcess(engine.url, f"sqlite+aiosqlite:///{tmp / 'tokens'}.db", tmp / "tokens", extra_env=aliases)
     try:
         proxy.start()
         yield TokenStack(engine, answers, proxy)
@@ -131,7 +135,13 @@ class Run:
 
 
 def _run(
-    stack: Stack | TokenStack, proxy: ProxyProcess, tmp: Path, harness: str, task: str = TASK, **extra: str
+    stack: Stack | TokenStack,
+    proxy: ProxyProcess,
+    tmp: Path,
+    harness: str,
+    task: str = TASK,
+    model: str | None = "policy",
+    **extra: str,
 ) -> Run:
     episode = new_episode(proxy, f"harness-{harness}")
     path = urlsplit(episode["base_url"]).path  # /episodes/<id>/v1
@@ -140,7 +150,9 @@ def _run(
     home.mkdir()
     before = len(_engine_answers(stack))
     with Tee(proxy.port) as tee:
-        argv, env = launch(BY_NAME[harness], BIN, tee.url + path, episode["api_key"], home, task, extra=extra)
+        argv, env = launch(
+            BY_NAME[harness], BIN, tee.url + path, episode["api_key"], home, task, extra=extra, model=model
+        )
         env["PATH"] = os.environ["PATH"]
         done = subprocess.run(
             argv, cwd=workdir, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL
@@ -361,6 +373,20 @@ def test_claude_code_runs_three_commands_with_every_follow_up_spliced(token_stac
     run = _run(token_stack, token_stack.proxy, tmp_path, "claude", STEPS_TASK)
     (main,) = _check_spliced(run, token_stack.proxy, "messages", "/v1/messages")
     assert _tools(main) == ["Bash"] * len(COMMANDS) + [None]
+
+
+def test_claude_code_under_its_default_model_name_is_served_as_the_policy(
+    token_stack: TokenStack, tmp_path: Path
+) -> None:
+    """Run without ``--model``, Claude Code asks for its own default model and sends ``output_config``
+    on the system message inside ``messages`` (as Anthropic accepts it there): with that name in
+    ``policy.aliases``, every call is answered, spliced, and served by a policy version (trainable)."""
+    run = _run(token_stack, token_stack.proxy, tmp_path, "claude", STEPS_TASK, model=None)
+    (main,) = _check_spliced(run, token_stack.proxy, "messages", "/v1/messages")
+    asked = [orjson.loads(e.body) for e in run.exchanges if e.method == "POST" and e.status == 200]
+    assert {body["model"] for body in asked} == {CLAUDE_DEFAULT_MODEL}, "the pinned release's default name moved"
+    assert any("output_config" in m for body in asked for m in body["messages"])  # where it used to be refused
+    assert all(c["policy_version"] is not None and c["model_requested"] == CLAUDE_DEFAULT_MODEL for c in main)
 
 
 def test_claude_code_sub_agent_is_a_lineage_of_its_own(token_stack: TokenStack, tmp_path: Path) -> None:

@@ -158,6 +158,26 @@ def test_claude_code_is_served_lenient_with_every_decision_noted() -> None:
     ]
 
 
+def test_output_config_on_a_message_gets_the_top_levels_rule() -> None:
+    """Claude Code under its default model name sends ``output_config`` on its system message inside
+    ``messages`` (seen with 2.1.332 and ``claude-opus-5-5``): accepted as at the top level, and an
+    unknown key in it refused by the same rule, named where it stands."""
+    body = claude_code()
+    body["messages"][1]["output_config"] = {"effort": "medium"}
+    before = copy.deepcopy(body)
+    t = MessagesTranslation.from_request(body)
+    assert body == before
+    assert t.chat == MessagesTranslation.from_request(claude_code()).chat
+    assert "messages.output_config.effort" in t.compat["ignored"]  # type: ignore[index]
+    body["messages"][1]["output_config"] = {"effort": "medium", "format": {"type": "json_schema"}}
+    with pytest.raises(InvalidRequest) as caught:
+        MessagesTranslation.from_request(body)
+    assert caught.value.param == "messages.1.output_config.format"
+    with pytest.raises(InvalidRequest) as caught:  # strict: not used, so refused, like the top level's
+        MessagesTranslation.from_request({**claude_code(), "messages": before["messages"]}, STRICT)
+    assert caught.value.code == "compat_strict"
+
+
 def test_a_new_harmless_field_keeps_a_harness_working_and_is_noted() -> None:
     t = MessagesTranslation.from_request(claude_code(request_labels={"team": "rl"}))
     assert "request_labels" in t.compat["ignored"]  # type: ignore[index]
@@ -330,6 +350,44 @@ def test_a_namespaced_call_is_named_back_in_the_answer_and_in_the_history() -> N
         codex(input=[*codex()["input"], back, {"type": "function_call_output", "call_id": "call_1", "output": "ok"}])
     )
     assert follow.chat["messages"][-2]["tool_calls"][0]["function"]["name"] == "multi_agent_v1__spawn_agent"
+
+
+def _known_model(members: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
+    """Codex (0.169.0) under a model name it knows (``gpt-6.1-sol``): its tools in an ``additional_tools``
+    input item (a namespace), none at the top level, and ``reasoning.context``."""
+    body = codex(**fields)
+    extra = {"type": "additional_tools", "id": "at_1", "role": "developer"}
+    extra["tools"] = [{"type": "namespace", "name": "functions", "description": "", "tools": members}]
+    body["input"] = [extra, *body["input"]]
+    del body["tools"]
+    body["reasoning"] = {"effort": "low", "context": "all_turns"}
+    return body
+
+
+def test_codex_under_a_model_name_it_knows_gets_its_input_item_tools_served() -> None:
+    function = {"type": "function", "name": "exec_command", "description": "Run.", "parameters": SCHEMA}
+    t = responses(_known_model([function]))
+    assert [tool["function"]["name"] for tool in t.chat["tools"]] == ["functions__exec_command"]
+    assert t.chat["tool_choice"] == "auto"
+    assert [m["role"] for m in t.chat["messages"]] == ["system", "user"]  # the tools item is no turn
+    assert t.compat is not None and "reasoning.context" in t.compat["ignored"]
+    assert "input.additional_tools" in t.compat["mapped"]
+    with pytest.raises(InvalidRequest) as caught:  # with a reasoning model it may change what is rendered
+        responses(_known_model([function]), CompatSettings(thinking_switch="enable_thinking"))
+    assert caught.value.param == "reasoning.context"
+    with pytest.raises(InvalidRequest) as caught:
+        unused = ("prompt_cache_key", "client_metadata", "reasoning")
+        responses({k: v for k, v in _known_model([function]).items() if k not in unused}, STRICT)
+    assert (caught.value.param, caught.value.code) == ("input[0]", "compat_strict")
+
+
+def test_codex_freeform_tools_are_refused_naming_the_model_name_that_avoids_them() -> None:
+    """Its freeform tools (``custom``: a grammar only OpenAI's models know) are refused with a 400
+    naming the tool and the fix, never dropped into a request without tools."""
+    with pytest.raises(InvalidRequest) as caught:
+        responses(_known_model([{"type": "custom", "name": "exec", "description": "Run JavaScript."}]))
+    assert caught.value.param == "input[0].tools[0].tools[0].type"
+    assert "'custom'" in caught.value.message and "such as policy" in caught.value.message
 
 
 def test_a_new_harmless_responses_field_is_noted_and_a_sampling_like_one_refused() -> None:

@@ -14,6 +14,7 @@ import pytest
 from proxy.store.episodes import Episodes
 from proxy.store.records import NewCall
 from tests.proxy.conftest import ADMIN, episode_auth, fake_upstream, make_settings, running_app
+from tests.proxy.test_dialect_routes import streaming
 from tests.proxy.test_errors_and_auth import CHAT, assert_error
 from tests.support.records import chat_call
 
@@ -189,4 +190,37 @@ async def test_a_recorded_answer_names_its_episode_and_a_passthrough_one_none(cl
     assert recorded.headers["x-flywheel-episode-id"] == episode_id
     passthrough = await client.post("/passthrough/v1/chat/completions", json=CHAT, headers=ADMIN)
     assert passthrough.status_code == 200, passthrough.text
-    assert "x-flywheel-episode-id" not in passthrough.headers
+    assert "x-flywheel-episode-id" not in passthrough.headers and "x-flywheel-call-id" not in passthrough.headers
+
+
+async def test_feedback_on_one_call_names_it_by_the_receipt_its_answer_carried(store_url: str) -> None:
+    """Every recorded answer, streamed ones too (their headers leave before the record is written),
+    carries the call's receipt; ``call_rewards`` keyed by it is stored under the call's ordinal,
+    the same reward posted again by ordinal is the same reward, and a receipt of another episode's
+    call (or of none) is a 400 that changes nothing."""
+    async with running_app(make_settings(store_url), transport=fake_upstream(respond=streaming)) as client:
+        await _feedback_by_receipt(client)
+
+
+async def _feedback_by_receipt(client: httpx.AsyncClient) -> None:
+    group = await _group(client, 2)
+    first, other = (k["id"] for k in group["episode_keys"])
+    url = f"/episodes/{first}/v1/chat/completions"
+    plain = await client.post(url, json=CHAT, headers=episode_auth(group))
+    streamed = await client.post(url, json={**CHAT, "stream": True}, headers=episode_auth(group))
+    elsewhere = await client.post(f"/episodes/{other}/v1/chat/completions", json=CHAT, headers=episode_auth(group, 1))
+    receipts = [r.headers["x-flywheel-call-id"] for r in (plain, streamed, elsewhere)]
+    assert all(r.startswith("call_") for r in receipts) and len(set(receipts)) == 3
+    stored = (await client.get(f"/episodes/{first}", headers=ADMIN)).json()["calls"]
+    assert [(c["ordinal"], c["receipt"]) for c in stored] == [(0, receipts[0]), (1, receipts[1])]
+    refused = await client.post(
+        f"/episodes/{first}/reward", json={"reward": 1.0, "call_rewards": {receipts[2]: 0.0}}, headers=ADMIN
+    )
+    assert_error(refused, 400, "invalid_request_error")
+    assert receipts[2] in refused.json()["error"]["message"]
+    assert (await client.get(f"/episodes/{first}", headers=ADMIN)).json()["status"] == "open"
+    body = {"reward": 1.0, "call_rewards": {receipts[1]: -0.5}}
+    rewarded = await _post(client, f"/episodes/{first}/reward", body)
+    assert rewarded["call_rewards"] == {"1": -0.5}
+    again = await _post(client, f"/episodes/{first}/reward", {"reward": 1.0, "call_rewards": {"1": -0.5}})
+    assert again["call_rewards"] == {"1": -0.5}

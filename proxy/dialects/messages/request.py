@@ -101,6 +101,9 @@ def _messages(req: Conversation, ledger: Ledger) -> list[dict[str, Any]]:
             out.append({"role": "system", "content": system})
     for i, message in enumerate(req.messages):
         where = f"messages.{i}"
+        extra = message.model_extra or {}
+        if "output_config" in extra:  # the top level's rule, where it stands (screen would judge it unknown)
+            compat.output_config(extra.pop("output_config"), f"{where}.output_config", ledger)
         ledger.screen(message, where)
         if message.role == "user":
             _user(message.content, f"{where}.content", out, ledger)

@@ -173,6 +173,8 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
         elif kind == "reasoning":
             reasoning = (reasoning or "") + _reasoning_text(item)
+        elif kind == "additional_tools":
+            continue  # tools, not a turn: served with the request's own (``_tools_and_choice``)
         else:
             raise InvalidRequest(
                 f"'{where}': input item type {kind!r} is not served "
@@ -225,24 +227,42 @@ def _reasoning_text(item: dict[str, Any]) -> str:
 def _tools_and_choice(request: ResponsesRequest, chat: dict[str, Any], ledger: Ledger) -> dict[str, tuple[str, str]]:
     """``tools`` and ``tool_choice``; "auto" or "none" over tools that were all dropped is left out."""
     names: dict[str, tuple[str, str]] = {}
-    if request.tools:
-        tools, names = _tools(request.tools, ledger)
+    offered = [(f"tools[{i}]", tool) for i, tool in enumerate(request.tools or ())]
+    for i, item in enumerate(request.input if isinstance(request.input, list) else ()):
+        if item.get("type") == "additional_tools":  # Codex sends its tools so for a model it knows
+            more = item.get("tools")
+            if not isinstance(more, list) or not all(isinstance(t, dict) for t in more):
+                raise InvalidRequest(f"'input[{i}].tools' must be an array of tools", param=f"input[{i}].tools")
+            for key, value in item.items():
+                if key not in ("type", "id", "role", "tools"):
+                    ledger.unknown(key, value, where=f"input[{i}].{key}")
+            ledger.map(
+                "input.additional_tools",
+                "tools sent as an input item: served as the request's tools",
+                where=f"input[{i}]",
+            )
+            offered += [(f"input[{i}].tools[{j}]", tool) for j, tool in enumerate(more)]
+    if offered:
+        tools, names = _tools(offered, ledger)
         if tools:
             chat["tools"] = tools
     if request.tool_choice is not None:
-        if not request.tools and request.tool_choice != "none":
+        if not offered and request.tool_choice != "none":
             raise InvalidRequest("'tool_choice' needs 'tools'", param="tool_choice")
         if "tools" in chat or request.tool_choice not in ("auto", "none"):
             chat["tool_choice"] = _tool_choice(request.tool_choice)
     return names
 
 
-def _tools(tools: list[dict[str, Any]], ledger: Ledger) -> tuple[list[dict[str, Any]], dict[str, tuple[str, str]]]:
-    """Chat's function tools, and the flattened name of each namespaced one -> (namespace, name)."""
+def _tools(
+    tools: list[tuple[str, dict[str, Any]]], ledger: Ledger
+) -> tuple[list[dict[str, Any]], dict[str, tuple[str, str]]]:
+    """Chat's function tools from (place, tool) pairs, and the flattened name of each namespaced one
+    -> (namespace, name)."""
     out: list[dict[str, Any] | None] = []
     names: dict[str, tuple[str, str]] = {}
-    for i, tool in enumerate(tools):
-        kind, where = tool.get("type"), f"tools[{i}]"
+    for where, tool in tools:
+        kind = tool.get("type")
         if kind == "function":
             out.append(_function(tool, where, ledger))
         elif kind == "namespace":
