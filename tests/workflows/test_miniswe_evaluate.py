@@ -1,4 +1,4 @@
-"""``MiniSweWorkflow.evaluate`` on test_tac_evaluate's small task directory: the same local runtime,
+"""``MiniSweWorkflow.evaluate`` on the small task directory of ``tests/support/tac_tasks.py``: the same local runtime,
 evaluators and summary as ``tac`` (``workflows/tac/summary.py``), the rate of its own ending
 (``submitted``) beside them; mini-swe-agent is replaced by a script player, so no engine, no agent."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.workflows.test_tac_evaluate import build_tasks, scripted_steps
+from tests.support.tac_tasks import build_tasks, scripted_steps
 from workflows.base import Endpoint, EpisodeFailed
 from workflows.miniswe import run as miniswe_run
 from workflows.miniswe.agent import AgentConfig, AgentRun

@@ -10,65 +10,18 @@ partly (1/3: reward 1/6, share 1/3), one not at all (0/3: reward 0), and one who
 from __future__ import annotations
 
 import asyncio
-import json
 import subprocess
 from pathlib import Path
-from typing import Any
 
 import pytest
-import yaml  # type: ignore[import-untyped,unused-ignore]
 
+from tests.support.tac_tasks import build_tasks, scripted_steps
 from workflows.base import Endpoint, Episode, EpisodeFailed
 from workflows.tac import run as tac_run
 from workflows.tac.agent import AgentConfig, AgentRun
 from workflows.tac.run import TACOptions, TACWorkflow
 from workflows.tac.summary import Graded, summarize
 from workflows.tac.task import load_task
-
-EVALUATOR = """
-from pathlib import Path
-
-from workflows.tac.scoring import Checkpoint, Result
-
-
-def grade_checkpoints(trajectory: str, workspace: Path) -> Result:
-    a = workspace / "a.txt"
-    b = workspace / "b.txt"
-    b_points = (b.is_file()) + (b.is_file() and b.read_text().strip() == "bee")
-    return Result([Checkpoint(1, int(a.is_file())), Checkpoint(2, int(b_points))])
-"""
-
-SOLUTIONS: dict[str, tuple[str, list[dict[str, Any]]]] = {
-    "solved": ("write", [{"tool": "terminal", "arguments": {"command": "touch a.txt && echo bee > b.txt"}}]),
-    "partial": ("write", [{"tool": "terminal", "arguments": {"command": "touch a.txt"}}]),
-    "unsolved": ("edit", [{"tool": "terminal", "arguments": {"command": "echo nothing useful"}}]),
-    "abandoned": ("edit", [{"tool": "crash", "arguments": {"error": "context window exceeded"}}]),
-}
-"""Task name -> its kind and its script's steps (``finish`` is appended)."""
-
-
-def build_tasks(root: Path) -> Path:
-    """The four graded tasks above plus an ungraded one, all in the test split."""
-    for name, (kind, steps) in SOLUTIONS.items():
-        task = root / name
-        task.mkdir(parents=True)
-        (task / "task.md").write_text(f"Task {name}: create a.txt, and b.txt saying bee.\n")
-        (task / "evaluator.py").write_text(EVALUATOR)
-        (task / "spec.json").write_text(json.dumps({"kind": kind}))
-        finish = {"tool": "finish", "arguments": {"message": "done"}}
-        (task / "solution.json").write_text(json.dumps({"steps": [*steps, finish]}))
-    (root / "ungraded").mkdir()
-    (root / "ungraded" / "task.md").write_text("Task ungraded: write anything.\n")
-    names = [*SOLUTIONS, "ungraded"]
-    (root / "splits.yml").write_text(yaml.safe_dump({"train": [], "val": [], "test": names}))
-    return root
-
-
-def scripted_steps(root: Path, instruction: str) -> list[dict[str, Any]]:
-    """The solution.json steps of the task whose instruction the agent was given."""
-    [task] = [p for p in root.iterdir() if (p / "task.md").is_file() and load_task(p).instruction == instruction]
-    steps: list[dict[str, Any]] = json.loads((task / "solution.json").read_text())["steps"]
-    return steps
 
 
 @pytest.fixture
