@@ -99,10 +99,9 @@ def _evaluate(
         *(config.eval.args if args is None else args),
     ]
     log(f"evaluating the {label} policy on the {'held-out' if args is None else 'probe'} split")
-    child = stack.spawn(Child(f"eval-{label}", argv, stack.logs / f"eval_{label}.log", _child_env(stack, config)))
-    assert child.proc is not None
-    if child.proc.wait() != 0 or not out.exists():
-        raise SystemExit(f"evaluation failed; see {child.log_path}")
+    child = _run_to_end(stack, config, f"eval-{label}", argv, "evaluation")
+    if not out.exists():
+        raise SystemExit(f"evaluation failed (no results written); see {child.log_path}")
     result = dict(json.loads(out.read_text()))
     if not result.get("policy_versions") and args is None:
         # An evaluation that cannot see which version answered (OpenHands hides the response headers):
@@ -120,6 +119,17 @@ def _evaluate(
     )
     log(f"{label}: accuracy {result.get('accuracy', float('nan')):.3f} ({detail}, n={result.get('n')})")
     return result
+
+
+def _run_to_end(stack: Stack, config: RunConfig, name: str, argv: list[str], what: str) -> Child:
+    """One child of the loop that runs to its end before the loop goes on (an evaluation, the
+    demonstrations, the warm start), its log ``<name>.log`` (dashes as underscores); its failure ends
+    the run, naming that log."""
+    child = stack.spawn(Child(name, argv, stack.logs / f"{name.replace('-', '_')}.log", _child_env(stack, config)))
+    assert child.proc is not None
+    if child.proc.wait() != 0:
+        raise SystemExit(f"{what} failed; see {child.log_path}")
+    return child
 
 
 def _child_env(stack: Stack, config: RunConfig) -> dict[str, str]:
@@ -183,10 +193,7 @@ def _record_demonstrations(stack: Stack, config: RunConfig, run_dir: Path) -> di
     ]
     log(f"recording {warm.groups * warm.group_size} demonstrations through {warm.source} (train split)")
     t0 = time.time()
-    child = stack.spawn(Child("demonstrations", argv, stack.logs / "demonstrations.log", _child_env(stack, config)))
-    assert child.proc is not None
-    if child.proc.wait() != 0:
-        raise SystemExit(f"recording the demonstrations failed; see {child.log_path}")
+    child = _run_to_end(stack, config, "demonstrations", argv, "recording the demonstrations")
     with _client(stack) as client:
         recorded = client.episodes(source=warm.source, limit=1000)
     rewards = [e.reward for e in recorded if e.reward is not None]
@@ -242,10 +249,7 @@ def _warm_start(stack: Stack, config: RunConfig, run_dir: Path) -> dict[str, Any
         ]
         log(f"warm start: {warm.steps} supervised steps on {warm.source} (log: {stack.logs / 'warm_start.log'})")
         t0 = time.time()
-        child = stack.spawn(Child("warm-start", argv, stack.logs / "warm_start.log", _child_env(stack, config)))
-        assert child.proc is not None
-        if child.proc.wait() != 0:
-            raise SystemExit(f"the warm start failed; see {child.log_path}")
+        _run_to_end(stack, config, "warm-start", argv, "the warm start")
         minutes: float | None = round((time.time() - t0) / 60, 2)
     else:
         log("[warning] the trainer's output already holds a checkpoint: the warm start ran; GRPO resumes from it")
