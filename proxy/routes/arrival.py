@@ -9,17 +9,21 @@ counted and recorded as a failed call on its episode (``refusals.py``) before th
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 from fastapi import Request
 
 from contract.vocabulary import CallApi, CallKind
+from proxy.answers import json_object, malformed
 from proxy.deps import Services, episode_of, identify, json_body, services_of
 from proxy.errors import FlywheelError
 from proxy.refusals import refused
+from proxy.settings import CompatSettings
+from proxy.upstream import answer_error
 
 
 @dataclass
@@ -51,3 +55,33 @@ async def arrive(
         episode_id, body = arrival.episode_id, arrival.body
         await refused(svc.metrics, svc.recorder, exc, route=route, kind=kind, episode_id=episode_id, body=body)
         raise
+
+
+async def count_prompt(
+    request: Request,
+    path_episode: str | None,
+    *,
+    recorded: bool,
+    route: CallApi,
+    chat_of: Callable[[dict[str, Any], CompatSettings], dict[str, Any]],
+) -> int:
+    """The prompt tokens a would-be call of the route's API holds, as the engine renders it (vLLM's
+    ``/tokenize`` with the chat template): Anthropic's ``count_tokens`` and Google's ``countTokens``.
+    Not a model call: read like one (key, episode, body), but a refusal is logged and counted, not
+    recorded, and nothing is recorded when it is answered. ``chat_of`` makes the chat body."""
+    svc = services_of(request)
+    try:
+        await episode_of(request, svc, identify(request), path_episode, recorded=recorded)
+        chat = chat_of(await json_body(request, svc.settings.max_body_bytes), svc.settings.compat)
+    except FlywheelError as exc:
+        await refused(svc.metrics, svc.recorder, exc, route=route)
+        raise
+    chat["model"], _ = svc.adapters.resolve(chat["model"])
+    replica = svc.upstreams.pick(None)
+    response = await svc.upstreams.send(replica, "POST", "/tokenize", content=orjson.dumps(chat))
+    if response.status_code >= 400:
+        raise answer_error(response.status_code, response.content, replica)
+    count = json_object(response.content, replica.name).get("count")
+    if type(count) is not int or count < 0:
+        raise malformed(replica.name, f"/tokenize answered the count {count!r}")
+    return count

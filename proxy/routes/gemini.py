@@ -17,14 +17,9 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response
 
-from proxy.answers import json_object, malformed
-from proxy.deps import episode_of, identify, json_body, services_of
 from proxy.dialects.gemini import GeminiTranslation, count_tokens_chat
-from proxy.errors import FlywheelError
-from proxy.refusals import refused
-from proxy.routes.arrival import arrive
+from proxy.routes.arrival import arrive, count_prompt
 from proxy.routes.mounts import MOUNTS, ModelRoute, Mount
-from proxy.upstream import answer_error
 
 GEMINI_MOUNTS = tuple(
     Mount(m.prefix.removesuffix("/v1") + "/v1beta", recorded=m.recorded, episode_in_path=m.episode_in_path)
@@ -59,22 +54,14 @@ async def stream_generate_content(request: Request, path_episode: str | None, *,
 
 
 async def count_tokens(request: Request, path_episode: str | None, *, recorded: bool) -> Response:
-    svc = services_of(request)
-    try:  # not a model call: a refusal is logged and counted, not recorded
-        await episode_of(request, svc, identify(request), path_episode, recorded=recorded)
-        body = await json_body(request, svc.settings.max_body_bytes)
-        chat = count_tokens_chat(body, request.path_params["model"], svc.settings.compat)
-    except FlywheelError as exc:
-        await refused(svc.metrics, svc.recorder, exc, route="gemini")
-        raise
-    chat["model"], _ = svc.adapters.resolve(chat["model"])
-    replica = svc.upstreams.pick(None)
-    response = await svc.upstreams.send(replica, "POST", "/tokenize", content=orjson.dumps(chat))
-    if response.status_code >= 400:
-        raise answer_error(response.status_code, response.content, replica)
-    count = json_object(response.content, replica.name).get("count")
-    if type(count) is not int or count < 0:
-        raise malformed(replica.name, f"/tokenize answered the count {count!r}")
+    model = request.path_params["model"]
+    count = await count_prompt(
+        request,
+        path_episode,
+        recorded=recorded,
+        route="gemini",
+        chat_of=lambda body, compat: count_tokens_chat(body, model, compat),
+    )
     return Response(orjson.dumps({"totalTokens": count}), media_type="application/json")
 
 

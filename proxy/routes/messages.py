@@ -13,14 +13,9 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response
 
-from proxy.answers import json_object, malformed
-from proxy.deps import episode_of, identify, json_body, services_of
 from proxy.dialects.messages import MessagesTranslation, count_tokens_chat
-from proxy.errors import FlywheelError
-from proxy.refusals import refused
-from proxy.routes.arrival import arrive
+from proxy.routes.arrival import arrive, count_prompt
 from proxy.routes.mounts import ModelRoute
-from proxy.upstream import answer_error
 
 
 async def _handle(request: Request, path_episode: str | None, *, recorded: bool) -> Response:
@@ -33,32 +28,13 @@ async def _handle(request: Request, path_episode: str | None, *, recorded: bool)
     )
 
 
-async def _count_tokens(request: Request, path_episode: str | None, *, recorded: bool) -> Response:
-    svc = services_of(request)
-    try:  # not a model call: a refusal is logged and counted, not recorded
-        await episode_of(request, svc, identify(request), path_episode, recorded=recorded)
-        body = await json_body(request, svc.settings.max_body_bytes)
-        chat = count_tokens_chat(body, svc.settings.compat)
-    except FlywheelError as exc:
-        await refused(svc.metrics, svc.recorder, exc, route="messages")
-        raise
-    chat["model"], _ = svc.adapters.resolve(chat["model"])
-    replica = svc.upstreams.pick(None)
-    response = await svc.upstreams.send(replica, "POST", "/tokenize", content=orjson.dumps(chat))
-    if response.status_code >= 400:
-        raise answer_error(response.status_code, response.content, replica)
-    count = json_object(response.content, replica.name).get("count")
-    if type(count) is not int or count < 0:
-        raise malformed(replica.name, f"/tokenize answered the count {count!r}")
-    return Response(orjson.dumps({"input_tokens": count}), media_type="application/json")
-
-
 async def messages(request: Request, path_episode: str | None, *, recorded: bool) -> Response:
     return await _handle(request, path_episode, recorded=recorded)
 
 
 async def count_tokens(request: Request, path_episode: str | None, *, recorded: bool) -> Response:
-    return await _count_tokens(request, path_episode, recorded=recorded)
+    count = await count_prompt(request, path_episode, recorded=recorded, route="messages", chat_of=count_tokens_chat)
+    return Response(orjson.dumps({"input_tokens": count}), media_type="application/json")
 
 
 ROUTES = (
