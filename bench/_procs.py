@@ -178,6 +178,36 @@ class FakeUpstreamProcess:
 
 
 @dataclass
+class TokenEngineProcess:
+    """``python -m bench.fake_tokens`` (the scripted engine with SmolLM2's token path) in its own process group."""
+
+    proc: subprocess.Popen[bytes]
+    url: str
+
+    @classmethod
+    def start(cls, model_dir: str, commands: list[str], answer_log: Path) -> TokenEngineProcess:
+        scripted = [a for command in commands for a in ("--script", command)]
+        argv = [sys.executable, "-m", "bench.fake_tokens", "--model-dir", model_dir, "--answer-log", str(answer_log)]
+        proc = subprocess.Popen(
+            [*argv, *scripted],
+            stdout=subprocess.PIPE,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            start_new_session=True,
+        )
+        assert proc.stdout is not None
+        line = proc.stdout.readline().decode()
+        if "listening on" not in line:
+            raise RuntimeError(f"fake_tokens did not start: {line!r}")
+        return cls(proc, "http://" + line.split("listening on ")[1].split()[0])
+
+    def stop(self) -> None:
+        _stop(self.proc)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+@dataclass
 class ProxyUnderTest:
     """The real proxy: ``python -m proxy serve`` recording into SQLite under ``workdir``."""
 

@@ -33,10 +33,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import re
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -410,38 +407,6 @@ class TokenEngine:
 def _chat_logprob(entry: dict[str, Any]) -> dict[str, Any]:
     token = f"token_id:{entry['token_id']}"
     return {"token": token, "logprob": entry["logprob"], "bytes": None, "top_logprobs": []}
-
-
-@dataclass
-class TokenEngineProcess:
-    """``python -m bench.fake_tokens`` in its own process group (as ``bench._procs`` starts the others)."""
-
-    proc: subprocess.Popen[bytes]
-    url: str
-
-    @classmethod
-    def start(cls, model_dir: str, commands: list[str], answer_log: Path) -> TokenEngineProcess:
-        scripted = [a for command in commands for a in ("--script", command)]
-        argv = [sys.executable, "-m", "bench.fake_tokens", "--model-dir", model_dir, "--answer-log", str(answer_log)]
-        proc = subprocess.Popen(
-            [*argv, *scripted],
-            stdout=subprocess.PIPE,
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            start_new_session=True,
-        )
-        assert proc.stdout is not None
-        line = proc.stdout.readline().decode()
-        if "listening on" not in line:
-            raise RuntimeError(f"fake_tokens did not start: {line!r}")
-        return cls(proc, "http://" + line.split("listening on ")[1].split()[0])
-
-    def stop(self) -> None:
-        from bench._procs import _stop
-
-        _stop(self.proc)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
 
 
 def main() -> None:

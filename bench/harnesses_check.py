@@ -42,9 +42,9 @@ from urllib.parse import urlsplit
 import httpx
 import orjson
 
-from bench._procs import ProxyUnderTest, _stop
+from bench._procs import ProxyUnderTest, TokenEngineProcess, _stop
 from bench._tee import Exchange, Tee
-from bench.fake_tokens import CONTEXT, TokenEngineProcess
+from bench.fake_tokens import CONTEXT
 from bench.harnesses import AGENTS_BIN, HARNESSES, PINNED_BIN, ROOT, STEPS_TASK, Harness, commands_for, launch
 
 CACHE = Path(os.environ.get("FLYWHEEL_CACHE", Path.home() / ".cache" / "flywheel")) / "harnesses-newest"

@@ -39,9 +39,9 @@ from urllib.parse import urlsplit
 import orjson
 import pytest
 
-from bench._procs import FakeUpstreamProcess
+from bench._procs import FakeUpstreamProcess, TokenEngineProcess
 from bench._tee import Exchange, Tee
-from bench.fake_tokens import CONTEXT, DELEGATE, TokenEngineProcess
+from bench.fake_tokens import CONTEXT, DELEGATE
 from bench.harnesses import BY_NAME, COMMANDS, PINNED_BIN, STEPS_TASK, launch
 from contract.client import Episode
 from tests.support.services import ProxyProcess, episode_record, grammar_masker, model_dir, new_episode
