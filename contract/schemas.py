@@ -111,6 +111,35 @@ class PublishIn(_In):
     metadata: Metadata = {}
 
 
+class CanaryOut(BaseModel):
+    """One canary rollout (``GET /policy/canary``): how it started and, once decided, its decision."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    canary_version: int
+    baseline_version: int = Field(description="the version the baseline arm stayed on")
+    share: float = Field(description="the share of new episodes drawn into the canary arm")
+    settings: dict[str, Any] = Field(description="the test's parameters, frozen when the canary started")
+    started_at: float
+    verdict: Literal["promote", "rollback"] | None = Field(description="None while the canary runs")
+    reason: str | None = None
+    manual: bool | None = Field(None, description="decided through the control API rather than by the test")
+    evidence: dict[str, Any] | None = Field(
+        None, description="the test's decision when it was decided: arm counts and means, bounds, levels"
+    )
+    decided_at: float | None = None
+
+
+class CanaryStateOut(BaseModel):
+    """``GET /policy/canary``: the running canary, the test's evidence on it now, and past decisions."""
+
+    share: float = Field(description="policy.canary.share: 0 means a publish switches every caller at once")
+    current_version: int = Field(description="the version the baseline arm (and every other caller) gets")
+    running: CanaryOut | None = Field(description="the canary running now, or None")
+    evidence: dict[str, Any] | None = Field(description="the test's decision on the running canary's rewards so far")
+    decisions: list[CanaryOut] = Field(description="past decisions, newest canary first")
+
+
 # -- trainer ----------------------------------------------------------------------------------
 
 

@@ -6,6 +6,13 @@ a new name (``policy-v{N}``; reloading one name reuses stale prefix-cache blocks
 30931 and 42125), then records the version (the atomic switch), then unloads versions older than
 the last ``keep_versions``. A replica that restarts gets the kept versions loaded again before it
 takes traffic (``sync_replica``).
+
+With ``policy.canary.share`` above 0 and a current version, a publish loads the adapter the same
+way but starts it as the *canary* (``proxy/store/canaries.py``): a new episode's arm is drawn in the
+store when it is created, and an alias call of a canary-arm episode goes to the canary while the
+canary runs; every other call goes to the current, as do all calls once the canary is decided
+(promoted: it is the current; rolled back: never served again). Which arm an episode is in is read
+once per episode and process while a canary runs (``prime``), never per call.
 """
 
 from __future__ import annotations
@@ -18,11 +25,13 @@ from typing import Any
 from contract.vocabulary import BASE_VERSION
 from proxy.errors import Conflict, InvalidRequest, UpstreamError, UpstreamUnavailable
 from proxy.settings import PolicySettings
-from proxy.store.records import PolicyVersionRecord
+from proxy.store.records import CanaryStart, PolicyVersionRecord
 from proxy.store.versions import Versions
 from proxy.upstream import Replica, Upstreams
 
 log = logging.getLogger("flywheel.adapters")
+MAX_ARMS = 100_000
+"""Episode arms remembered per process (cleared when full: each is read again once)."""
 
 
 class AdapterTable:
@@ -36,17 +45,44 @@ class AdapterTable:
         self._aliases = frozenset(settings.aliases)
         self._version_name = re.compile(re.escape(settings.adapter_prefix) + r"(\d+)$")
         self.current: PolicyVersionRecord | None = None
+        self.canary: PolicyVersionRecord | None = None
+        """The running canary's version, or None."""
+        self._arms: dict[str, int | None] = {}
+        """Episode id -> the canary version it is in the canary arm of (None: baseline, or no canary)."""
         self._publish_lock = asyncio.Lock()
 
-    def resolve(self, model: str) -> tuple[str, int | None]:
-        """Map a requested model to (name to send upstream, policy version or None)."""
+    def resolve(self, model: str, episode_id: str | None = None) -> tuple[str, int | None]:
+        """Map a requested model to (name to send upstream, policy version or None); an alias asked
+        for by a canary-arm episode (``prime`` it first) goes to the running canary."""
         if model in self._aliases:
+            canary = self.canary
+            if canary is not None and episode_id is not None and self._arms.get(episode_id) == canary.version:
+                return canary.name, canary.version
             current = self.current
             return (current.name, current.version) if current else (self.settings.base_model, BASE_VERSION)
         if model == self.settings.base_model:
             return model, BASE_VERSION
         match = self._version_name.match(model)
         return model, int(match.group(1)) if match else None
+
+    async def prime(self, episode_id: str) -> None:
+        """Learn the episode's arm before ``resolve``: one store read per episode while a canary
+        runs (an arm never changes), none otherwise."""
+        if self.canary is None or episode_id in self._arms:
+            return
+        arm = await self._versions.canaries.arm_of(episode_id)
+        self._learn(episode_id, arm[1] if arm is not None and arm[0] == "canary" else None)
+
+    def assigned(self, episodes: list[tuple[str, str | None, int | None]]) -> None:
+        """(id, policy_arm, canary_version) of episodes this process just created: no read needed later."""
+        if self.canary is not None:
+            for episode_id, arm, version in episodes:
+                self._learn(episode_id, version if arm == "canary" else None)
+
+    def _learn(self, episode_id: str, canary_version: int | None) -> None:
+        if len(self._arms) >= MAX_ARMS:
+            self._arms.clear()
+        self._arms[episode_id] = canary_version
 
     @property
     def version(self) -> int:
@@ -60,6 +96,7 @@ class AdapterTable:
         latest = await self._versions.current()
         if latest is not None and (self.current is None or latest.version > self.current.version):
             self.current = latest
+        self.canary = await self._versions.canary()
 
     async def refresh_loop(self) -> None:
         while True:
@@ -69,8 +106,12 @@ class AdapterTable:
                 log.warning("policy refresh failed", extra={"error": repr(exc)})
             await asyncio.sleep(self.settings.refresh_s)
 
-    def _kept(self, versions: list[PolicyVersionRecord]) -> list[PolicyVersionRecord]:
-        return sorted(versions, key=lambda v: v.version)[-self.settings.keep_versions :]
+    async def _kept(self) -> list[PolicyVersionRecord]:
+        """The newest ``keep_versions``, and always the current and the running canary (both serve)."""
+        newest = await self._versions.list(self.settings.keep_versions)
+        serving = (await self._versions.current(), await self._versions.canary())
+        kept = {v.version: v for v in [*newest, *(r for r in serving if r is not None)]}
+        return sorted(kept.values(), key=lambda v: v.version)
 
     async def publish(self, *, adapter_path: str, version: int | None, metadata: dict[str, Any]) -> PolicyVersionRecord:
         """Load on every healthy replica, switch routing, unload what falls out of the window."""
@@ -78,6 +119,12 @@ class AdapterTable:
             # The store's version, not only this replica's last refresh: another proxy may have published
             # since, and loading a version it already holds would replace the adapter serving under that name.
             await self.refresh()
+            if self.canary is not None:  # checked again in the store's transaction; here before loading anything
+                raise Conflict(
+                    f"canary v{self.canary.version} is still running: promote or roll it back before publishing",
+                    param="version",
+                    code="canary_pending",
+                )
             version = version if version is not None else await self._versions.next_number()
             current = self.version
             if version <= current:
@@ -99,11 +146,25 @@ class AdapterTable:
                 if res is not None:  # it missed the adapter: out of rotation until the health loop syncs it
                     log.warning("adapter load failed", extra={"replica": replica.name, "error": repr(res)})
                     replica.healthy = False
-            record = await self._versions.add(version=version, name=name, adapter_path=adapter_path, metadata=metadata)
-            self.current = record
-            kept = {v.name for v in self._kept(await self._versions.list(self.settings.keep_versions))}
+            rollout = self.settings.canary
+            canary = (
+                CanaryStart(baseline_version=current, share=rollout.share, settings=rollout.test().model_dump())
+                if rollout.share > 0 and self.current is not None
+                else None
+            )
+            record = await self._versions.add(
+                version=version, name=name, adapter_path=adapter_path, metadata=metadata, canary=canary
+            )
+            if canary is None:
+                self.current = record
+            else:
+                self.canary = record
+            kept = {v.name for v in await self._kept()}
             await asyncio.gather(*(self._unload_except(r, kept) for r in loaded), return_exceptions=True)
-            log.info("policy published", extra={"version": version, "adapter": name, "replicas": len(loaded)})
+            log.info(
+                "policy published",
+                extra={"version": version, "adapter": name, "replicas": len(loaded), "canary": canary is not None},
+            )
             return record
 
     async def _load(self, replica: Replica, name: str, path: str) -> None:
@@ -151,7 +212,7 @@ class AdapterTable:
     async def sync_replica(self, replica: Replica) -> None:
         """Make a (re)started replica hold the kept versions before it takes traffic again."""
         served = {m["id"] for m in await self._upstreams.list_models(replica)}
-        kept = self._kept(await self._versions.list(self.settings.keep_versions))
+        kept = await self._kept()
         for record in kept:
             if record.name not in served:
                 await self._load(replica, record.name, record.adapter_path)

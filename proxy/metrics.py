@@ -54,6 +54,15 @@ class Metrics:
             registry=r,
         )
         self.policy_version = Gauge("flywheel_policy_version", "Current policy version", registry=r)
+        self.canary_version = Gauge(
+            "flywheel_canary_version", "The running canary's policy version (0: no canary runs)", registry=r
+        )
+        self.canary_decisions = Counter(
+            "flywheel_canary_decisions",
+            "Canary decisions this proxy recorded, by verdict and whether made by hand",
+            ["verdict", "manual"],
+            registry=r,
+        )
         self.dropped = Counter(
             "flywheel_dropped_fields", "Request fields dropped to protect the engine", ["field"], registry=r
         )

@@ -95,6 +95,8 @@ class Relay:
             teacher = None
             if self.teachers is not None and episode_id is not None and not side:
                 teacher = await self.teachers.of(episode_id)
+            if episode_id is not None and not side and teacher is None:
+                await self.adapters.prime(episode_id)  # its canary arm, if a canary runs
             call = ModelCall(self, kind, body, episode_id, translation, client_gone, side=side, teacher=teacher)
         except FlywheelError as exc:  # refused before anything was sent (a sampling rule): made visible
             route = translation.api if translation else ("chat" if kind == "chat" else "completions")
@@ -164,7 +166,11 @@ class ModelCall:
                 code="teacher_unsupported",
             )
         # the adapter serving the model; a teacher's call no policy version served: never on-policy
-        model_served, version = (teacher.model, None) if teacher is not None else relay.adapters.resolve(body["model"])
+        model_served, version = (
+            (teacher.model, None)
+            if teacher is not None
+            else relay.adapters.resolve(body["model"], None if side else episode_id)
+        )
         self.record = Recording(
             recorder=relay.recorder,
             metrics=relay.metrics,

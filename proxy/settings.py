@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from contract.vocabulary import SeedRule
+from proxy.canary import CanarySettings
 
 ENV_PREFIX = "FLYWHEEL_"
 Penalties = Literal["flag", "reject"]
@@ -70,6 +71,42 @@ class TeacherSettings(_Section):
     """The model name the teacher is asked for (the agent's requested name is replaced by it)."""
 
 
+class CanaryRollout(_Section):
+    """A published adapter first serves a share of new episodes (``policy.canary``; ``proxy/adapters.py``),
+    and ``proxy/canary.py``'s test on their rewards promotes it or rolls it back. The test's fields are
+    ``CanarySettings``'s, frozen into each canary when it starts: a running test never changes under it."""
+
+    share: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """The share of new episodes a published adapter serves while its canary runs (drawn from each
+    episode's id); the others stay on the current adapter. 0: off, a publish switches every caller at
+    once. The first publish (nothing current yet) always switches everyone."""
+    alpha: float = Field(default=0.05, gt=0, lt=1)
+    """The most probability of ever rolling back, on evidence, a canary that is in truth not worse."""
+    beta: float = Field(default=0.05, gt=0, lt=1)
+    """The most probability of ever promoting a canary that is in truth worse by ``margin`` or more."""
+    margin: float = Field(default=0.05, ge=0)
+    """Non-inferiority margin in reward units: the canary is promoted once shown worse by less than this."""
+    min_per_arm: int = Field(default=20, ge=1)
+    """No automatic verdict before each arm holds this many rewards."""
+    max_per_arm: int = Field(default=5000, ge=1)
+    """Pairs after which ``at_cap`` decides if neither confidence bound crossed."""
+    at_cap: Literal["rollback", "promote"] = "rollback"
+    """The verdict at ``max_per_arm`` without evidence: ``rollback`` keeps the baseline (the safe default)."""
+    low: float = 0.0
+    """The lowest reward the workflow gives: a canary episode's reward below it is refused (400)."""
+    high: float = 1.0
+    """The highest reward the workflow gives: a canary episode's reward above it is refused (400)."""
+
+    def test(self) -> CanarySettings:
+        """The test's parameters (validated together there: ``low < high``, the margin, the cap)."""
+        return CanarySettings.model_validate(self.model_dump(exclude={"share"}))
+
+    @model_validator(mode="after")
+    def _valid_test(self) -> CanaryRollout:
+        self.test()
+        return self
+
+
 class PolicySettings(_Section):
     """The policy's model names and how its published adapter versions are loaded (``proxy/adapters.py``)."""
 
@@ -84,6 +121,8 @@ class PolicySettings(_Section):
     """Adapters kept loaded on vLLM; requests still in flight on an older version keep working."""
     refresh_s: float = Field(default=0.5, gt=0)
     """How often a proxy re-reads the current version from the store (other replicas may publish)."""
+    canary: CanaryRollout = CanaryRollout()
+    """The canary rollout of published adapters (off by default: ``share`` 0)."""
 
 
 class StoreSettings(_Section):

@@ -23,6 +23,7 @@ from contract.vocabulary import EpisodeStatus, GroupStatus, SkipCount, TrainStat
 from proxy.deps import AdminDep, ServicesDep
 from proxy.errors import BacklogFull, InvalidRequest
 from proxy.gate import canonical_id
+from proxy.routes.policy import decided
 from proxy.store.records import GroupRecord
 
 router = APIRouter(tags=["episodes"])
@@ -94,13 +95,15 @@ async def create_group(body: GroupCreate, svc: ServicesDep, _: AdminDep, request
         raise InvalidRequest(
             f"episode_metadata has {len(body.episode_metadata)} entries; size is {body.size}", param="episode_metadata"
         )
-    return await _admitted(
-        svc,
-        request,
-        lambda: svc.repo.episodes.create_group(
+
+    async def create() -> GroupRecord:
+        group = await svc.repo.episodes.create_group(
             task_id=body.task_id, size=body.size, metadata=body.metadata, episode_metadata=body.episode_metadata
-        ),
-    )
+        )
+        svc.adapters.assigned([(e.id, e.policy_arm, e.canary_version) for e in group.episodes or []])
+        return group
+
+    return await _admitted(svc, request, create)
 
 
 @router.post(
@@ -170,6 +173,7 @@ async def create_episode(body: EpisodeCreate, svc: ServicesDep, _: AdminDep, req
     """Create a lone episode (no group): recorded like any other, never trained on by GRPO."""
     _check_teachers(svc, body.metadata)
     episode = await svc.repo.episodes.create_episode(task_id=body.task_id, metadata=body.metadata)
+    svc.adapters.assigned([(episode.id, episode.policy_arm, episode.canary_version)])  # its canary arm, if any
     svc.metrics.episodes.labels("created").inc()
     key = _key(svc, request, episode.id)
     return CreatedEpisode.model_validate(
@@ -221,13 +225,17 @@ async def get_episode(
 
 @router.post("/episodes/{episode_id}/reward", response_model=Episode)
 async def reward_episode(episode_id: str, body: RewardIn, svc: ServicesDep, _: AdminDep) -> Episode:
-    """Finish an episode with its reward. The same payload again is a no-op; a different one is 409."""
+    """Finish an episode with its reward. The same payload again is a no-op; a different one is 409.
+    An episode of a running canary's test takes only a reward in the test's range (400
+    ``reward_out_of_range``), and its reward may decide the canary."""
     episode, changed = await svc.repo.episodes.set_reward(
         canonical_id(episode_id), reward=body.reward, call_rewards=body.call_rewards, metadata=body.metadata
     )
     svc.gate.closed(episode.id)
     if changed:
         svc.metrics.episodes.labels("rewarded").inc()
+    if episode.canary_decided is not None:  # this reward decided its canary (proxy/store/canaries.py)
+        await decided(svc, episode.canary_decided)
     return Episode.model_validate(episode)
 
 

@@ -10,6 +10,10 @@ An ``awaiting`` episode (its agent done, its reward late) is unfinished like an 
 stays open until it is rewarded or abandoned) but takes no call, is never abandoned for idling
 (only past ``max_wait_s``), and is no traffic: a group whose unfinished episodes all await leaves
 the admission backlog. Time is ``Episodes.clock`` (epoch s), so tests can move it days ahead.
+
+While a canary runs (``canaries.py``), a new episode (``create_episode``, ``create_group``; not a
+fork's) gets its arm in the transaction that creates it, and a reward of one of its episodes
+decides the canary in the reward's own transaction, after the group and episode locks.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from contract.vocabulary import RECEIPT_PREFIX, AbandonCause, EpisodeStatus, GroupStatus, SkipCount, TrainStatus
 from proxy.errors import Conflict, InvalidRequest, NotFound
+from proxy.store import canaries
 from proxy.store.delta import Tails
 from proxy.store.faults import translated
 from proxy.store.models import Call, Episode, Group
@@ -100,6 +105,7 @@ class Episodes:
     ) -> GroupRecord:
         group, episodes = new_group(task_id, size, metadata, episode_metadata)
         async with self._sessions.write() as session:
+            await canaries.assign(session, episodes)
             await add_group(session, group, episodes)
         return group_record(group, [episode_record(e) for e in episodes])
 
@@ -151,6 +157,7 @@ class Episodes:
             id=str(uuid.uuid4()), group_id=None, task_id=task_id, meta=metadata, status=OPEN, created_at=time.time()
         )
         async with self._sessions.write() as session:
+            await canaries.assign(session, [episode])
             session.add(episode)
         return episode_record(episode)
 
@@ -302,13 +309,17 @@ class Episodes:
                 )
             if call_rewards:
                 await _check_ordinals(session, episode_id, call_rewards)
+            canary = await canaries.for_reward(session, row, reward)  # locked; refuses an out-of-range reward
             now = self.clock()
             row.status, row.reward, row.finished_at = REWARDED, reward, now
             self._tails.drop(episode_id)
             row.call_rewards, row.reward_metadata = call_rewards or None, metadata or None
             await session.flush()
             await self._complete_group(session, row.group_id, now)
-            return episode_record(row), True
+            record = episode_record(row)
+            if canary is not None:  # the decision commits with the reward that reached it, or not at all
+                record.canary_decided = await canaries.judge(session, canary)
+            return record, True
 
     async def await_reward(self, episode_id: str) -> tuple[EpisodeRecord, bool]:
         """Its agent is done and its reward will come late: the episode takes no more calls and waits

@@ -11,7 +11,7 @@ the JSON layout (``encoding`` 0). The schema itself is owned by Alembic (``migra
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy import (
     JSON,
@@ -38,6 +38,10 @@ from contract.vocabulary import (
     SkipReason,
     TrainStatus,
 )
+from proxy.canary import Arm
+
+Decided = Literal["promote", "rollback"]
+"""A canary's decision (``proxy.canary.Verdict`` without ``continue``)."""
 
 
 class Base(DeclarativeBase):
@@ -111,6 +115,11 @@ class Episode(Base):
     purged_at: Mapped[float | None]
     """When retention purged its calls' bodies and token ids (``proxy/store/retention.py``, migration
     0010); the rows, counts and outcome stay. None: whole."""
+    policy_arm: Mapped[Arm | None] = mapped_column(String(16))
+    """Its arm of the canary running when it was created (``canary``/``baseline``; migration 0014);
+    NULL when none ran. Drawn from its id, so a retried creation never moves it."""
+    canary_version: Mapped[int | None] = mapped_column(Integer, index=True)
+    """The canary (its policy version) ``policy_arm`` belongs to: its rewards are that test's data."""
 
 
 class Call(Base):
@@ -197,6 +206,33 @@ class PolicyVersion(Base):
     adapter_path: Mapped[str] = mapped_column(Text)
     created_at: Mapped[float]
     meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
+
+
+class Canary(Base):
+    """One canary rollout of a published version (migration 0014): how it started, then its one
+    decision with the evidence. ``verdict`` NULL: running (at most one at a time); the current
+    policy is the highest version that is neither running as a canary nor rolled back."""
+
+    __tablename__ = "canaries"
+
+    canary_version: Mapped[int] = mapped_column(
+        ForeignKey("policy_versions.version"), primary_key=True, autoincrement=False
+    )
+    baseline_version: Mapped[int]
+    """The version the other episodes stayed on."""
+    share: Mapped[float]
+    """The share of new episodes drawn into the canary arm."""
+    settings: Mapped[dict[str, Any]] = mapped_column(JSON)
+    """The test's parameters (``proxy.canary.CanarySettings``) frozen at the start."""
+    started_at: Mapped[float]
+    verdict: Mapped[Decided | None] = mapped_column(String(16))
+    """``promote`` or ``rollback``; NULL while it runs."""
+    reason: Mapped[str | None] = mapped_column(Text)
+    manual: Mapped[bool | None] = mapped_column(Boolean)
+    """Decided through the control API rather than by the test."""
+    evidence: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    """``Decision.evidence()`` when it was decided: the arms' counts and means, the bounds, the levels."""
+    decided_at: Mapped[float | None]
 
 
 class TrainerStep(Base):

@@ -103,6 +103,11 @@ class EpisodeRecord:
     divergence: dict[str, Any] | None = None
     purged_at: float | None = None
     awaiting_since: float | None = None
+    policy_arm: str | None = None
+    """Its canary arm (``canary``/``baseline``), None when no canary ran at its creation."""
+    canary_version: int | None = None
+    canary_decided: CanaryRecord | None = None
+    """The canary decision its reward reached (``set_reward`` only; never stored on the episode)."""
 
 
 @dataclass(slots=True)
@@ -129,6 +134,32 @@ class PolicyVersionRecord:
     adapter_path: str
     created_at: float
     metadata: dict[str, Any]
+
+
+@dataclass(slots=True)
+class CanaryStart:
+    """What a publish that starts a canary stores with its version (``Versions.add``)."""
+
+    baseline_version: int
+    share: float
+    settings: dict[str, Any]
+    """``CanarySettings`` as JSON: frozen for the test's life."""
+
+
+@dataclass(slots=True)
+class CanaryRecord:
+    """One canary rollout; ``verdict`` None while it runs."""
+
+    canary_version: int
+    baseline_version: int
+    share: float
+    settings: dict[str, Any]
+    started_at: float
+    verdict: str | None
+    reason: str | None
+    manual: bool | None
+    evidence: dict[str, Any] | None
+    decided_at: float | None
 
 
 @dataclass(slots=True)

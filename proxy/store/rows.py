@@ -196,6 +196,8 @@ def episode_record(row: Episode, calls: list[CallRecord] | None = None) -> Episo
         divergence=row.divergence,
         purged_at=row.purged_at,
         awaiting_since=row.awaiting_since,
+        policy_arm=row.policy_arm,
+        canary_version=row.canary_version,
     )
 
 
