@@ -211,8 +211,32 @@ async def overview(request: Request, svc: ServicesDep, pages: Pages = Viewer) ->
     rate, span = pages.rate.update(_tokens(svc))
     forks = await svc.repo.forks.by_workflow()
     return pages.render(
-        request, "overview.html", versions=versions, counts=counts, rate=rate, rate_span=span, forks=forks
+        request,
+        "overview.html",
+        versions=versions,
+        counts=counts,
+        rate=rate,
+        rate_span=span,
+        forks=forks,
+        **await _canaries(svc),
     )
+
+
+CANARY_DECISIONS = 10
+"""Past canary decisions the overview lists, newest first."""
+
+
+async def _canaries(svc: Services) -> dict[str, Any]:
+    """The overview's canary panel, read through the store methods ``GET /policy/canary`` uses, so
+    the page and the API show the same evidence (the test replayed over the stored rewards)."""
+    canaries = svc.repo.versions.canaries
+    running = await canaries.running()
+    decided = await canaries.decided(limit=CANARY_DECISIONS)
+    return {
+        "canary_share": svc.settings.policy.canary.share,
+        "canary": views.canary(running[0], running[1].evidence()) if running else None,
+        "canary_decisions": [views.canary(d, d.evidence) for d in decided],
+    }
 
 
 def _metric(svc: Services, name: str, **labels: str) -> float | None:

@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 
 from proxy.export import group_advantages, loss_mask
-from proxy.store.records import CallRecord, EpisodeRecord
+from proxy.store.records import CallRecord, CanaryRecord, EpisodeRecord
 
 
 @dataclass(slots=True)
@@ -211,3 +211,58 @@ def advantages(episodes: list[EpisodeRecord]) -> dict[str, float]:
     """Each rewarded episode's reward minus its group's mean, over the group's std (GRPO's
     ``scale_rewards: group``); the trainer's own figure can differ (other scaling, skipped groups)."""
     return group_advantages({e.id: e.reward for e in episodes if e.status == "rewarded" and e.reward is not None})
+
+
+@dataclass(frozen=True, slots=True)
+class CanaryView:
+    """One canary for the overview's panel: its record and the test's evidence (``Decision.evidence()``,
+    as ``GET /policy/canary`` serves it), flattened so the template needs no dict lookups that could
+    break on an older evidence shape."""
+
+    canary_version: int
+    baseline_version: int
+    share: float
+    verdict: str
+    """The stored verdict once decided; the test's own (``continue`` while undecided) while it runs."""
+    reason: str
+    manual: bool | None
+    decided_at: float | None
+    canary_n: int | None
+    canary_mean: float | None
+    baseline_n: int | None
+    baseline_mean: float | None
+    lower: float | None
+    upper: float | None
+    margin: float | None
+    pairs: int | None
+
+
+def _arm(evidence: dict[str, Any], arm: str) -> tuple[int | None, float | None]:
+    stats = evidence.get(arm)
+    if not isinstance(stats, dict):
+        return None, None
+    return stats.get("n"), stats.get("mean")
+
+
+def canary(record: CanaryRecord, evidence: dict[str, Any] | None) -> CanaryView:
+    """A running canary with the test's decision now, or a decided one with the evidence it was decided on."""
+    facts = evidence or {}
+    canary_n, canary_mean = _arm(facts, "canary")
+    baseline_n, baseline_mean = _arm(facts, "baseline")
+    return CanaryView(
+        canary_version=record.canary_version,
+        baseline_version=record.baseline_version,
+        share=record.share,
+        verdict=record.verdict or str(facts.get("verdict", "")),
+        reason=record.reason or str(facts.get("reason", "")),
+        manual=record.manual,
+        decided_at=record.decided_at,
+        canary_n=canary_n,
+        canary_mean=canary_mean,
+        baseline_n=baseline_n,
+        baseline_mean=baseline_mean,
+        lower=facts.get("lower"),
+        upper=facts.get("upper"),
+        margin=facts.get("margin"),
+        pairs=facts.get("pairs"),
+    )

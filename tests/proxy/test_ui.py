@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 import pytest
+from markupsafe import escape
 
 from proxy.store.db import migrate_async
 from proxy.store.records import NewCall
@@ -20,6 +22,7 @@ from proxy.store.repository import Repository
 from proxy.ui.routes import TokenRate
 from proxy.ui.session import COOKIE, SessionTokens
 from tests.proxy.conftest import ADMIN, fake_upstream, make_settings, running_app
+from tests.proxy.test_canary_routing import TEST, by_arm, publish, reward
 from tests.support.records import chat_call
 from tests.support.services import ADMIN_KEY
 
@@ -456,3 +459,105 @@ async def test_an_episode_whose_calls_are_all_greedy_says_it_trains_nothing_and_
     assert "Nothing in this episode can be trained (greedy)" in page and "temperature 0" in page
     trainable = (await client.get(f"/ui/episodes/{ids[0]}")).text  # one sampled call is enough
     assert "Nothing in this episode can be trained" not in trainable
+
+
+@asynccontextmanager
+async def _canary_ui(tmp_path: Path, share: float) -> AsyncIterator[httpx.AsyncClient]:
+    """A signed-in dashboard on an empty store whose publishes start canaries at ``share``."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'canary.db'}"
+    await migrate_async(url)
+    settings = make_settings(url, policy={"canary": {"share": share, **TEST}})
+    async with running_app(settings, transport=fake_upstream()) as client:
+        await _login(client)
+        yield client
+
+
+def _panel(page: str) -> str:
+    """The overview's canary section alone, so an assertion cannot match another panel's text."""
+    match = re.search(r'<section aria-labelledby="canary-h" id="canary">(.*?)</section>', page, re.DOTALL)
+    assert match, "no canary panel on the overview"
+    return match.group(1)
+
+
+def _field(panel: str, attribute: str, name: str) -> str:
+    match = re.search(rf'{attribute}="{name}">([^<]*)<', panel)
+    assert match, f"{attribute}={name} is not in the canary panel"
+    return match.group(1)
+
+
+async def test_the_canary_panel_says_canaries_are_off_or_none_has_run(ui: Any, tmp_path: Path) -> None:
+    client, _, _ = ui
+    await _login(client)
+    panel = _panel((await client.get("/ui/")).text)
+    assert 'data-canary="off"' in panel and "<code>policy.canary.share</code> is 0" in panel
+    assert "data-decision" not in panel and 'data-canary="running"' not in panel
+    async with _canary_ui(tmp_path, 0.5) as fresh:
+        panel = _panel((await fresh.get("/ui/")).text)
+        assert 'data-canary="none"' in panel and "No canary has run yet" in panel and "50%" in panel
+        assert 'data-canary="off"' not in panel
+
+
+async def test_the_canary_panel_shows_the_running_canary_its_arms_and_the_verdict(tmp_path: Path) -> None:
+    async with _canary_ui(tmp_path, 0.5) as client:
+        await publish(client, "/a/1")
+        await publish(client, "/a/2")
+        split = await by_arm(client, 3)
+        for episode, value in zip(split["canary"][:3], (1.0, 0.0, 1.0), strict=True):
+            assert (await reward(client, episode["id"], value)).status_code == 200
+        assert (await reward(client, split["baseline"][0]["id"], 0.25)).status_code == 200
+        api = (await client.get("/policy/canary", headers=ADMIN)).json()["evidence"]
+        panel = _panel((await client.get("/ui/")).text)
+        assert _field(panel, "data-canary", "version") == "v2"
+        assert _field(panel, "data-canary", "baseline") == "v1"
+        assert _field(panel, "data-canary", "share") == "50%"
+        assert _field(panel, "data-canary", "verdict") == "continue"
+        assert _field(panel, "data-arm", "canary-n") == "3"
+        assert _field(panel, "data-arm", "baseline-n") == "1"
+        assert _field(panel, "data-arm", "canary-mean") == "0.667"
+        assert _field(panel, "data-arm", "baseline-mean") == "0.25"
+        assert _field(panel, "data-canary", "margin") == "0.1"
+        assert _field(panel, "data-canary", "pairs") == "1"
+        # The same evidence as the control API's, not a second computation of it.
+        assert (api["canary"]["n"], api["baseline"]["n"], api["verdict"]) == (3, 1, "continue")
+        bounds = f"[{api['lower']:.3g}, {api['upper']:.3g}]"
+        assert _field(panel, "data-canary", "bounds") == bounds
+        assert _field(panel, "data-canary", "reason") == api["reason"]
+        assert "data-decision" not in panel
+        # Worse canary rewards until the test itself rolls it back: listed as the test's decision.
+        more = await by_arm(client, 14)
+        for canary, baseline in zip(more["canary"], more["baseline"], strict=False):
+            assert (await reward(client, canary["id"], 0.0)).status_code == 200
+            assert (await reward(client, baseline["id"], 1.0)).status_code == 200
+            if (await client.get("/policy/canary", headers=ADMIN)).json()["running"] is None:
+                break
+        [decision] = (await client.get("/policy/canary", headers=ADMIN)).json()["decisions"]
+        panel = _panel((await client.get("/ui/")).text)
+        row = re.search(r'<tr data-decision="2">(.*?)</tr>', panel, re.DOTALL)
+        assert row and 'data-canary="running"' not in panel
+        assert _field(row.group(1), "data-field", "verdict") == decision["verdict"] == "rollback"
+        assert _field(row.group(1), "data-field", "by") == "test"
+        assert str(escape(decision["reason"])) in row.group(1)  # its "<" escaped by the template
+        assert "&lt; 0" in row.group(1)
+
+
+async def test_the_canary_panel_lists_decisions_newest_first_with_who_decided(tmp_path: Path) -> None:
+    async with _canary_ui(tmp_path, 0.5) as client:
+        await publish(client, "/a/1")
+        await publish(client, "/a/2")
+        split = await by_arm(client, 1)
+        assert (await reward(client, split["canary"][0]["id"], 0.0)).status_code == 200
+        rolled = await client.post("/policy/canary/rollback", headers=ADMIN)
+        assert rolled.status_code == 200, rolled.text
+        panel = _panel((await client.get("/ui/")).text)
+        assert 'data-canary="running"' not in panel and "No canary is running" in panel
+        row = re.search(r'<tr data-decision="2">(.*?)</tr>', panel, re.DOTALL)
+        assert row, panel
+        assert _field(row.group(1), "data-field", "verdict") == "rollback"
+        assert _field(row.group(1), "data-field", "by") == "manual"
+        assert "1 / 0<" in row.group(1)  # the canary arm's one reward, from the stored evidence
+        await publish(client, "/a/3")
+        assert (await client.post("/policy/canary/promote", headers=ADMIN)).status_code == 200
+        panel = _panel((await client.get("/ui/")).text)
+        assert re.findall(r'<tr data-decision="(\d+)">', panel) == ["3", "2"]
+        promoted = re.search(r'<tr data-decision="3">(.*?)</tr>', panel, re.DOTALL)
+        assert promoted and _field(promoted.group(1), "data-field", "verdict") == "promote"
