@@ -12,7 +12,7 @@ never see the store's delta encoding.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -148,6 +148,10 @@ class Episode(_Entity):
     awaiting_since: float | None = None
     """When it began awaiting a late reward (``POST /episodes/{id}/await_reward``, or the reaper for a
     task matching ``late_rewards.tasks``); kept once rewarded: its group is a late one. None: never."""
+    policy_arm: Literal["canary", "baseline"] | None = None
+    """Its arm of the canary running when it was created (``policy.canary``); None: no canary ran."""
+    canary_version: int | None = None
+    """The canary version whose test its reward is evidence for (with ``policy_arm``)."""
 
     def rejoined(self) -> Episode:
         """This episode with every call of a delta claim made whole, as ``calls: "whole"`` sends it.

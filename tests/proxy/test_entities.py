@@ -23,7 +23,7 @@ PAIRS: list[tuple[type[BaseModel], type[Any], frozenset[str], frozenset[str]]] =
     # (entity, record, entity fields the route fills itself, record fields that never leave the proxy)
     (entities.Call, records.CallRecord, frozenset(), frozenset({"episode_id"})),
     (entities.CallDelta, records.CallDelta, frozenset(), frozenset()),
-    (entities.Episode, records.EpisodeRecord, frozenset(), frozenset()),
+    (entities.Episode, records.EpisodeRecord, frozenset(), frozenset({"canary_decided"})),
     (entities.Group, records.GroupRecord, frozenset(), frozenset()),
     (entities.PolicyVersion, records.PolicyVersionRecord, frozenset(), frozenset()),
     # current_version: the adapter table's, read by the route (proxy/routes/trainer.py)
