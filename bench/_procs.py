@@ -123,6 +123,19 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
+def _listening(argv: list[str], name: str) -> tuple[subprocess.Popen[bytes], str]:
+    """Start a test double in its own process group from the checkout, and read the address it prints
+    (``<name> listening on HOST:PORT``) from its first line."""
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline().decode()
+    if "listening on" not in line:
+        raise RuntimeError(f"{name} did not start: {line!r}")
+    return proc, "http://" + line.split("listening on ")[1].split()[0]
+
+
 @dataclass
 class FakeUpstreamProcess:
     """``python -m bench.fake_upstream`` in its own process group."""
@@ -144,7 +157,7 @@ class FakeUpstreamProcess:
         """``script``: the scripted engine's shell command (``bench/fake_script.py``), its answers in ``answer_log``."""
         scripted = ["--script", script] if script is not None else []
         scripted += ["--answer-log", str(answer_log)] if answer_log is not None else []
-        proc = subprocess.Popen(
+        proc, url = _listening(
             [
                 sys.executable,
                 "-m",
@@ -159,17 +172,9 @@ class FakeUpstreamProcess:
                 prompt_ids,
                 *scripted,
             ],
-            stdout=subprocess.PIPE,
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            start_new_session=True,
+            "fake_upstream",
         )
-        assert proc.stdout is not None
-        line = proc.stdout.readline().decode()
-        if "listening on" not in line:
-            raise RuntimeError(f"fake_upstream did not start: {line!r}")
-        address = line.split("listening on ")[1].split()[0]
-        return cls(proc, f"http://{address}")
+        return cls(proc, url)
 
     def stop(self) -> None:
         _stop(self.proc)
@@ -188,18 +193,7 @@ class TokenEngineProcess:
     def start(cls, model_dir: str, commands: list[str], answer_log: Path) -> TokenEngineProcess:
         scripted = [a for command in commands for a in ("--script", command)]
         argv = [sys.executable, "-m", "bench.fake_tokens", "--model-dir", model_dir, "--answer-log", str(answer_log)]
-        proc = subprocess.Popen(
-            [*argv, *scripted],
-            stdout=subprocess.PIPE,
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            start_new_session=True,
-        )
-        assert proc.stdout is not None
-        line = proc.stdout.readline().decode()
-        if "listening on" not in line:
-            raise RuntimeError(f"fake_tokens did not start: {line!r}")
-        return cls(proc, "http://" + line.split("listening on ")[1].split()[0])
+        return cls(*_listening([*argv, *scripted], "fake_tokens"))
 
     def stop(self) -> None:
         _stop(self.proc)
